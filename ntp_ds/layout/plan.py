@@ -1,0 +1,130 @@
+"""Topologies and the plans computed from them: unit transfers between layouts and cross-replica gradient sync.
+
+Pure logic, no torch. Global ranks are numbered replica after replica: replica 0 holds ranks 0..t0-1, and so on.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ntp_ds.layout import units as U
+from ntp_ds.layout.shard_layout import KINDS, OWNED_KINDS, LayoutError, ShardLayout
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The layout of every data-parallel replica; replica r's TP degree is `layouts[r].tp`."""
+
+    layouts: tuple[ShardLayout, ...]
+
+    def __post_init__(self):
+        if not self.layouts:
+            raise LayoutError("replicas=0: a topology needs at least one replica")
+        if len({lay.units for lay in self.layouts}) != 1:
+            raise LayoutError("all replicas must shard the same model (their ModelUnits differ)")
+
+    @classmethod
+    def from_degrees(cls, units, degrees) -> "Topology":
+        return cls(tuple(ShardLayout.balanced(units, t) for t in degrees))
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        return tuple(lay.tp for lay in self.layouts)
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.degrees)
+
+    def ranks_of(self, replica: int) -> list[int]:
+        start = sum(self.degrees[:replica])
+        return list(range(start, start + self.degrees[replica]))
+
+    def locate(self, rank: int) -> tuple[int, int]:
+        """Return (replica, tp_rank) of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank={rank} is outside the world of size {self.world_size}")
+        for replica, t in enumerate(self.degrees):
+            if rank < t:
+                return replica, rank
+            rank -= t
+        raise AssertionError("unreachable")
+
+    def layout_classes(self) -> list[tuple[int, ...]]:
+        """Replicas grouped by identical layout, in order of first appearance."""
+        groups: dict[ShardLayout, list[int]] = {}
+        for r, lay in enumerate(self.layouts):
+            groups.setdefault(lay, []).append(r)
+        return [tuple(g) for g in groups.values()]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Move the units `units` of `kind` from global rank `src` to global rank `dst`."""
+
+    src: int
+    dst: int
+    kind: str
+    units: U.Ranges
+
+
+def plan_transfer(src: ShardLayout, src_ranks: list[int], dst: ShardLayout, dst_ranks: list[int],
+                  kinds=KINDS) -> list[Transfer]:
+    """Plan how every destination rank receives each unit it holds, each exactly once, from the source layout.
+
+    Owned kinds have one source; for a unit held on several source ranks (KV heads, replicated tensors) the least
+    loaded holder is chosen, preferring the one at the same TP index, so the load spreads over the source ranks.
+    """
+    moves: dict[tuple[int, int, str], list[int]] = defaultdict(list)
+    load = [0] * src.tp
+    for d in range(dst.tp):
+        for kind in kinds:
+            needed = dst.owned(kind, d)
+            if kind in OWNED_KINDS:
+                for s in range(src.tp):
+                    for u in U.units_of(U.intersect(needed, src.owned(kind, s))):
+                        moves[(s, d, kind)].append(u)
+                continue
+            for u in U.units_of(needed):
+                holders = src.holders(kind, u)
+                s = min(holders, key=lambda h: (load[h], h != d, h))
+                load[s] += 1
+                moves[(s, d, kind)].append(u)
+    return [Transfer(src_ranks[s], dst_ranks[d], kind, U.from_units(us)) for (s, d, kind), us in sorted(moves.items())]
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """Cross-replica gradient synchronisation.
+
+    Replicas with the most common layout form the anchor class: their ranks at the same TP index make one
+    data-parallel group in which DeepSpeed reduces gradients and runs its (ZeRO-partitioned) optimizer. Every other
+    replica is a contributor, paired with one anchor replica: it sends its gradients to that anchor before the
+    anchor's reduction and receives the updated parameters after the anchor's step. Anchors not paired with a
+    contributor exchange nothing beyond their own data-parallel reduction.
+    """
+
+    anchors: tuple[int, ...]
+    anchor_of: dict[int, int]
+    grad_transfers: tuple[Transfer, ...]
+    param_transfers: tuple[Transfer, ...]
+
+    def is_anchor(self, replica: int) -> bool:
+        return replica in self.anchors
+
+    def contributors_of(self, anchor: int) -> list[int]:
+        return sorted(c for c, a in self.anchor_of.items() if a == anchor)
+
+
+def plan_gradient_sync(topology: Topology) -> SyncPlan:
+    classes = topology.layout_classes()
+    anchor_class = min(classes, key=lambda c: (-len(c), -topology.degrees[c[0]], c[0]))
+    contributors = [r for r in range(len(topology.layouts)) if r not in anchor_class]
+    anchor_of = {c: anchor_class[i % len(anchor_class)] for i, c in enumerate(contributors)}
+    grads, params = [], []
+    for c, a in anchor_of.items():
+        lc, la = topology.layouts[c], topology.layouts[a]
+        rc, ra = topology.ranks_of(c), topology.ranks_of(a)
+        grads += plan_transfer(lc, rc, la, ra)
+        params += plan_transfer(la, ra, lc, rc)
+    return SyncPlan(tuple(anchor_class), anchor_of, tuple(grads), tuple(params))

@@ -1,0 +1,155 @@
+"""Shard layouts: which sharding units each tensor-parallel rank of one replica owns.
+
+Pure logic, no torch. A layout is per replica; every replica may use a different one. Query heads, FFN columns and
+vocabulary rows are each owned by exactly one rank; a rank also holds the KV heads its query heads read (GQA), so a
+KV head can be replicated on several ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ntp_ds.layout import units as U
+
+KINDS = ("heads", "kv", "ffn", "vocab", "replicated")
+OWNED_KINDS = ("heads", "ffn", "vocab")
+
+
+class LayoutError(ValueError):
+    """A layout or topology that cannot work; the message names the field and value at fault."""
+
+
+@dataclass(frozen=True)
+class ModelUnits:
+    """How many units of each kind the unsharded model has."""
+
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+
+    def __post_init__(self):
+        for name in ("heads", "kv_heads", "ffn", "vocab"):
+            if getattr(self, name) < 1:
+                raise LayoutError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.heads % self.kv_heads:
+            raise LayoutError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.heads // self.kv_heads
+
+    def count(self, kind: str) -> int:
+        return {"heads": self.heads, "kv": self.kv_heads, "ffn": self.ffn, "vocab": self.vocab, "replicated": 1}[kind]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """How one parameter tensor is sharded: by units of `kind` along tensor dim `dim`, `unit_size` rows each."""
+
+    kind: str
+    dim: int = 0
+    unit_size: int = 1
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise LayoutError(f"kind={self.kind!r} must be one of {KINDS}")
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Units owned by each TP rank of one replica; index i of each tuple is TP rank i."""
+
+    units: ModelUnits
+    heads: tuple[U.Ranges, ...]
+    ffn: tuple[U.Ranges, ...]
+    vocab: tuple[U.Ranges, ...]
+
+    def __post_init__(self):
+        if not (len(self.heads) == len(self.ffn) == len(self.vocab)) or not self.heads:
+            raise LayoutError(
+                f"heads, ffn and vocab must list the same number of ranks (at least 1); "
+                f"got {len(self.heads)}, {len(self.ffn)}, {len(self.vocab)}")
+        for kind in OWNED_KINDS:
+            per_rank = getattr(self, kind)
+            for rank, ranges in enumerate(per_rank):
+                if U.count(ranges) == 0:
+                    raise LayoutError(f"rank {rank} is left with zero {kind} units (tp={self.tp}); "
+                                      f"every rank needs at least one of each kind")
+            owned = sorted(u for ranges in per_rank for u in U.units_of(ranges))
+            if owned != list(range(self.units.count(kind))):
+                raise LayoutError(f"{kind} units must be owned exactly once over units 0..{self.units.count(kind) - 1}")
+
+    @property
+    def tp(self) -> int:
+        return len(self.heads)
+
+    @classmethod
+    def balanced(cls, units: ModelUnits, tp: int) -> "ShardLayout":
+        """Contiguous split of every kind, sizes differing by at most one (TP 3 over 8 heads: 3/3/2)."""
+        if tp < 1:
+            raise LayoutError(f"tp={tp} must be at least 1")
+        if tp > units.heads:
+            raise LayoutError(f"tp={tp} exceeds the query-head count num_attention_heads={units.heads}")
+        for kind in ("ffn", "vocab"):
+            if tp > units.count(kind):
+                raise LayoutError(f"tp={tp} exceeds the {kind} unit count {units.count(kind)}")
+        return cls(units, *(tuple(U.split_even(units.count(k), tp)) for k in OWNED_KINDS))
+
+    def owned(self, kind: str, rank: int) -> U.Ranges:
+        """Units of `kind` that `rank` stores (its own, plus the KV heads it reads, or the whole replicated unit)."""
+        if kind == "kv":
+            g = self.units.group
+            return U.from_units(h // g for h in U.units_of(self.heads[rank]))
+        if kind == "replicated":
+            return ((0, 1),)
+        return getattr(self, kind)[rank]
+
+    def holders(self, kind: str, unit: int) -> list[int]:
+        return [r for r in range(self.tp) if U.intersect(self.owned(kind, r), ((unit, unit + 1),))]
+
+    def shares_kv(self) -> bool:
+        """Whether some KV head is held by more than one rank (its gradient must then be summed over them)."""
+        return sum(U.count(self.owned("kv", r)) for r in range(self.tp)) > self.units.kv_heads
+
+    def shard_shape(self, spec: ParamSpec, full_shape: tuple[int, ...], rank: int) -> tuple[int, ...]:
+        if spec.kind == "replicated":
+            return tuple(full_shape)
+        shape = list(full_shape)
+        shape[spec.dim] = U.count(self.owned(spec.kind, rank)) * spec.unit_size
+        return tuple(shape)
+
+    def without_ranks(self, lost: set[int] | frozenset[int]) -> "ShardLayout":
+        """Layout after losing `lost` ranks: survivors keep their units and take the lost ones in contiguous runs, least-loaded first.
+
+        Survivors are renumbered 0..t'-1 in their old order. Keeping units in place is what makes recovery move only
+        the lost shard's bytes.
+        """
+        survivors = [r for r in range(self.tp) if r not in lost]
+        if not survivors:
+            raise LayoutError(f"lost ranks {sorted(lost)} leave no survivor in a replica of tp={self.tp}")
+        new = {}
+        for kind in OWNED_KINDS:
+            per_rank = getattr(self, kind)
+            owned = [list(U.units_of(per_rank[r])) for r in survivors]
+            orphans = [u for r in sorted(lost) if r < self.tp for u in U.units_of(per_rank[r])]
+            by_load = sorted(range(len(survivors)), key=lambda i: (len(owned[i]), i))
+            targets = U.split_even(self.units.count(kind), len(survivors))
+            for i, target in zip(by_load, targets):
+                take = max(0, U.count(target) - len(owned[i]))
+                owned[i] += orphans[:take]
+                orphans = orphans[take:]
+            owned[by_load[0]] += orphans
+            new[kind] = tuple(U.from_units(o) for o in owned)
+        return ShardLayout(self.units, new["heads"], new["ffn"], new["vocab"])
+
+    def shard_bytes(self, specs: dict[str, tuple[ParamSpec, tuple[int, ...]]], rank: int, itemsize: int) -> int:
+        """Bytes of the parameters `rank` holds, given {name: (spec, full_shape)}."""
+        total = 0
+        for spec, shape in specs.values():
+            n = 1
+            for d in self.shard_shape(spec, shape, rank):
+                n *= d
+            total += n * itemsize
+        return total
