@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -23,7 +24,8 @@ def _child(fn, rank, world_size, port, args, results):
     try:
         import torch
         torch.set_num_threads(1)
-        results.put((rank, "ok", fn(rank, world_size, *args)))
+        # Plain pickle bytes: torch's queue reducers share tensors through the child, which is about to exit.
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report every failure to the parent, which owns the verdict
         results.put((rank, "error", traceback.format_exc()))
 
@@ -56,7 +58,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0) -> list:
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5)

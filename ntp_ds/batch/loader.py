@@ -1,0 +1,77 @@
+"""Deterministic data: every replica reads a disjoint slice of each step's global batch, the same in every run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from ntp_ds.batch.planner import BatchPlan
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class SyntheticTokens:
+    """Random token sequences drawn from a seed: a self-contained dataset for demos and tests."""
+
+    vocab_size: int
+    seq_len: int
+    size: int = 4096
+    seed: int = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        ids = torch.randint(0, self.vocab_size, (self.seq_len,), generator=g)
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def counted_tokens(labels: torch.Tensor) -> int:
+    """Tokens that enter the loss: labels are shifted by one inside the model, and IGNORE_INDEX is skipped."""
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+class GlobalBatchSampler:
+    """Sample indices of step s's global batch: a seeded permutation per epoch, read in order."""
+
+    def __init__(self, dataset_size: int, seed: int = 0):
+        self.dataset_size, self.seed = dataset_size, seed
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perms:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            self._perms = {epoch: torch.randperm(self.dataset_size, generator=g)}
+        return self._perms[epoch]
+
+    def indices(self, step: int, global_samples: int, start: int = 0) -> list[int]:
+        """Indices of the `global_samples` samples that follow sample number `start + step * global_samples`."""
+        first = start + step * global_samples
+        out = []
+        for pos in range(first, first + global_samples):
+            epoch, i = divmod(pos, self.dataset_size)
+            out.append(int(self._perm(epoch)[i]))
+        return out
+
+
+def replica_micro_batches(dataset, sampler: GlobalBatchSampler, plan: BatchPlan, replica: int,
+                          step: int) -> Iterator[dict]:
+    """Yield replica `replica`'s micro-batches for `step`, each carrying the global batch's counted token count.
+
+    The count lets the engine weight every micro-batch by its tokens, so the update is the token-weighted mean over
+    the whole global batch whatever the split between replicas.
+    """
+    idx = sampler.indices(step, plan.global_samples)
+    global_tokens = sum(counted_tokens(dataset[i]["labels"]) for i in idx)
+    part = plan.replicas[replica]
+    pos = part.offset
+    for size in part.micro_sizes:
+        items = [dataset[i] for i in idx[pos:pos + size]]
+        pos += size
+        batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
+        batch["global_tokens"] = global_tokens
+        yield batch

@@ -1,0 +1,1 @@
+"""Communication: process groups for a topology, DeepSpeed's mpu view of them, and unit exchange between ranks."""

@@ -1,0 +1,90 @@
+"""Process groups of a nonuniform topology and the `mpu` object DeepSpeed reads them from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ntp_ds.layout import SyncPlan, Topology
+
+
+def backend_for_device() -> str:
+    """NCCL where CUDA is present, gloo on CPU: one code path for both."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+@dataclass
+class ReplicaGroups:
+    """This rank's place in the topology and the groups it communicates in.
+
+    `tp_group` spans this rank's replica. `dp_group` is DeepSpeed's data-parallel group: the anchor-class ranks at
+    this TP index, or this rank alone on a contributor replica (which runs no optimizer of its own).
+    """
+
+    topology: Topology
+    plan: SyncPlan
+    rank: int
+    replica: int
+    tp_rank: int
+    tp_ranks: list[int]
+    dp_ranks: list[int]
+    tp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+
+    @property
+    def is_anchor(self) -> bool:
+        return self.plan.is_anchor(self.replica)
+
+    @property
+    def layout(self):
+        return self.topology.layouts[self.replica]
+
+
+def build_groups(topology: Topology, plan: SyncPlan, rank: int) -> ReplicaGroups:
+    """Create only the groups this rank belongs to; members synchronise among themselves, nobody else waits."""
+    replica, tp_rank = topology.locate(rank)
+    tp_ranks = topology.ranks_of(replica)
+    if plan.is_anchor(replica):
+        dp_ranks = [topology.ranks_of(a)[tp_rank] for a in plan.anchors]
+    else:
+        dp_ranks = [rank]
+    return ReplicaGroups(topology, plan, rank, replica, tp_rank, tp_ranks, dp_ranks,
+                         dist.new_group(tp_ranks, use_local_synchronization=True),
+                         dist.new_group(dp_ranks, use_local_synchronization=True))
+
+
+class NTPMpu:
+    """DeepSpeed's model-parallel-unit contract over ReplicaGroups: model parallel = this replica's TP group."""
+
+    def __init__(self, groups: ReplicaGroups):
+        self.groups = groups
+
+    def get_model_parallel_group(self):
+        return self.groups.tp_group
+
+    def get_model_parallel_rank(self) -> int:
+        return self.groups.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return len(self.groups.tp_ranks)
+
+    def get_data_parallel_group(self):
+        return self.groups.dp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.groups.dp_ranks.index(self.groups.rank)
+
+    def get_data_parallel_world_size(self) -> int:
+        return len(self.groups.dp_ranks)
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return 0

@@ -1,0 +1,120 @@
+"""NTP configuration and the checks that run before any process group exists."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from ntp_ds.batch import POLICIES, BatchError
+
+
+class ConfigError(ValueError):
+    """A configuration mistake; the message names the field and value at fault and what would be valid."""
+
+
+@dataclass
+class NTPConfig:
+    """How replicas are laid out and how a degraded replica trains."""
+
+    tp: int = 1
+    """Healthy tensor-parallel degree of a replica."""
+    replicas: int = 1
+    """Number of data-parallel replicas."""
+    degrees: tuple[int, ...] | None = None
+    """TP degree of each replica at start (default: every replica at `tp`); e.g. (3, 2) after a loss."""
+    batch_policy: str = "preserve_global_batch"
+    """`proportional`: a replica at t' of t GPUs takes t'/t of the samples; `preserve_global_batch`: healthy
+    replicas also take the remainder, so every step sees the failure-free global batch."""
+    min_tp: int = 1
+    """Smallest TP degree a replica may train at; below it the replica is dropped."""
+    zero_redundancy: int = 1
+    """In-memory copies of each ZeRO partition kept on other replicas."""
+    memory_budget_gb: float | None = None
+    """Per-rank memory budget; a degraded replica lowers its micro-batch to fit it."""
+    timeout_s: float = 300.0
+    """Bound on every wait for a peer."""
+
+    def __post_init__(self):
+        if self.degrees is not None:
+            self.degrees = tuple(int(d) for d in self.degrees)
+
+    @classmethod
+    def from_any(cls, value) -> "NTPConfig":
+        if isinstance(value, cls):
+            return value
+        if value is None:
+            return cls()
+        value = dict(value)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"ntp.{unknown[0]} is not a known NTP setting; valid: {sorted(known)}")
+        return cls(**value)
+
+    @property
+    def replica_degrees(self) -> tuple[int, ...]:
+        return self.degrees if self.degrees is not None else (self.tp,) * self.replicas
+
+    def validate(self, world_size: int | None) -> None:
+        if self.tp < 1:
+            raise ConfigError(f"ntp.tp={self.tp} must be at least 1")
+        if self.replicas < 1:
+            raise ConfigError(f"ntp.replicas={self.replicas} must be at least 1")
+        if self.batch_policy not in POLICIES:
+            raise ConfigError(f"ntp.batch_policy={self.batch_policy!r} must be one of {POLICIES}")
+        if not 1 <= self.min_tp <= self.tp:
+            raise ConfigError(f"ntp.min_tp={self.min_tp} must lie in 1..tp={self.tp}")
+        if self.zero_redundancy < 0:
+            raise ConfigError(f"ntp.zero_redundancy={self.zero_redundancy} must be 0 or more")
+        degrees = self.replica_degrees
+        if len(degrees) != self.replicas:
+            raise ConfigError(f"ntp.degrees={list(degrees)} lists {len(degrees)} replicas but "
+                              f"ntp.replicas={self.replicas}")
+        for r, d in enumerate(degrees):
+            if not self.min_tp <= d <= self.tp:
+                raise ConfigError(f"ntp.degrees[{r}]={d} must lie in min_tp={self.min_tp}..tp={self.tp}")
+        if world_size is not None and world_size != sum(degrees):
+            raise ConfigError(f"world size {world_size} does not match the topology: degrees {list(degrees)} "
+                              f"need {sum(degrees)} processes")
+
+
+def load_deepspeed_config(config) -> dict:
+    """Read a DeepSpeed config given as a dict or a JSON path, and reject what NTP cannot run."""
+    if isinstance(config, (str, Path)):
+        try:
+            config = json.loads(Path(config).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"config={str(config)!r} is not a readable DeepSpeed JSON file: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"config must be a DeepSpeed config dict or JSON path, got {type(config).__name__}")
+    config = json.loads(json.dumps(config))
+    stage = int(config.get("zero_optimization", {}).get("stage", 0))
+    if stage not in (0, 1, 2):
+        raise ConfigError(f"zero_optimization.stage={stage} is not supported: ZeRO-3 partitions parameters, "
+                          f"which NTP already shards by layout; use stage 0, 1 or 2")
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu"):
+        if key not in config:
+            raise ConfigError(f"{key} is missing from the DeepSpeed config; NTP plans batches from it")
+        if not isinstance(config[key], int) or config[key] < 1:
+            raise ConfigError(f"{key}={config[key]!r} must be a positive integer")
+    if config.get("fp16", {}).get("enabled"):
+        raise ConfigError("fp16.enabled=true is not supported: use bf16 or fp32")
+    return config
+
+
+def env_world_size() -> int | None:
+    value = os.environ.get("WORLD_SIZE")
+    return int(value) if value else None
+
+
+def check_batch(ds_config: dict, ntp: NTPConfig) -> None:
+    """Raise a ConfigError (not a BatchError deep in a rank) for a batch the topology cannot split."""
+    from ntp_ds.batch import plan_batch
+
+    try:
+        plan_batch(ntp.replica_degrees, ntp.tp, ds_config["train_batch_size"],
+                   ds_config["train_micro_batch_size_per_gpu"], ntp.batch_policy)
+    except BatchError as e:
+        raise ConfigError(str(e)) from None

@@ -1,0 +1,181 @@
+"""NTPEngine: a DeepSpeedEngine whose replica may run at a TP degree different from its peers.
+
+Anchor replicas (the most common layout) run DeepSpeed unchanged: its data-parallel reduction, ZeRO partitioning
+and optimizer. A contributor replica adds its gradients into its anchor's before the anchor reduces, and copies
+the anchor's updated parameters after the anchor steps; it keeps no optimizer state. Every micro-batch's loss is
+weighted by its share of the global batch's tokens, so the update is the token-weighted mean over all samples.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.engine import DeepSpeedEngine
+from safetensors.torch import save_file
+
+from ntp_ds.batch import BatchPlan
+from ntp_ds.batch.loader import counted_tokens
+from ntp_ds.comm.exchange import GRAD_TAG, PARAM_TAG, UnitExchange, pack, unpack_
+from ntp_ds.comm.groups import ReplicaGroups
+from ntp_ds.layout import ParamSpec, ShardLayout
+
+
+class NTPEngine(DeepSpeedEngine):
+    """DeepSpeedEngine API (`engine(batch)`, `backward`, `step`, checkpoints) over a nonuniform topology."""
+
+    def __init__(self, *, ntp_groups: ReplicaGroups, batch_plan: BatchPlan, specs: dict[str, ParamSpec],
+                 full_shapes: dict[str, tuple[int, ...]], timeout_s: float, **deepspeed_kwargs):
+        super().__init__(**deepspeed_kwargs)
+        self.ntp_groups, self.batch_plan = ntp_groups, batch_plan
+        self.param_specs, self.full_shapes = specs, full_shapes
+        plan, rank, topo = ntp_groups.plan, ntp_groups.rank, ntp_groups.topology
+        self._grads = UnitExchange(plan.grad_transfers, rank, topo, specs, timeout_s)
+        self._params = UnitExchange(plan.param_transfers, rank, topo, specs, timeout_s)
+        self._loss_weight = None
+        self._pending_sends: list = []
+        if not self.is_anchor:
+            self.enable_backward_allreduce = False
+        self.sync_parameters()
+
+    # -- parameters --------------------------------------------------------------------------------------------
+    def named_shards(self) -> dict[str, torch.nn.Parameter]:
+        return dict(self.module.named_parameters())
+
+    @property
+    def is_anchor(self) -> bool:
+        return self.ntp_groups.is_anchor
+
+    @torch.no_grad()
+    def sync_parameters(self) -> None:
+        """Copy the anchors' parameters onto the contributor replicas (at start and after every step)."""
+        params = {n: p.data for n, p in self.named_shards().items()}
+        if self.is_anchor:
+            self._params.wait(self._params.send(params, PARAM_TAG))
+        else:
+            self._params.receive_into(params, PARAM_TAG)
+
+    # -- forward / backward / step -----------------------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        """Run the model; a dict batch (as the loader yields) is unpacked and its loss weight recorded."""
+        if len(inputs) == 1 and isinstance(inputs[0], dict) and not kwargs:
+            kwargs, inputs = dict(inputs[0]), ()
+        global_tokens = kwargs.pop("global_tokens", None)
+        labels = kwargs.get("labels")
+        if labels is not None:
+            if global_tokens:
+                self._loss_weight = counted_tokens(labels) / int(global_tokens)
+            else:
+                self._loss_weight = labels.shape[0] / self.batch_plan.global_samples
+        return super().forward(*inputs, **kwargs)
+
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
+        """Back-propagate the micro-batch's mean loss, weighted by its share of the global batch."""
+        if self._loss_weight is None:
+            raise RuntimeError("call engine(batch) with labels before engine.backward(loss)")
+        # DeepSpeed averages over the anchors' data-parallel group; the weights already sum to one over the step.
+        scaled = loss * (self._loss_weight * len(self.ntp_groups.plan.anchors))
+        self._loss_weight = None
+        boundary = self.is_gradient_accumulation_boundary()
+        if not self.is_anchor:
+            self._contributor_backward(scaled, retain_graph)
+            if boundary:
+                grads = {n: p.grad for n, p in self.named_shards().items()}
+                self._pending_sends = self._grads.send(grads, GRAD_TAG)
+            return loss
+        hooks = self._add_contributions() if boundary and self._grads.incoming else []
+        try:
+            super().backward(scaled, retain_graph=retain_graph, scale_wrt_gas=False)
+        finally:
+            for h in hooks:
+                h.remove()
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self.is_anchor:
+            return super().is_gradient_accumulation_boundary()
+        micro = self.batch_plan.replicas[self.ntp_groups.replica].micro_steps
+        return (self.micro_steps + 1) % micro == 0
+
+    def _contributor_backward(self, scaled, retain_graph: bool) -> None:
+        """Plain autograd under DeepSpeed's engine-backward flag: a contributor has no optimizer and reduces nothing."""
+        with self._running_engine_backward_lock:
+            self._running_engine_backward_count += 1
+            self._running_engine_backward = True
+        try:
+            scaled.backward(retain_graph=retain_graph)
+        finally:
+            with self._running_engine_backward_lock:
+                self._running_engine_backward_count -= 1
+                self._running_engine_backward = self._running_engine_backward_count > 0
+
+    def _add_contributions(self) -> list:
+        """Receive the contributors' gradients and add them to this backward's gradients before DeepSpeed reduces."""
+        params = self.named_shards()
+        names = self._grads.receiving()
+        extra = {n: torch.zeros_like(p) for n, p in params.items() if n in names}
+        self._grads.receive_into(extra, GRAD_TAG)
+        return [params[n].register_hook(lambda g, e=e: g + e) for n, e in extra.items()]
+
+    def step(self, lr_kwargs=None):
+        boundary = self.is_gradient_accumulation_boundary()
+        if self.is_anchor:
+            super().step(lr_kwargs)
+        elif boundary:
+            self._grads.wait(self._pending_sends)
+            self._pending_sends = []
+            for p in self.module.parameters():
+                p.grad = None
+            self.global_steps += 1
+            self.global_samples += self.batch_plan.global_samples
+        if boundary and (self._params.outgoing or self._params.incoming):
+            self.sync_parameters()
+        if not self.is_anchor:
+            self.micro_steps += 1
+
+    # -- consolidated weights ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Unsharded weights, assembled on TP rank 0 of the first anchor replica (None elsewhere).
+
+        Collective over that replica's TP group; every rank may call it, the others return at once.
+        """
+        g = self.ntp_groups
+        if g.replica != g.plan.anchors[0]:
+            return None
+        layout = g.layout
+        local = {n: p.detach().to("cpu", torch.float32) for n, p in self.named_shards().items()}
+        gathered = [None] * len(g.tp_ranks) if g.tp_rank == 0 else None
+        dist.gather_object(local, gathered, dst=g.tp_ranks[0], group=g.tp_group)
+        if g.tp_rank != 0:
+            return None
+        full = {}
+        for name, spec in self.param_specs.items():
+            out = torch.empty(self.full_shapes[name])
+            for r, shards in enumerate(gathered):
+                owned = layout.owned(spec.kind, r)
+                unpack_(out, pack(shards[name], spec, layout, r, owned), spec, _full_layout(layout), 0, owned)
+            full[name] = out
+        return full
+
+    def save_pretrained(self, path) -> None:
+        """Write the consolidated weights as an HF directory (config.json + model.safetensors)."""
+        state = self.consolidated_state_dict()
+        if state is not None:
+            write_hf_dir(path, self.module.config, state)
+        dist.barrier(group=self.ntp_groups.tp_group)
+
+
+def _full_layout(layout: ShardLayout) -> ShardLayout:
+    return ShardLayout.balanced(layout.units, 1)
+
+
+def write_hf_dir(path, config, state: dict[str, torch.Tensor]) -> None:
+    """Write unsharded weights as an HF Llama directory."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})

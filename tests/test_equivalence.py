@@ -1,0 +1,69 @@
+"""Nonuniform training ends where one process training the unsharded model on the same samples ends."""
+
+import pytest
+import torch
+
+from ntp_ds.models import Llama
+from ntp_ds.models.sharding import shard_tensor
+from tests.mp import run_ranks
+from tests.training import train_ntp, train_reference
+
+STEPS = 10
+
+
+def assert_matches_reference(results, reference: Llama, optim: str):
+    ref = dict(reference.named_parameters())
+    specs = reference.param_specs()
+
+    def check(got, want, where):
+        if optim == "sgd":
+            torch.testing.assert_close(got, want, msg=lambda m: f"{where}: {m}")
+        else:
+            diff = (got - want).abs().max().item()
+            assert diff <= 1e-4, f"{where}: max abs difference {diff:.3g} > 1e-4"
+
+    for res in results:
+        for name, shard in res["shards"].items():
+            want = shard_tensor(ref[name].detach(), specs[name][0], res["layout"], res["tp_rank"])
+            check(shard, want, f"replica {res['replica']} tp rank {res['tp_rank']} {name}")
+    full = next(r["full"] for r in results if r["full"] is not None)
+    assert set(full) == set(ref)
+    for name, tensor in full.items():
+        check(tensor, ref[name].detach(), f"consolidated {name}")
+    moved = max((ref[n].detach() - reference_init[n]).abs().max().item() for n in ref)
+    assert moved > 1e-3, "training must move the weights for the comparison to mean anything"
+
+
+reference_init = {}
+
+
+def run_case(degrees, stage, optim, policy="preserve_global_batch", global_batch=12, micro=2, tp=None):
+    from tests.training import full_model, tiny_config
+
+    reference_init.clear()
+    reference_init.update({n: p.detach().clone() for n, p in full_model(tiny_config()).named_parameters()})
+    ntp = {"tp": tp or max(degrees), "replicas": len(degrees), "degrees": degrees, "batch_policy": policy}
+    results = run_ranks(train_ntp, sum(degrees), ntp, optim, stage, global_batch, micro, STEPS, timeout=240)
+    assert all(r["global_steps"] == STEPS for r in results)
+    reference = train_reference(optim, results[0]["global_samples"], STEPS)
+    assert_matches_reference(results, reference, optim)
+    return results
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_tp3_tp2_sgd(stage):
+    run_case((3, 2), stage, "sgd")
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_tp3_tp2_adamw(stage):
+    run_case((3, 2), stage, "adamw")
+
+
+def test_three_replicas_tp2_tp2_tp1():
+    run_case((2, 2, 1), 1, "adamw")
+
+
+def test_proportional_unequal_local_batches():
+    results = run_case((3, 2), 1, "sgd", policy="proportional", global_batch=12, micro=2)
+    assert results[0]["global_samples"] == 10  # 6 on the healthy replica, 4 on the TP-2 one

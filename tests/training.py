@@ -1,0 +1,84 @@
+"""Shared pieces of the training tests: a tiny model, configs, an NTP run per rank and the single-process reference."""
+
+from __future__ import annotations
+
+import torch
+
+from ntp_ds.batch.loader import GlobalBatchSampler, SyntheticTokens, replica_micro_batches
+from ntp_ds.models import Llama, LlamaConfig
+
+SEQ = 16
+
+
+def tiny_config(**overrides) -> LlamaConfig:
+    base = dict(vocab_size=96, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=6,
+                num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    base.update(overrides)
+    return LlamaConfig(**base)
+
+
+def full_model(config: LlamaConfig, seed: int = 0) -> Llama:
+    torch.manual_seed(seed)
+    return Llama(config)
+
+
+def optimizer_config(name: str) -> dict:
+    if name == "sgd":
+        return {"type": "SGD", "params": {"lr": 0.5}}
+    return {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}}
+
+
+def make_optimizer(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.5)
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
+def deepspeed_config(optim: str, stage: int, global_batch: int, micro: int, bf16: bool = False) -> dict:
+    return {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": micro,
+            "optimizer": optimizer_config(optim), "zero_optimization": {"stage": stage},
+            "bf16": {"enabled": bf16}, "steps_per_print": 10**9, "wall_clock_breakdown": False,
+            "zero_allow_untested_optimizer": True}
+
+
+def dataset(config: LlamaConfig) -> SyntheticTokens:
+    return SyntheticTokens(config.vocab_size, SEQ, size=256, seed=3)
+
+
+def train_ntp(rank, world_size, ntp: dict, optim: str, stage: int, global_batch: int, micro: int, steps: int,
+              model_overrides: dict | None = None):
+    """One rank of an NTP run; returns its local shards and, on the consolidating rank, the full weights."""
+    import ntp_ds
+
+    config = tiny_config(**(model_overrides or {}))
+    engine = ntp_ds.initialize(model=full_model(config), config=deepspeed_config(optim, stage, global_batch, micro),
+                               ntp=ntp)
+    data, sampler = dataset(config), GlobalBatchSampler(256, seed=1)
+    replica = engine.ntp_groups.replica
+    losses = []
+    for step in range(steps):
+        for batch in replica_micro_batches(data, sampler, engine.batch_plan, replica, step):
+            loss = engine(batch)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+    shards = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    full = engine.consolidated_state_dict()
+    return {"replica": replica, "tp_rank": engine.ntp_groups.tp_rank, "layout": engine.ntp_groups.layout,
+            "shards": shards, "full": full, "global_samples": engine.batch_plan.global_samples,
+            "global_steps": engine.global_steps}
+
+
+def train_reference(optim: str, global_samples: int, steps: int, model_overrides: dict | None = None):
+    """A single process training the unsharded model on the union of every replica's samples."""
+    config = tiny_config(**(model_overrides or {}))
+    model = full_model(config)
+    opt = make_optimizer(optim, model.parameters())
+    data, sampler = dataset(config), GlobalBatchSampler(256, seed=1)
+    for step in range(steps):
+        items = [data[i] for i in sampler.indices(step, global_samples)]
+        batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
+        opt.zero_grad()
+        model(batch["input_ids"], labels=batch["labels"]).backward()
+        opt.step()
+    return model
