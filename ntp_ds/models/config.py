@@ -1,0 +1,126 @@
+"""Llama model configuration, read from and written to Hugging Face `config.json` form."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ntp_ds.layout.shard_layout import LayoutError, ModelUnits
+
+SUPPORTED_ACT = "silu"
+
+
+@dataclass
+class LlamaConfig:
+    """Shape and numerics of a Llama-style decoder."""
+
+    vocab_size: int = 32000
+    """Vocabulary rows of the embedding and the output head."""
+    hidden_size: int = 4096
+    """Width of the residual stream."""
+    intermediate_size: int = 11008
+    """Inner width of the SwiGLU MLP (its FFN units)."""
+    num_hidden_layers: int = 32
+    """Number of decoder blocks."""
+    num_attention_heads: int = 32
+    """Query heads per block."""
+    num_key_value_heads: int | None = None
+    """KV heads per block (grouped-query attention); None means one per query head."""
+    head_dim: int | None = None
+    """Width of one head; None means hidden_size // num_attention_heads."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon added to the mean square in RMSNorm."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding frequencies."""
+    max_position_embeddings: int = 2048
+    """Longest sequence the model is meant for."""
+    tie_word_embeddings: bool = False
+    """Whether the output head reuses the input embedding matrix."""
+    initializer_range: float = 0.02
+    """Standard deviation of the normal init of every matrix."""
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise LayoutError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                              f"num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"hidden_size={self.hidden_size} must be divisible by num_attention_heads="
+                                 f"{self.num_attention_heads} when head_dim is unset")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if not isinstance(self.head_dim, int) or self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim!r} must be a positive even integer (rotary embedding)")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps={self.rms_norm_eps} must be positive")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta={self.rope_theta} must be positive")
+        if not self.initializer_range >= 0:
+            raise ValueError(f"initializer_range={self.initializer_range} must be non-negative")
+
+    def units(self) -> ModelUnits:
+        """Sharding units of this model: query heads, KV heads, FFN columns and vocabulary rows."""
+        return ModelUnits(heads=self.num_attention_heads, kv_heads=self.num_key_value_heads,
+                          ffn=self.intermediate_size, vocab=self.vocab_size)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "LlamaConfig":
+        """Read a Hugging Face Llama `config.json` dict (transformers 4 or 5 form), refusing features we lack."""
+        if d.get("model_type", "llama") != "llama":
+            raise ValueError(f"model_type={d.get('model_type')!r} is not supported; expected 'llama'")
+        if d.get("hidden_act", SUPPORTED_ACT) != SUPPORTED_ACT:
+            raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported; expected {SUPPORTED_ACT!r}")
+        for name in ("attention_bias", "mlp_bias"):
+            if d.get(name):
+                raise ValueError(f"{name}=True is not supported; Llama projections here have no bias")
+        rope = dict(d.get("rope_parameters") or {})
+        scaling = d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+        if rope_type != "default":
+            raise ValueError(f"rope_type={rope_type!r} is not supported; only the default rotary embedding is")
+        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads"),
+            head_dim=d.get("head_dim"),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            initializer_range=float(d.get("initializer_range", 0.02)),
+        )
+
+    def to_hf_dict(self, dtype: str | None = None) -> dict:
+        """Write the `config.json` dict of an HF `LlamaForCausalLM`, loadable by transformers 4 and 5."""
+        d = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": SUPPORTED_ACT,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
+        if dtype is not None:
+            d["dtype"] = d["torch_dtype"] = dtype
+        return d

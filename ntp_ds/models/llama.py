@@ -1,0 +1,275 @@
+"""Llama decoder whose TP rank holds any set of heads, FFN columns and vocabulary rows a ShardLayout gives it.
+
+Parameter names are those of Hugging Face `LlamaForCausalLM`, so HF checkpoints load shard by shard and an unsharded
+model saves back to HF form.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ntp_ds.layout import units as U
+from ntp_ds.layout.shard_layout import LayoutError, ParamSpec, ShardLayout
+from ntp_ds.models.config import LlamaConfig
+from ntp_ds.models.sharding import shard_tensor
+from ntp_ds.models.tp_layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
+                                     index_table, vocab_parallel_cross_entropy)
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32; its weight is replicated on every TP rank."""
+
+    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.spec, self.full_shape, self.eps = ParamSpec("replicated"), (dim,), eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotary(config: LlamaConfig, seq_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return cos and sin [seq_len, head_dim] of the default rotary embedding for positions 0..seq_len-1."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
+    freqs = torch.arange(seq_len, device=device, dtype=torch.float)[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the two halves of each head's channels by the position angles (HF's rotate-half convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention over the rank's query heads and the KV heads they read."""
+
+    def __init__(self, config: LlamaConfig, layout: ShardLayout, rank: int, group=None, device=None, dtype=None):
+        super().__init__()
+        c, hd, kw = config, config.head_dim, dict(device=device, dtype=dtype)
+        self.head_dim, self.group = hd, group
+        self.q_proj = ColumnParallelLinear(c.hidden_size, c.num_attention_heads * hd, ParamSpec("heads", 0, hd),
+                                           layout, rank, group, **kw)
+        self.k_proj = ColumnParallelLinear(c.hidden_size, c.num_key_value_heads * hd, ParamSpec("kv", 0, hd),
+                                           layout, rank, group, **kw)
+        self.v_proj = ColumnParallelLinear(c.hidden_size, c.num_key_value_heads * hd, ParamSpec("kv", 0, hd),
+                                           layout, rank, group, **kw)
+        self.o_proj = RowParallelLinear(c.num_attention_heads * hd, c.hidden_size, ParamSpec("heads", 1, hd),
+                                        layout, rank, group, **kw)
+        table = index_table(layout, "kv", rank).tolist()
+        kv_index = [table[h // layout.units.group] for h in U.units_of(layout.owned("heads", rank))]
+        n_q, n_kv = len(kv_index), U.count(layout.owned("kv", rank))
+        self.regular_gqa = n_q % n_kv == 0 and kv_index == [i // (n_q // n_kv) for i in range(n_q)]
+        self.register_buffer("kv_index", torch.tensor(kv_index, device=device), persistent=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(x, self.group)
+        B, T, _ = x.shape
+        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.regular_gqa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            k, v = k.index_select(1, self.kv_index), v.index_select(1, self.kv_index)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP over the rank's FFN columns."""
+
+    def __init__(self, config: LlamaConfig, layout: ShardLayout, rank: int, group=None, device=None, dtype=None):
+        super().__init__()
+        h, f, kw = config.hidden_size, config.intermediate_size, dict(device=device, dtype=dtype)
+        self.group = group
+        self.gate_proj = ColumnParallelLinear(h, f, ParamSpec("ffn", 0, 1), layout, rank, group, **kw)
+        self.up_proj = ColumnParallelLinear(h, f, ParamSpec("ffn", 0, 1), layout, rank, group, **kw)
+        self.down_proj = RowParallelLinear(f, h, ParamSpec("ffn", 1, 1), layout, rank, group, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(x, self.group)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: attention then MLP, each added to the replicated residual stream."""
+
+    def __init__(self, config: LlamaConfig, layout: ShardLayout, rank: int, group=None, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.self_attn = Attention(config, layout, rank, group, **kw)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.mlp = MLP(config, layout, rank, group, **kw)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """Embedding, blocks and final norm: HF's `LlamaModel`, returning replicated hidden states."""
+
+    def __init__(self, config: LlamaConfig, layout: ShardLayout, rank: int, group=None, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, layout, rank, group, **kw)
+        self.layers = nn.ModuleList(Block(config, layout, rank, group, **kw) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = rotary(self.config, input_ids.shape[1], x.device, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+
+class Llama(nn.Module):
+    """Causal LM; `layout=None` is the unsharded model (TP 1), otherwise the shard of TP rank `tp_rank`.
+
+    Every weight is initialized as this rank's shard of one full tensor drawn from `seed`, so any layout gets the
+    same model; `seed=None` draws the seed from torch's global RNG (ranks must then share its state), and
+    `init=False` leaves the weights unset for loading.
+    """
+
+    def __init__(self, config: LlamaConfig, layout: ShardLayout | None = None, tp_rank: int = 0, tp_group=None,
+                 seed: int | None = None, init: bool = True, device=None, dtype=None):
+        super().__init__()
+        layout = layout or ShardLayout.balanced(config.units(), 1)
+        if layout.units != config.units():
+            raise LayoutError(f"layout units {layout.units} do not match the config's {config.units()}")
+        if not 0 <= tp_rank < layout.tp:
+            raise LayoutError(f"tp_rank={tp_rank} is outside the layout's tp={layout.tp}")
+        if tp_group is not None and dist.get_world_size(tp_group) != layout.tp:
+            raise LayoutError(f"tp_group has {dist.get_world_size(tp_group)} ranks; the layout has tp={layout.tp}")
+        self.config, self.layout, self.tp_rank, self.tp_group = config, layout, tp_rank, tp_group
+        kw = dict(device=device, dtype=dtype)
+        self.model = Decoder(config, layout, tp_rank, tp_group, **kw)
+        if not config.tie_word_embeddings:
+            self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, ParamSpec("vocab", 0, 1),
+                                                layout, tp_rank, tp_group, **kw)
+        if init:
+            self.init_weights(int(torch.randint(0, 2**62, ()).item()) if seed is None else seed)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Return the local vocab-shard logits [batch, seq, local_vocab], or with labels the mean next-token loss."""
+        if labels is None:
+            return self.logits(input_ids)
+        total, count = self.loss_sum(input_ids, labels)
+        return total / count
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.layout.tp > 1 and self.tp_group is None:
+            raise RuntimeError(f"a shard of a tp={self.layout.tp} layout needs its tp_group to run")
+        h = copy_to_tp(self.model(input_ids), self.tp_group)
+        if self.config.tie_word_embeddings:
+            return F.linear(h, self.model.embed_tokens.weight)
+        return self.lm_head(h)
+
+    def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (summed loss, counted tokens) of predicting labels[t + 1] at t, skipping labels equal to -100."""
+        shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
+        return vocab_parallel_cross_entropy(self.logits(input_ids), shifted, self.layout, self.tp_rank,
+                                            self.tp_group, table=self.model.embed_tokens.local_index)
+
+    def param_specs(self) -> dict[str, tuple[ParamSpec, tuple[int, ...]]]:
+        """Map every parameter name to how it is sharded and its full (unsharded) shape."""
+        out = {}
+        for name, _ in self.named_parameters():
+            module = self.get_submodule(name.rpartition(".")[0])
+            out[name] = (module.spec, module.full_shape)
+        return out
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0):
+        """Normal(0, initializer_range) matrices and unit norms, each drawn full from a per-name seed, then sharded."""
+        for name, (spec, shape) in self.param_specs().items():
+            p = self.get_parameter(name)
+            if spec.kind == "replicated":
+                p.fill_(1.0)
+                continue
+            if p.is_meta:
+                continue
+            gen = torch.Generator(device=p.device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+            full = torch.empty(shape, device=p.device).normal_(0.0, self.config.initializer_range, generator=gen)
+            p.copy_(shard_tensor(full, spec, self.layout, self.tp_rank))
+
+    @classmethod
+    def from_pretrained(cls, path, layout: ShardLayout | None = None, tp_rank: int = 0, tp_group=None, dtype=None,
+                        device=None) -> "Llama":
+        """Load an HF Llama directory (config.json + safetensors), reading only this rank's shard of each tensor.
+
+        `dtype=None` keeps the checkpoint's dtype.
+        """
+        path = Path(path)
+        config = LlamaConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+        files = _weight_files(path)
+        if dtype is None:
+            with safe_open(path / files["model.embed_tokens.weight"], framework="pt") as f:
+                dtype = SAFETENSORS_DTYPES[f.get_slice("model.embed_tokens.weight").get_dtype()]
+        model = cls(config, layout, tp_rank, tp_group, init=False, device=device, dtype=dtype)
+        specs = model.param_specs()
+        by_file: dict[str, list[str]] = {}
+        for name in specs:
+            if name not in files:
+                raise KeyError(f"{name} is missing from the checkpoint in {path}")
+            by_file.setdefault(files[name], []).append(name)
+        with torch.no_grad():
+            for file, names in by_file.items():
+                with safe_open(path / file, framework="pt") as f:
+                    for name in names:
+                        shard = _read_shard(f, name, *specs[name], model.layout, tp_rank)
+                        model.get_parameter(name).copy_(shard)
+        return model
+
+    def save_pretrained(self, path):
+        """Write config.json and model.safetensors in HF form; only the unsharded (TP 1) model can be saved."""
+        if self.layout.tp != 1:
+            raise ValueError(f"save_pretrained needs the unsharded model; this is a shard of tp={self.layout.tp}")
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {name: p.detach().cpu().contiguous() for name, p in self.named_parameters()}
+        dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+        (path / "config.json").write_text(json.dumps(self.config.to_hf_dict(dtype), indent=2) + "\n")
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _weight_files(path: Path) -> dict[str, str]:
+    """Map tensor names to the safetensors file holding them (single file or sharded index)."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return dict(json.loads(index.read_text())["weight_map"])
+    with safe_open(path / "model.safetensors", framework="pt") as f:
+        return {name: "model.safetensors" for name in f.keys()}
+
+
+def _read_shard(f, name: str, spec: ParamSpec, full_shape: tuple[int, ...], layout: ShardLayout,
+                rank: int) -> torch.Tensor:
+    """Read only `rank`'s units of tensor `name` from an open safetensors file."""
+    sl = f.get_slice(name)
+    if tuple(sl.get_shape()) != tuple(full_shape):
+        raise ValueError(f"{name} has shape {tuple(sl.get_shape())} in the checkpoint; the config gives {full_shape}")
+    if spec.kind == "replicated":
+        return sl[:]
+    u = spec.unit_size
+    spans = [(a * u, b * u) for a, b in layout.owned(spec.kind, rank)]
+    parts = [sl[a:b] if spec.dim == 0 else sl[:, a:b] for a, b in spans]
+    return torch.cat(parts, dim=spec.dim)

@@ -1,0 +1,237 @@
+"""``ntp-ds simulate [overrides] out=DIR``: run the goodput simulator.
+
+Overrides use Hydra syntax (``sim.cluster.tp=16``) and are composed with the
+primary config ``conf/simulate.yaml``.  ``recipe=NAME`` merges
+``recipes/sim/NAME.yaml`` over the ``sim`` defaults before the command-line
+overrides, which win.  Bad input prints one line on stderr and returns 2.
+"""
+from __future__ import annotations
+
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+USAGE = """\
+usage: ntp-ds simulate [KEY=VALUE ...] [recipe=NAME] [out=DIR] [seed=N]
+
+Cluster-scale goodput simulator: throughput loss of DP-DROP, NTP, NTP with
+power boost and checkpoint-restart, spare domains needed, goodput over a run.
+
+  recipe=NAME      merge recipes/sim/NAME.yaml over the defaults ({recipes})
+  out=DIR          output directory (default: {out})
+  seed=N           random seed (default: 0)
+  sim.GROUP.KEY=V  any simulator field, e.g.
+                   sim.cluster.num_gpus=32768 sim.cluster.domain_size=32
+                   sim.cluster.tp=32 sim.failures.gpu_mtbf_hours=50000
+                   sim.ntp.min_tp=28 sim.boost.cap=0.3 sim.duration_days=15
+                   groups: {groups}
+
+Writes DIR/loss_vs_failures.csv, spares.csv, goodput.csv, timeline.csv and
+loss_vs_failures.png, goodput_timeline.png, spares.png, summary.png.
+"""
+
+_PROG = "ntp-ds simulate"
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class UsageError(Exception):
+    """Bad command-line input; the message is one line."""
+
+
+def config_dir() -> Path:
+    """The Hydra config dir: the repo's ``conf/``, else one shipped in the package."""
+    here = Path(__file__).resolve()
+    for cand in (here.parents[2] / "conf", here.parents[1] / "conf"):
+        if (cand / "simulate.yaml").is_file():
+            return cand
+    return here.parents[2] / "conf"
+
+
+def recipes_dir() -> Path:
+    """Directory holding ``sim/NAME.yaml`` recipes (repo root, else package)."""
+    here = Path(__file__).resolve()
+    for cand in (here.parents[2] / "recipes", here.parents[1] / "recipes"):
+        if (cand / "sim").is_dir():
+            return cand
+    return here.parents[2] / "recipes"
+
+
+def available_recipes() -> list[str]:
+    d = recipes_dir() / "sim"
+    return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else []
+
+
+# --------------------------------------------------------------------------
+# overrides
+
+def _hydra_value(v: Any) -> str:
+    """Render a YAML value in Hydra's override grammar."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return repr(v)
+    if isinstance(v, str):
+        # Hydra's quoted strings: backslashes are literal unless they precede
+        # a quote (or the closing quote), where they are doubled
+        body = re.sub(r"\\+(?='|$)", lambda m: m.group(0) * 2, v).replace("'", "\\'")
+        return "'" + body + "'"
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_hydra_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{_hydra_value(x)}" for k, x in v.items()) + "}"
+    raise UsageError(f"unsupported value {v!r}")
+
+
+def _flatten(data: dict, prefix: str) -> list[str]:
+    out: list[str] = []
+    for k, v in data.items():
+        if isinstance(v, dict) and v:
+            out += _flatten(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}={_hydra_value(v)}")
+    return out
+
+
+def _parse(argv: list[str]) -> list:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    parsed = []
+    for tok in argv:
+        if "=" not in tok or tok.startswith("="):
+            raise UsageError(f"malformed override {tok!r}: expected KEY=VALUE")
+        try:
+            parsed.append(parser.parse_override(tok))
+        except Exception as exc:  # hydra's OverrideParseException and friends
+            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UsageError(f"malformed override {tok!r}: {msg}") from None
+    return parsed
+
+
+def _recipe_overrides(name: str) -> list[str]:
+    from omegaconf import OmegaConf
+
+    if not _NAME.match(name):
+        raise UsageError(f"recipe={name!r}: not a recipe name")
+    path = recipes_dir() / "sim" / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(available_recipes()) or "none"
+        raise UsageError(f"recipe={name!r}: no such recipe (available: {known})")
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except Exception as exc:
+        raise UsageError(f"recipe={name!r}: cannot read {path.name}: {exc}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"recipe={name!r}: {path.name} is not a mapping")
+    return _flatten(data, "sim.")
+
+
+def _check_keys(overrides: list, base, source: str = "") -> None:
+    from omegaconf import OmegaConf
+
+    missing = object()
+    for o in overrides:
+        if o.is_add() or o.is_delete() or o.is_force_add():
+            raise UsageError(f"{o.input_line!r}: adding or deleting keys is not supported")
+        key = o.key_or_group
+        if OmegaConf.select(base, key, default=missing) is missing:
+            raise UsageError(f"{key}={o.get_value_element_as_str()}: unknown key{source}")
+
+
+def load_config(argv: list[str]):
+    """Compose ``conf/simulate.yaml`` with a recipe and overrides.
+
+    Returns ``(SimConfig, out_dir)``; raises :class:`UsageError` or
+    ``ConfigError`` on bad input.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from .config import ConfigError, SimConfig
+
+    overrides = _parse(argv)
+    recipe = None
+    for o in overrides:
+        if o.key_or_group == "recipe":
+            recipe = o.value()
+    cdir = config_dir()
+    if not (cdir / "simulate.yaml").is_file():
+        raise UsageError(f"config dir {cdir}: simulate.yaml not found")
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(cdir), version_base="1.3"):
+        base = compose(config_name="simulate")
+        _check_keys(overrides, base)
+        extra: list[str] = []
+        if recipe is not None:
+            extra = _recipe_overrides(str(recipe))
+            _check_keys(_parse(extra), base, f" in recipe {recipe}")
+        try:
+            cfg = compose(config_name="simulate", overrides=extra + list(argv))
+        except Exception as exc:
+            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UsageError(msg) from None
+    data = OmegaConf.to_container(cfg, resolve=True)
+    sim = data.get("sim") or {}
+    seed = data.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ConfigError("seed", seed, "expected an integer")
+    sim_cfg = SimConfig.from_dict(sim, prefix="sim.")
+    sim_cfg.seed = seed
+    try:
+        sim_cfg.validate()
+    except ConfigError as exc:
+        name = exc.field if exc.field == "seed" else "sim." + exc.field
+        raise ConfigError(name, exc.value, exc.reason) from None
+    out = data.get("out") or "outputs/sim"
+    return sim_cfg, Path(str(out))
+
+
+def _fail(msg: str) -> int:
+    print(f"{_PROG}: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help", "help") for a in argv):
+        groups = "cluster model hardware failures ntp boost checkpoint spares sweep"
+        print(USAGE.format(recipes=", ".join(available_recipes()) or "none",
+                           out="outputs/sim", groups=groups))
+        return 0
+    from .config import ConfigError
+
+    try:
+        cfg, out = load_config(argv)
+    except (UsageError, ConfigError) as exc:
+        return _fail(str(exc))
+    from . import report
+    from .engine import run
+
+    try:
+        result = run(cfg)
+    except ConfigError as exc:
+        name = exc.field if exc.field == "seed" else "sim." + exc.field
+        return _fail(f"{name}={exc.value!r}: {exc.reason}")
+    try:
+        paths = report.write_all(result, out)
+    except OSError as exc:
+        return _fail(f"out={str(out)!r}: {exc.strerror or exc}")
+    print(report.summary(result))
+    print(f"\nwrote {len(paths)} files to {out} in {result.wall_seconds:.2f} s of simulation")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,281 @@
+"""Configuration dataclasses for the cluster-scale goodput simulator.
+
+Every field has a default so ``SimConfig()`` is a runnable scenario.  The
+Hydra config group ``conf/sim/default.yaml`` mirrors these defaults one to
+one.  ``SimConfig.from_dict`` builds a config from plain nested dicts (as
+produced by Hydra/OmegaConf) with type checking, and ``validate`` checks the
+cross-field constraints.  Both raise :class:`ConfigError`, which names the
+offending field and value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """Invalid simulator configuration; ``field`` is a dotted path."""
+
+    def __init__(self, field_name: str, value: Any, reason: str):
+        self.field = field_name
+        self.value = value
+        self.reason = reason
+        super().__init__(f"{field_name}={value!r}: {reason}")
+
+
+@dataclass
+class ClusterConfig:
+    num_gpus: int = 16384        # GPUs in the job (spares excluded)
+    domain_size: int = 8         # GPUs per scale-up domain (NVL8 .. NVL72)
+    tp: int = 8                  # tensor-parallel degree, tp <= domain_size
+    pp: int = 1                  # pipeline stages per data-parallel replica
+    microbatches: int = 8        # microbatches per step (pipeline bubble)
+
+
+@dataclass
+class ModelConfig:
+    params_billion: float = 70.0  # 0 -> derived as 12 * layers * hidden^2
+    hidden: int = 8192
+    heads: int = 64
+    layers: int = 80
+    seq_len: int = 8192
+    tokens_per_batch: int = 4194304
+
+
+@dataclass
+class HardwareConfig:
+    peak_tflops: float = 989.0    # dense bf16 peak per GPU
+    utilisation: float = 0.45     # achieved fraction of peak in GEMMs
+    scaleup_gbps: float = 450.0   # GB/s per GPU on the scale-up link
+    scaleout_gbps: float = 50.0   # GB/s per GPU on the scale-out network
+    act_bytes: int = 2
+    grad_bytes: int = 2
+    tp_overlap: float = 0.0       # fraction of TP communication hidden
+    dp_overlap: float = 0.8       # fraction of the DP all-reduce hidden
+    tdp_watts: float = 700.0
+
+
+@dataclass
+class FailureConfig:
+    model: str = "exponential"    # "exponential" or "trace"
+    trace: Optional[str] = None   # CSV: time_hours,gpu[,kind][,repair_hours][,blast]
+    gpu_mtbf_hours: float = 50000.0
+    hw_fraction: float = 0.78
+    hw_repair_hours: list[float] = field(default_factory=lambda: [72.0, 120.0])
+    sw_repair_hours: list[float] = field(default_factory=lambda: [3.0, 3.0])
+    blast_radius: int = 1         # GPUs taken out by one event (divides domain_size)
+    domain_fraction: float = 0.0  # fraction of events that take a whole domain
+    correlation: float = 0.0      # chance an event triggers another in its domain
+    correlation_window_hours: float = 1.0
+
+
+@dataclass
+class NTPConfig:
+    min_tp: int = 6               # below this a TP group stops contributing
+    tp_step: int = 1              # degraded TP degree is a multiple of this
+    rebalance: bool = True        # shrink degraded replicas' share of the batch
+    reconfig_minutes: float = 1.0  # job-wide pause per failure (dp_drop / ntp)
+
+
+@dataclass
+class BoostConfig:
+    cap: float = 0.30             # max extra power per GPU, fraction of TDP
+    perf_exponent: float = 0.5    # perf = power ** exponent (relative to TDP)
+
+
+@dataclass
+class CheckpointConfig:
+    interval_minutes: float = 15.0
+    restart_minutes: float = 10.0
+    write_minutes: float = 0.0    # blocking time per checkpoint
+
+
+@dataclass
+class SpareConfig:
+    domains: int = 0              # spare domains held in reserve
+    swap_hours: float = 0.5       # delay before a spare replaces a failed domain
+    quantile: float = 1.0         # time quantile of the deficit to cover
+
+
+@dataclass
+class SweepConfig:
+    failed_fractions: list[float] = field(
+        default_factory=lambda: [0.0, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016])
+    tp_degrees: list[int] = field(default_factory=lambda: [4, 8])  # [] -> [tp]
+    trials: int = 8
+
+
+@dataclass
+class SimConfig:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    failures: FailureConfig = field(default_factory=FailureConfig)
+    ntp: NTPConfig = field(default_factory=NTPConfig)
+    boost: BoostConfig = field(default_factory=BoostConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    spares: SpareConfig = field(default_factory=SpareConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    duration_days: float = 30.0
+    timeline_points: int = 721
+    seed: int = 0
+
+    @classmethod
+    def from_dict(cls, data: dict, prefix: str = "") -> "SimConfig":
+        return _build(cls, data, prefix)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "SimConfig":
+        _validate(self)
+        return self
+
+
+# --------------------------------------------------------------------------
+# dict -> dataclass with type checks
+
+def _coerce(tp: Any, value: Any, name: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:  # Optional[X]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(args[0], value, name)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(name, value, "expected a list")
+        (item,) = typing.get_args(tp)
+        return [_coerce(item, v, f"{name}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(name, value, "expected a mapping")
+        return _build(tp, value, name + ".")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(name, value, "expected true or false")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or (isinstance(value, float) and not value.is_integer()):
+            raise ConfigError(name, value, "expected an integer")
+        return int(value)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(name, value, "expected a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(name, value, "expected a string")
+        return value
+    raise TypeError(f"unsupported config type {tp!r}")  # pragma: no cover
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise ConfigError(prefix + str(key), data[key], "unknown key")
+    kwargs = {k: _coerce(hints[k], v, prefix + k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------
+# cross-field validation
+
+def _check(ok: bool, name: str, value: Any, reason: str) -> None:
+    if not ok:
+        raise ConfigError(name, value, reason)
+
+
+def _positive(obj: Any, prefix: str, *names: str) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        _check(v > 0 and math.isfinite(v), prefix + n, v, "must be > 0")
+
+
+def _fraction(obj: Any, prefix: str, *names: str, upper_open: bool = False) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        ok = 0.0 <= v < 1.0 if upper_open else 0.0 <= v <= 1.0
+        _check(ok, prefix + n, v, "must be in [0, 1)" if upper_open else "must be in [0, 1]")
+
+
+def _validate(c: SimConfig) -> None:
+    cl = c.cluster
+    _positive(cl, "cluster.", "num_gpus", "domain_size", "tp", "pp", "microbatches")
+    S, t, pp = cl.domain_size, cl.tp, cl.pp
+    _check(t <= S, "cluster.tp", t, f"must not exceed domain_size={S}")
+    _check(S % t == 0, "cluster.tp", t, f"must divide domain_size={S}")
+    rep = t * pp
+    _check(rep % S == 0 or S % rep == 0, "cluster.pp", pp,
+           f"tp*pp={rep} must divide or be a multiple of domain_size={S}")
+    _check(cl.num_gpus % S == 0, "cluster.num_gpus", cl.num_gpus,
+           f"must be a multiple of domain_size={S}")
+    _check(cl.num_gpus % rep == 0, "cluster.num_gpus", cl.num_gpus,
+           f"must be a multiple of tp*pp={rep}")
+
+    m = c.model
+    _positive(m, "model.", "hidden", "heads", "layers", "seq_len", "tokens_per_batch")
+    _check(m.params_billion >= 0, "model.params_billion", m.params_billion, "must be >= 0")
+    _check(m.layers % pp == 0, "cluster.pp", pp, f"must divide model.layers={m.layers}")
+
+    hw = c.hardware
+    _positive(hw, "hardware.", "peak_tflops", "scaleup_gbps", "scaleout_gbps",
+              "act_bytes", "grad_bytes", "tdp_watts")
+    _check(0 < hw.utilisation <= 1, "hardware.utilisation", hw.utilisation, "must be in (0, 1]")
+    _fraction(hw, "hardware.", "tp_overlap", "dp_overlap")
+
+    f = c.failures
+    _check(f.model in ("exponential", "trace"), "failures.model", f.model,
+           "must be 'exponential' or 'trace'")
+    if f.model == "trace":
+        _check(bool(f.trace), "failures.trace", f.trace, "a CSV path is required when model=trace")
+    _positive(f, "failures.", "gpu_mtbf_hours", "correlation_window_hours")
+    _fraction(f, "failures.", "hw_fraction", "domain_fraction")
+    _fraction(f, "failures.", "correlation", upper_open=True)
+    for n in ("hw_repair_hours", "sw_repair_hours"):
+        r = getattr(f, n)
+        _check(len(r) == 2 and 0 < r[0] <= r[1], "failures." + n, r,
+               "must be [min, max] with 0 < min <= max")
+    _check(f.blast_radius >= 1 and S % f.blast_radius == 0, "failures.blast_radius",
+           f.blast_radius, f"must be >= 1 and divide domain_size={S}")
+
+    n = c.ntp
+    _check(1 <= n.min_tp <= t, "ntp.min_tp", n.min_tp, f"must be in [1, tp={t}]")
+    _check(1 <= n.tp_step <= t, "ntp.tp_step", n.tp_step, f"must be in [1, tp={t}]")
+    _check(n.reconfig_minutes >= 0, "ntp.reconfig_minutes", n.reconfig_minutes, "must be >= 0")
+
+    b = c.boost
+    _check(0 <= b.cap <= 2, "boost.cap", b.cap, "must be in [0, 2]")
+    _check(0 <= b.perf_exponent <= 1, "boost.perf_exponent", b.perf_exponent, "must be in [0, 1]")
+
+    k = c.checkpoint
+    _positive(k, "checkpoint.", "interval_minutes")
+    for name in ("restart_minutes", "write_minutes"):
+        _check(getattr(k, name) >= 0, "checkpoint." + name, getattr(k, name), "must be >= 0")
+    _check(k.write_minutes < k.interval_minutes, "checkpoint.write_minutes", k.write_minutes,
+           "must be below interval_minutes")
+
+    s = c.spares
+    _check(s.domains >= 0, "spares.domains", s.domains, "must be >= 0")
+    _check(s.swap_hours >= 0, "spares.swap_hours", s.swap_hours, "must be >= 0")
+    _check(0 < s.quantile <= 1, "spares.quantile", s.quantile, "must be in (0, 1]")
+
+    w = c.sweep
+    for i, x in enumerate(w.failed_fractions):
+        _check(0 <= x <= 1, f"sweep.failed_fractions[{i}]", x, "must be in [0, 1]")
+    for i, x in enumerate(w.tp_degrees):
+        _check(1 <= x <= S and S % x == 0 and cl.num_gpus % (x * pp) == 0
+               and ((x * pp) % S == 0 or S % (x * pp) == 0),
+               f"sweep.tp_degrees[{i}]", x,
+               f"must divide domain_size={S} and fit the cluster layout")
+    _check(w.trials >= 1, "sweep.trials", w.trials, "must be >= 1")
+
+    _positive(c, "", "duration_days")
+    _check(c.timeline_points >= 2, "timeline_points", c.timeline_points, "must be >= 2")
+    _check(c.seed >= 0, "seed", c.seed, "must be >= 0")
