@@ -82,3 +82,26 @@ def train_reference(optim: str, global_samples: int, steps: int, model_overrides
         model(batch["input_ids"], labels=batch["labels"]).backward()
         opt.step()
     return model
+
+
+def train_with_checkpoint(rank, world_size, ntp: dict, stage: int, steps: int, ckpt_dir: str, resume: bool):
+    """Train `steps` steps, saving a checkpoint at the end; with `resume`, load it first and go on."""
+    import ntp_ds
+
+    config = tiny_config()
+    engine = ntp_ds.initialize(model=full_model(config, seed=7 if resume else 0),
+                               config=deepspeed_config("adamw", stage, 12, 2), ntp=ntp)
+    if resume:
+        engine.load_checkpoint(ckpt_dir)
+    data, sampler = dataset(config), GlobalBatchSampler(256, seed=1)
+    first = engine.global_steps
+    for step in range(first, first + steps):
+        for batch in replica_micro_batches(data, sampler, engine.batch_plan, engine.ntp_groups.replica, step):
+            engine.backward(engine(batch))
+            engine.step()
+    if not resume:
+        engine.save_checkpoint(ckpt_dir)
+        engine.save_pretrained(f"{ckpt_dir}/hf")
+    return {"shards": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+            "global_steps": engine.global_steps, "layout": engine.ntp_groups.layout,
+            "tp_rank": engine.ntp_groups.tp_rank}

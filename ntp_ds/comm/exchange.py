@@ -8,43 +8,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ntp_ds.layout import ParamSpec, ShardLayout, Topology, Transfer
+from ntp_ds.layout import ParamSpec, Topology, Transfer
 from ntp_ds.layout import units as U
+from ntp_ds.models.sharding import gather_units, packed_numel, scatter_units
 
 GRAD_TAG, PARAM_TAG = 17, 29
-
-
-def _rows(t: torch.Tensor, spec: ParamSpec) -> torch.Tensor:
-    """View a tensor with its sharded dim first, so any split into unit ranges keeps one element order."""
-    return t.movedim(spec.dim, 0) if spec.kind != "replicated" else t.reshape(1, -1)
-
-
-def pack(t: torch.Tensor, spec: ParamSpec, layout: ShardLayout, tp_rank: int, units: U.Ranges) -> torch.Tensor:
-    """Flatten the given units of a local tensor, in increasing unit order."""
-    rows, size = _rows(t, spec), (spec.unit_size if spec.kind != "replicated" else 1)
-    parts = [rows[a * size:b * size].reshape(-1)
-             for a, b in U.local_offsets(layout.owned(spec.kind, tp_rank), units)]
-    return torch.cat(parts)
-
-
-def unpack_(t: torch.Tensor, flat: torch.Tensor, spec: ParamSpec, layout: ShardLayout, tp_rank: int,
-            units: U.Ranges) -> None:
-    """Write a buffer made by `pack` (from any layout) into the given units of a local tensor."""
-    rows, size = _rows(t, spec), (spec.unit_size if spec.kind != "replicated" else 1)
-    pos = 0
-    for a, b in U.local_offsets(layout.owned(spec.kind, tp_rank), units):
-        block = rows[a * size:b * size]
-        block.copy_(flat[pos:pos + block.numel()].view(block.shape))
-        pos += block.numel()
-
-
-def packed_numel(shape: tuple[int, ...], spec: ParamSpec, units: U.Ranges) -> int:
-    numel = 1
-    for d in shape:
-        numel *= d
-    if spec.kind == "replicated":
-        return numel
-    return numel // shape[spec.dim] * U.count(units) * spec.unit_size
 
 
 class UnitExchange:
@@ -67,7 +35,7 @@ class UnitExchange:
         """Start sending; return the pending works."""
         works = []
         for dst, items in sorted(self.outgoing.items()):
-            buf = torch.cat([pack(tensors[n], self.specs[n], self.layout, self.tp_rank, u) for n, u in items])
+            buf = torch.cat([gather_units(tensors[n], self.specs[n], self.layout, self.tp_rank, u) for n, u in items])
             works.append(dist.isend(buf.contiguous(), dst, tag=tag))
         return works
 
@@ -76,15 +44,15 @@ class UnitExchange:
         pending = []
         for src, items in sorted(self.incoming.items()):
             like = tensors[items[0][0]]
-            n = sum(packed_numel(tuple(tensors[name].shape), self.specs[name], u) for name, u in items)
+            n = sum(packed_numel(self.specs[name], tuple(tensors[name].shape), u) for name, u in items)
             buf = torch.empty(n, dtype=like.dtype, device=like.device)
             pending.append((dist.irecv(buf, src, tag=tag), buf, items))
         for work, buf, items in pending:
             self.wait([work])
             pos = 0
             for name, units in items:
-                n = packed_numel(tuple(tensors[name].shape), self.specs[name], units)
-                unpack_(tensors[name], buf[pos:pos + n], self.specs[name], self.layout, self.tp_rank, units)
+                n = packed_numel(self.specs[name], tuple(tensors[name].shape), units)
+                scatter_units(tensors[name], buf[pos:pos + n], self.specs[name], self.layout, self.tp_rank, units)
                 pos += n
 
     def receiving(self) -> set[str]:

@@ -18,9 +18,13 @@ from safetensors.torch import save_file
 
 from ntp_ds.batch import BatchPlan
 from ntp_ds.batch.loader import counted_tokens
-from ntp_ds.comm.exchange import GRAD_TAG, PARAM_TAG, UnitExchange, pack, unpack_
+from ntp_ds.comm.exchange import GRAD_TAG, PARAM_TAG, UnitExchange
 from ntp_ds.comm.groups import ReplicaGroups
-from ntp_ds.layout import ParamSpec, ShardLayout
+from ntp_ds.layout import ParamSpec
+from ntp_ds.models.sharding import unshard_into
+
+
+TOPOLOGY_FILE = "ntp_topology.json"
 
 
 class NTPEngine(DeepSpeedEngine):
@@ -135,6 +139,38 @@ class NTPEngine(DeepSpeedEngine):
         if not self.is_anchor:
             self.micro_steps += 1
 
+    # -- DeepSpeed checkpoints ---------------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        """DeepSpeed's checkpoint, written by the anchors; a contributor's state is a copy of its anchor's."""
+        if not self.is_anchor:
+            self.save_non_zero_checkpoint = False
+            self.save_zero_checkpoint = False
+        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        ok = super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        if self.global_rank == self.ntp_groups.topology.ranks_of(self.ntp_groups.plan.anchors[0])[0]:
+            meta = {"degrees": list(self.ntp_groups.topology.degrees), "global_steps": self.global_steps,
+                    "global_samples": self.global_samples}
+            (Path(save_dir) / tag / TOPOLOGY_FILE).write_text(json.dumps(meta))
+        dist.barrier()
+        return ok
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        """Load a checkpoint written by the same topology; contributors then copy their anchors' parameters."""
+        if tag is None:
+            tag = (Path(load_dir) / "latest").read_text().strip()
+        meta = json.loads((Path(load_dir) / str(tag) / TOPOLOGY_FILE).read_text())
+        degrees = list(self.ntp_groups.topology.degrees)
+        if meta["degrees"] != degrees:
+            raise ValueError(f"checkpoint {load_dir}/{tag} was written by TP degrees {meta['degrees']}, this job "
+                             f"runs {degrees}; move between topologies with save_pretrained/from_pretrained")
+        if self.is_anchor:
+            path, client_state = super().load_checkpoint(load_dir, tag, **kwargs)
+        else:
+            path, client_state = str(Path(load_dir) / str(tag)), {}
+            self.global_steps, self.global_samples = meta["global_steps"], meta["global_samples"]
+        self.sync_parameters()
+        return path, client_state
+
     # -- consolidated weights ----------------------------------------------------------------------------------
     @torch.no_grad()
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -155,8 +191,7 @@ class NTPEngine(DeepSpeedEngine):
         for name, spec in self.param_specs.items():
             out = torch.empty(self.full_shapes[name])
             for r, shards in enumerate(gathered):
-                owned = layout.owned(spec.kind, r)
-                unpack_(out, pack(shards[name], spec, layout, r, owned), spec, _full_layout(layout), 0, owned)
+                unshard_into(out, shards[name], spec, layout, r)
             full[name] = out
         return full
 
@@ -166,10 +201,6 @@ class NTPEngine(DeepSpeedEngine):
         if state is not None:
             write_hf_dir(path, self.module.config, state)
         dist.barrier(group=self.ntp_groups.tp_group)
-
-
-def _full_layout(layout: ShardLayout) -> ShardLayout:
-    return ShardLayout.balanced(layout.units, 1)
 
 
 def write_hf_dir(path, config, state: dict[str, torch.Tensor]) -> None:

@@ -94,7 +94,8 @@ class ShardLayout:
             raise LayoutError(f"tp={tp} exceeds the query-head count num_attention_heads={units.heads}")
         for kind in ("ffn", "vocab"):
             if tp > units.count(kind):
-                raise LayoutError(f"tp={tp} exceeds the {kind} unit count {units.count(kind)}")
+                raise LayoutError(f"tp={tp} leaves rank {units.count(kind)} with zero {kind} units "
+                                  f"(the model has {units.count(kind)})")
         return cls(units, *(tuple(U.split_even(units.count(k), tp)) for k in OWNED_KINDS))
 
     def owned(self, kind: str, rank: int) -> U.Ranges:

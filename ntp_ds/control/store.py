@@ -1,0 +1,96 @@
+"""The coordination store: a TCPStore hosted outside every training rank, and the clients that reach it.
+
+`torch.distributed` hosts its store inside rank 0 by default, so losing rank 0 loses the store. The launcher hosts
+it instead (`host_store`), and every worker connects as a client (`connect_store`) to the address it passes in
+`NTP_STORE=HOST:PORT`. Each generation of process groups rendezvouses under a key prefix of its own
+(`generation_store`), so a regroup never reads a key left by the groups it replaces.
+
+A TCPStore client serialises its operations: a blocking `wait` on one client delays every other call on it. A thread
+that must not be delayed (the heartbeat) gets a client of its own.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch.distributed as dist
+
+STORE_ENV = "NTP_STORE"
+"""Environment variable through which the launcher passes the store's HOST:PORT to workers."""
+DEFAULT_TIMEOUT_S = 60.0
+"""Default bound on connecting and on any blocking store call."""
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split `HOST:PORT` (or `[IPv6]:PORT`) into host and port; raise ValueError naming what is wrong."""
+    if not isinstance(address, str) or not address.strip():
+        raise ValueError(f"store address {address!r} is empty; expected HOST:PORT, e.g. 127.0.0.1:29400")
+    text = address.strip()
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise ValueError(f"store address {address!r}: an IPv6 host must look like [::1]:29400")
+        port_text = rest[1:]
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep:
+            raise ValueError(f"store address {address!r} has no port; expected HOST:PORT, e.g. 127.0.0.1:29400")
+        if ":" in host:
+            raise ValueError(f"store address {address!r}: write an IPv6 host in brackets, e.g. [::1]:29400")
+    if not host:
+        raise ValueError(f"store address {address!r} has no host; expected HOST:PORT, e.g. 127.0.0.1:29400")
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"store address {address!r}: port {port_text!r} must be an integer in 1..65535")
+    return host, int(port_text)
+
+
+def format_address(host: str, port: int) -> str:
+    """Join host and port into the HOST:PORT form that `parse_address` reads."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _timedelta(timeout_s: float) -> datetime.timedelta:
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s={timeout_s} must be positive")
+    return datetime.timedelta(seconds=timeout_s)
+
+
+def connect_store(address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.Store:
+    """Connect a client to the store at `address`; every blocking call on it is bounded by `timeout_s`.
+
+    Raise ValueError for a malformed address and ConnectionError when nothing answers within `timeout_s`.
+    """
+    host, port = parse_address(address)
+    try:
+        return dist.TCPStore(host, port, is_master=False, timeout=_timedelta(timeout_s), wait_for_workers=False)
+    except (dist.DistError, RuntimeError) as err:
+        raise ConnectionError(f"cannot reach the store at {address} within {timeout_s}s: {err}") from err
+
+
+def connect_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, env=os.environ) -> dist.Store:
+    """Connect to the store whose address the launcher put in `NTP_STORE`."""
+    address = env.get(STORE_ENV)
+    if not address:
+        raise ValueError(f"{STORE_ENV} is not set; the launcher passes the store address as {STORE_ENV}=HOST:PORT")
+    return connect_store(address, timeout_s)
+
+
+def host_store(port: int = 0, host: str = "127.0.0.1",
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[dist.TCPStore, str]:
+    """Host a store in this process (the launcher, never a training rank); return it and its HOST:PORT.
+
+    `port=0` takes a free ephemeral port. `host` is the name workers use to reach this machine; the store listens on
+    every interface.
+    """
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port={port} must lie in 0..65535 (0 picks a free port)")
+    store = dist.TCPStore(host, port, is_master=True, timeout=_timedelta(timeout_s), wait_for_workers=False)
+    return store, format_address(host, store.port)
+
+
+def generation_store(store: dist.Store, generation: int) -> dist.PrefixStore:
+    """Return a view of `store` whose keys are private to process groups of `generation`."""
+    if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
+        raise ValueError(f"generation={generation!r} must be a non-negative integer")
+    return dist.PrefixStore(f"pg/{generation}", store)

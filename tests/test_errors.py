@@ -1,0 +1,43 @@
+"""Bad input fails before any process group exists, with a message naming the field and value."""
+
+import pytest
+import torch.distributed as dist
+
+import ntp_ds
+from ntp_ds.engine import ConfigError
+from tests.training import deepspeed_config, full_model, tiny_config
+
+
+def init(monkeypatch, ntp, ds=None, world_size=None, **model):
+    if world_size is not None:
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    else:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ntp_ds.initialize(model=full_model(tiny_config(**model)), config=ds or deepspeed_config("sgd", 1, 12, 2), ntp=ntp)
+
+
+@pytest.mark.parametrize("ntp, ds, world, model, message", [
+    ({"tp": 7}, None, None, {}, r"tp=7 exceeds the query-head count num_attention_heads=6"),
+    ({"tp": 3}, None, None, {"intermediate_size": 2}, r"tp=3 leaves rank 2 with zero ffn units"),
+    ({"tp": 3, "replicas": 2, "degrees": (3, 2)}, deepspeed_config("sgd", 1, 11, 2), None, {},
+     r"train_batch_size=11 is not divisible by the 2 replicas"),
+    ({"tp": 3, "replicas": 2, "degrees": (3, 1)}, deepspeed_config("sgd", 1, 2, 1), None, {},
+     r"train_batch_size=2 leaves replica 1 \(tp=1\) no sample"),
+    ({"tp": 2}, deepspeed_config("sgd", 3, 12, 2), None, {}, r"zero_optimization.stage=3 is not supported"),
+    ({"tp": 3, "replicas": 2, "degrees": (3, 2)}, None, 6, {}, r"world size 6 does not match the topology"),
+    ({"tp": 2, "replicas": 2, "degrees": (2,)}, None, None, {}, r"ntp.degrees=\[2\] lists 1 replicas"),
+    ({"tp": 2, "batch_policy": "greedy"}, None, None, {}, r"ntp.batch_policy='greedy'"),
+    ({"tp": 2, "replicas": 2, "degrees": (2, 3)}, None, None, {}, r"ntp.degrees\[1\]=3 must lie in"),
+    ({"tp": 2, "pipeline": 2}, None, None, {}, r"ntp.pipeline is not a known NTP setting"),
+])
+def test_error_names_field_before_any_process_group(monkeypatch, ntp, ds, world, model, message):
+    with pytest.raises(ConfigError, match=message):
+        init(monkeypatch, ntp, ds, world, **model)
+    assert not dist.is_initialized()
+
+
+def test_missing_batch_size_is_named(monkeypatch):
+    ds = deepspeed_config("sgd", 1, 12, 2)
+    del ds["train_micro_batch_size_per_gpu"]
+    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu is missing"):
+        init(monkeypatch, {"tp": 2}, ds)
