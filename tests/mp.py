@@ -19,8 +19,10 @@ def free_port() -> int:
 
 def _child(fn, rank, world_size, port, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu",
-                      OMP_NUM_THREADS="1")
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    if os.environ.get("NTP_TEST_DEVICE", "cpu") == "cpu":
+        os.environ["DS_ACCELERATOR"] = "cpu"
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
         import torch
         torch.set_num_threads(1)

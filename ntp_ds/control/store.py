@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
+import time
 
 import torch.distributed as dist
 
@@ -62,10 +64,25 @@ def connect_store(address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.St
     Raise ValueError for a malformed address and ConnectionError when nothing answers within `timeout_s`.
     """
     host, port = parse_address(address)
+    _await_listener(host, port, address, timeout_s)
     try:
         return dist.TCPStore(host, port, is_master=False, timeout=_timedelta(timeout_s), wait_for_workers=False)
     except (dist.DistError, RuntimeError) as err:
         raise ConnectionError(f"cannot reach the store at {address} within {timeout_s}s: {err}") from err
+
+
+def _await_listener(host: str, port: int, address: str, timeout_s: float) -> None:
+    """Wait until something accepts connections at host:port, so an absent store fails quietly and on time."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            socket.create_connection((host, port), timeout=max(0.05, min(1.0, left))).close()
+            return
+        except OSError as err:
+            if left <= 0.1:
+                raise ConnectionError(f"cannot reach the store at {address} within {timeout_s}s: {err}") from None
+            time.sleep(0.1)
 
 
 def connect_from_env(timeout_s: float = DEFAULT_TIMEOUT_S, env=os.environ) -> dist.Store:

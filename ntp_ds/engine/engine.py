@@ -67,6 +67,7 @@ class NTPEngine(DeepSpeedEngine):
         if len(inputs) == 1 and isinstance(inputs[0], dict) and not kwargs:
             kwargs, inputs = dict(inputs[0]), ()
         global_tokens = kwargs.pop("global_tokens", None)
+        kwargs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
         labels = kwargs.get("labels")
         if labels is not None:
             if global_tokens:

@@ -105,6 +105,8 @@ def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_l
         raise ConfigError("gradient_clipping>0 is not supported yet with a layout that shares a KV head between "
                           "ranks; choose TP degrees that divide num_key_value_heads or disable clipping")
 
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend_for_device(), timeout=_timedelta(ntp.timeout_s))
     groups = build_groups(topology, sync, dist.get_rank())

@@ -1,0 +1,188 @@
+"""Fault injection: make a chosen rank crash, hang or lose its device at a chosen step and phase.
+
+Faults come from the Hydra `fault` group (a schedule fixed at launch) or are sent to a running job through the
+store (`send_fault`, as `ntp-ds inject` does). The engine calls `FaultInjector.check(step, phase)` at every phase
+boundary; the injector polls the store at most every `poll_interval_s`, so a check costs no round trip in between.
+A scheduled fault fires at exactly its step (a job resumed past it does not replay it); a fault sent to a running
+job fires at the first boundary of its phase at or after its step. Each fault fires once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, Mapping, Sequence
+
+log = logging.getLogger(__name__)
+
+PHASES = ("forward", "backward", "grad_sync", "optimizer", "recovery")
+KINDS = ("crash", "hang", "device_error")
+FIELDS = ("rank", "step", "phase", "kind")
+FAULT_COUNT_KEY = "fault/count"
+"""Store counter of faults sent to the running job; fault n is stored under `fault/{n}`, n from 1."""
+
+
+class DeviceError(RuntimeError):
+    """This rank's device failed (or a failure was injected): the worker must treat its own GPU as lost."""
+
+
+def fault_key(n: int) -> str:
+    return f"fault/{n}"
+
+
+def fired_key(rank: int) -> str:
+    """Store key where a rank records the fault it fired and the wall time it did (to measure detection)."""
+    return f"fault/fired/{rank}"
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_fields(where: str, rank, step, phase, kind, world_size: int | None = None) -> None:
+    """Raise ValueError naming the first field of a fault that is wrong, e.g. `fault.faults[0].rank=7 ...`."""
+    if not _is_int(rank) or rank < 0:
+        raise ValueError(f"{where}.rank={rank!r} must be a non-negative integer")
+    if world_size is not None and rank >= world_size:
+        raise ValueError(f"{where}.rank={rank} does not exist (world size {world_size})")
+    if not _is_int(step) or step < 0:
+        raise ValueError(f"{where}.step={step!r} must be a non-negative integer")
+    if phase not in PHASES:
+        raise ValueError(f"{where}.phase={phase!r} must be one of {', '.join(PHASES)}")
+    if kind not in KINDS:
+        raise ValueError(f"{where}.kind={kind!r} must be one of {', '.join(KINDS)}")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Make launch rank `rank` fail in `kind` way when it reaches `phase` of step `step`."""
+
+    rank: int
+    step: int
+    phase: str
+    kind: str
+
+    def __post_init__(self):
+        _check_fields("fault", self.rank, self.step, self.phase, self.kind)
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_mapping(cls, item, where: str = "fault", world_size: int | None = None) -> "Fault":
+        """Build a fault from a mapping of its four fields; errors name `where.FIELD`."""
+        if not isinstance(item, Mapping):
+            raise ValueError(f"{where} must be a mapping with keys {', '.join(FIELDS)}; got {item!r}")
+        for key in item:
+            if key not in FIELDS:
+                raise ValueError(f"{where}.{key} is not a fault field; valid: {', '.join(FIELDS)}")
+        for key in FIELDS:
+            if key not in item:
+                raise ValueError(f"{where}.{key} is missing; a fault needs {', '.join(FIELDS)}")
+        _check_fields(where, *(item[k] for k in FIELDS), world_size=world_size)
+        return cls(*(item[k] for k in FIELDS))
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> "Fault":
+        return cls.from_mapping(json.loads(raw))
+
+
+@dataclass(frozen=True)
+class FaultSchedule:
+    """Faults fixed at launch, validated against the world size."""
+
+    faults: tuple[Fault, ...] = ()
+
+    @classmethod
+    def from_config(cls, items: Sequence[Mapping] | None, world_size: int,
+                    where: str = "fault.faults") -> "FaultSchedule":
+        """Read the Hydra `fault.faults` list; raise ValueError naming the entry and field at fault."""
+        if items is None:
+            return cls()
+        if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Iterable):
+            raise ValueError(f"{where} must be a list of {{{', '.join(FIELDS)}}} entries; got {items!r}")
+        faults, seen = [], {}
+        for i, item in enumerate(items):
+            fault = Fault.from_mapping(item, f"{where}[{i}]", world_size)
+            point = (fault.rank, fault.step, fault.phase)
+            if point in seen:
+                raise ValueError(f"{where}[{i}] repeats rank {fault.rank}, step {fault.step}, phase {fault.phase} "
+                                 f"of {where}[{seen[point]}]; a rank fails at most once per point")
+            seen[point] = i
+            faults.append(fault)
+        return cls(tuple(faults))
+
+    def for_rank(self, rank: int) -> tuple[Fault, ...]:
+        return tuple(f for f in self.faults if f.rank == rank)
+
+
+def send_fault(store, fault: Fault) -> int:
+    """Send `fault` to the running job through its store; return its sequence number."""
+    n = store.add(FAULT_COUNT_KEY, 1)
+    store.set(fault_key(n), fault.encode())
+    return n
+
+
+def trigger(fault: Fault) -> None:
+    """Make this process fail as `fault` says: SIGKILL itself, SIGSTOP itself, or raise DeviceError."""
+    if fault.kind == "crash":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.kind == "hang":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        raise DeviceError(f"injected device error on rank {fault.rank} at step {fault.step}, phase {fault.phase}")
+
+
+class FaultInjector:
+    """Fire this rank's faults at the phase boundaries the engine reports; also pick up faults sent to the job."""
+
+    def __init__(self, schedule: FaultSchedule, rank: int, store=None, *, poll_interval_s: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 fire: Callable[[Fault], None] = trigger):
+        if not poll_interval_s >= 0:
+            raise ValueError(f"poll_interval_s={poll_interval_s} must be non-negative")
+        self.rank, self.store, self.poll_interval_s = rank, store, poll_interval_s
+        self._clock, self._wall, self._fire = clock, wall, fire
+        self._pending: list[tuple[Fault, bool]] = [(f, True) for f in schedule.for_rank(rank)]
+        self._received = 0
+        self._next_poll = float("-inf")
+
+    @property
+    def pending(self) -> tuple[Fault, ...]:
+        """Faults of this rank not fired yet."""
+        return tuple(f for f, _ in self._pending)
+
+    def check(self, step: int, phase: str) -> None:
+        """Fire the fault due at this step and phase, if any; poll the store when the poll interval has passed."""
+        if phase not in PHASES:
+            raise ValueError(f"phase={phase!r} must be one of {', '.join(PHASES)}")
+        if self.store is not None and self._clock() >= self._next_poll:
+            self.poll()
+        for i, (fault, exact) in enumerate(self._pending):
+            if fault.phase == phase and (step == fault.step if exact else step >= fault.step):
+                del self._pending[i]
+                self._record(fault, step)
+                self._fire(fault)
+                return
+
+    def poll(self) -> None:
+        """Read the faults sent to the job since the last poll and keep this rank's."""
+        self._next_poll = self._clock() + self.poll_interval_s
+        count = self.store.add(FAULT_COUNT_KEY, 0)
+        while self._received < count:
+            key = fault_key(self._received + 1)
+            if not self.store.check([key]):
+                break  # its sender has counted it but not written it yet; read it at the next poll
+            self._received += 1
+            fault = Fault.decode(self.store.get(key))
+            if fault.rank == self.rank:
+                self._pending.append((fault, False))
+
+    def _record(self, fault: Fault, step: int) -> None:
+        log.warning("injecting %s on rank %d at step %d, phase %s", fault.kind, self.rank, step, fault.phase)
+        if self.store is not None:
+            self.store.set(fired_key(self.rank), json.dumps({**asdict(fault), "at_step": step, "wall": self._wall()}))

@@ -1,0 +1,296 @@
+"""Membership agreement: survivors report failures, one decision per generation is committed, all adopt it.
+
+Protocol (keys in the launcher's store; ranks are launch ranks, stable across generations):
+1. A rank that sees peers die appends a `FailureReport` to `membership/{g}/reports`, where g is its generation.
+2. Every rank that learns of a failure (its own report, or `pending()`) calls `await_decision(g)`. Once reports have
+   been visible to it for `settle_s`, it proposes the union of all reports with `compare_set` on `decision/{g}`:
+   the first writer wins, every later proposer reads back the winner's bytes, so all ranks hold the same
+   `MembershipChange` to generation g + 1.
+3. Each survivor `confirm`s: it adopts the change, then meets the other survivors at a barrier that names only
+   survivors, so nobody waits on a dead rank.
+A report or decision of an older generation is ignored; every wait is bounded and raises a TimeoutError subclass
+naming what it waited for.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping, Sequence
+
+from ntp_ds.layout import ShardLayout, Topology
+
+
+class StaleGeneration(ValueError):
+    """A call named a generation older than the caller's current one."""
+
+
+class Evicted(RuntimeError):
+    """This rank was declared dead by the committed decision: it must leave the job."""
+
+
+class MembershipTimeout(TimeoutError):
+    """No decision was committed within the bound."""
+
+
+class BarrierTimeout(TimeoutError):
+    """Not every expected rank reached the barrier within the bound; `missing` names those that did not."""
+
+    def __init__(self, name: str, missing: frozenset[int], timeout_s: float):
+        super().__init__(f"barrier {name!r}: ranks {sorted(missing)} did not arrive within {timeout_s}s")
+        self.name, self.missing = name, missing
+
+
+@dataclass(frozen=True)
+class MembershipChange:
+    """The committed move to `generation`: who died, who goes on (sorted launch ranks = new global rank order)."""
+
+    generation: int
+    dead: frozenset[int]
+    survivors: tuple[int, ...]
+    detection_s: float
+    """Largest detection latency among the dead: time first reported dead minus the wall stamp of its last beat."""
+    reason: str
+    detected_at: tuple[tuple[int, float], ...] = ()
+    """(rank, wall time it was first reported dead), for each dead rank."""
+
+    def __post_init__(self):
+        if self.generation < 1:
+            raise ValueError(f"generation={self.generation} of a change must be at least 1")
+        if self.dead & set(self.survivors):
+            raise ValueError(f"ranks {sorted(self.dead & set(self.survivors))} are both dead and surviving")
+        if list(self.survivors) != sorted(set(self.survivors)):
+            raise ValueError(f"survivors={self.survivors} must be sorted and distinct")
+
+    def new_rank(self, rank: int) -> int:
+        """Global rank of survivor `rank` in the new generation's process groups."""
+        return self.survivors.index(rank)
+
+    def encode(self) -> str:
+        return json.dumps({"generation": self.generation, "dead": sorted(self.dead), "survivors": self.survivors,
+                           "detection_s": self.detection_s, "reason": self.reason,
+                           "detected_at": self.detected_at}, sort_keys=True)
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> "MembershipChange":
+        d = json.loads(raw)
+        return cls(d["generation"], frozenset(d["dead"]), tuple(d["survivors"]), d["detection_s"], d["reason"],
+                   tuple((int(r), float(t)) for r, t in d["detected_at"]))
+
+
+@dataclass(frozen=True)
+class FailureReport:
+    """One rank's claim that `ranks` died: when it noticed, why, and when each was last known alive."""
+
+    reporter: int
+    ranks: frozenset[int]
+    detected_at: float
+    reason: str
+    last_seen: dict[int, float] = field(default_factory=dict)
+
+    def encode(self) -> str:
+        return json.dumps({"reporter": self.reporter, "ranks": sorted(self.ranks), "detected_at": self.detected_at,
+                           "reason": self.reason, "last_seen": {str(r): t for r, t in self.last_seen.items()}})
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> "FailureReport":
+        d = json.loads(raw)
+        return cls(d["reporter"], frozenset(d["ranks"]), d["detected_at"], d["reason"],
+                   {int(r): t for r, t in d["last_seen"].items()})
+
+
+def decide(generation: int, members: Sequence[int], reports: Sequence[FailureReport]) -> MembershipChange:
+    """Merge the reports of `generation` into the change every survivor will adopt (pure)."""
+    dead = frozenset(r for rep in reports for r in rep.ranks) & set(members)
+    if not dead:
+        raise ValueError(f"reports of generation {generation} name no current member as dead")
+    first = {r: min(rep.detected_at for rep in reports if r in rep.ranks) for r in dead}
+    seen = {r: max(rep.last_seen[r] for rep in reports if r in rep.last_seen) for r in dead
+            if any(r in rep.last_seen for rep in reports)}
+    latency = max((max(0.0, first[r] - seen[r]) for r in seen), default=0.0)
+    reasons = list(dict.fromkeys(rep.reason for rep in reports))
+    return MembershipChange(generation + 1, dead, tuple(sorted(set(members) - dead)), latency, "; ".join(reasons),
+                            tuple(sorted(first.items())))
+
+
+def barrier(store, name: str, rank: int, ranks: Sequence[int], timeout_s: float, *, poll_s: float = 0.02,
+            clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Wait until every rank in `ranks` has called this barrier `name`; raise BarrierTimeout after `timeout_s`."""
+    if rank not in ranks:
+        raise ValueError(f"rank {rank} is not among the barrier's ranks {sorted(ranks)}")
+    deadline = clock() + timeout_s
+    if store.add(f"{name}/{rank}", 1) == 1:  # count each rank once, even if it calls again
+        store.add(f"{name}/count", 1)
+    while store.add(f"{name}/count", 0) < len(ranks):
+        if clock() >= deadline:
+            missing = frozenset(r for r in ranks if not store.check([f"{name}/{r}"]))
+            raise BarrierTimeout(name, missing, timeout_s)
+        sleep(poll_s)
+
+
+class Membership:
+    """One rank's view of the job's members, kept in agreement with every other survivor through the store."""
+
+    def __init__(self, store, rank: int, members: Iterable[int], generation: int = 0, *, settle_s: float = 0.2,
+                 poll_s: float = 0.02, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.store, self.rank = store, rank
+        self.members = tuple(sorted(set(members)))
+        if rank not in self.members:
+            raise ValueError(f"rank {rank} is not among members {list(self.members)}")
+        self.generation = generation
+        self.settle_s, self.poll_s = settle_s, poll_s
+        self._clock, self._sleep = clock, sleep
+
+    @staticmethod
+    def _reports_key(generation: int) -> str:
+        return f"membership/{generation}/reports"
+
+    @staticmethod
+    def _decision_key(generation: int) -> str:
+        return f"decision/{generation}"
+
+    def _check_generation(self, generation: int) -> None:
+        if generation < self.generation:
+            raise StaleGeneration(f"generation={generation} is older than this rank's generation {self.generation}")
+        if generation > self.generation:
+            raise ValueError(f"generation={generation} is ahead of this rank's generation {self.generation}")
+
+    def report_failure(self, generation: int, ranks: Iterable[int], detected_at: float, reason: str,
+                       last_seen: Mapping[int, float] | None = None) -> bool:
+        """Propose that `ranks` died; return False if ignored (older generation, not members, already decided).
+
+        A rank reported after the decision is not in it: once the change is adopted, report it again.
+        """
+        if generation < self.generation:
+            return False
+        self._check_generation(generation)
+        ranks = frozenset(ranks) & set(self.members)
+        if not ranks or self.store.check([self._decision_key(generation)]):
+            return False
+        seen = {r: float(t) for r, t in (last_seen or {}).items() if r in ranks and t is not None}
+        report = FailureReport(self.rank, ranks, float(detected_at), reason, seen)
+        self.store.append(self._reports_key(generation), report.encode() + "\n")
+        return True
+
+    def pending(self) -> bool:
+        """Whether some rank has reported a failure in the current generation (one store round trip)."""
+        return self.store.check([self._reports_key(self.generation)])
+
+    def reports(self, generation: int) -> list[FailureReport]:
+        """Reports of `generation` visible in the store now."""
+        key = self._reports_key(generation)
+        if not self.store.check([key]):
+            return []
+        return [FailureReport.decode(line) for line in self.store.get(key).decode().splitlines() if line]
+
+    def decision(self, generation: int) -> MembershipChange | None:
+        """The change committed for `generation`, or None if none is committed yet (never waits)."""
+        self._check_generation(generation)
+        key = self._decision_key(generation)
+        return MembershipChange.decode(self.store.get(key)) if self.store.check([key]) else None
+
+    def await_decision(self, generation: int, timeout_s: float) -> MembershipChange:
+        """Return the change committed for `generation`, committing the reports' union if nobody has.
+
+        Raise MembershipTimeout if no report appears within `timeout_s`.
+        """
+        self._check_generation(generation)
+        deadline, first_seen = self._clock() + timeout_s, None
+        while True:
+            change = self.decision(generation)
+            if change is not None:
+                return change
+            reports = self.reports(generation)
+            now = self._clock()
+            if reports:
+                first_seen = now if first_seen is None else first_seen
+                if now - first_seen >= self.settle_s or now >= deadline:
+                    return self._commit(generation, reports)
+            elif now >= deadline:
+                raise MembershipTimeout(f"no failure was reported in generation {generation} within {timeout_s}s")
+            self._sleep(max(0.0, min(self.poll_s, deadline - now)))
+
+    def _commit(self, generation: int, reports: Sequence[FailureReport]) -> MembershipChange:
+        proposal = decide(generation, self.members, reports).encode()
+        return MembershipChange.decode(self.store.compare_set(self._decision_key(generation), "", proposal))
+
+    def confirm(self, change: MembershipChange, timeout_s: float) -> bool:
+        """Adopt `change`, then wait (bounded) until every survivor has; return False for a stale change.
+
+        Raise Evicted if this rank is among the dead, and BarrierTimeout naming the survivors that never arrived
+        (they should be reported dead in the new generation, which this rank has already adopted).
+        """
+        if change.generation <= self.generation:
+            return False
+        if change.generation != self.generation + 1:
+            raise ValueError(f"change to generation {change.generation} skips generations after {self.generation}")
+        if change != self.decision(self.generation):
+            raise ValueError(f"change to generation {change.generation} is not the committed decision")
+        if self.rank in change.dead:
+            raise Evicted(f"rank {self.rank} was declared dead in generation {change.generation}: {change.reason}")
+        self.generation, self.members = change.generation, change.survivors
+        barrier(self.store, f"membership/{change.generation}/confirm", self.rank, change.survivors, timeout_s,
+                poll_s=self.poll_s, clock=self._clock, sleep=self._sleep)
+        return True
+
+
+@dataclass(frozen=True)
+class ReplicaMembership:
+    """Which TP ranks each replica lost, which replicas are gone, and each surviving replica's new layout."""
+
+    lost: dict[int, frozenset[int]]
+    """Replica -> TP ranks (in its old layout) it lost; only replicas that lost some appear."""
+    gone: tuple[int, ...]
+    """Replicas that lost every rank."""
+    layouts: dict[int, ShardLayout]
+    """Replica -> layout after the loss, for every replica not gone (unchanged for untouched ones)."""
+    members: dict[int, tuple[int, ...]]
+    """Replica -> launch ranks it keeps, in new TP-rank order, for every replica not gone."""
+
+    @property
+    def degraded(self) -> tuple[int, ...]:
+        """Replicas that lost some ranks and keep at least one."""
+        return tuple(r for r in sorted(self.lost) if r not in self.gone)
+
+    def below(self, min_tp: int) -> tuple[int, ...]:
+        """Surviving replicas whose new TP degree is below `min_tp`."""
+        return tuple(r for r, lay in sorted(self.layouts.items()) if lay.tp < min_tp)
+
+    def topology(self, drop: Iterable[int] = ()) -> Topology:
+        """Topology of the surviving replicas, less `drop`, in their old order."""
+        drop = set(drop)
+        return Topology(tuple(lay for r, lay in sorted(self.layouts.items()) if r not in drop))
+
+    def ranks(self, drop: Iterable[int] = ()) -> tuple[int, ...]:
+        """Launch ranks of that topology in global-rank order (replica after replica)."""
+        drop = set(drop)
+        return tuple(m for r, ms in sorted(self.members.items()) if r not in drop for m in ms)
+
+
+def replica_membership(topology: Topology, dead: Iterable[int],
+                       members: Sequence[int] | None = None) -> ReplicaMembership:
+    """Map dead launch ranks onto `topology`'s replicas (pure).
+
+    `members[i]` is the launch rank at global rank i of `topology` (default: the identity, as at launch).
+    """
+    members = tuple(range(topology.world_size)) if members is None else tuple(members)
+    if len(members) != topology.world_size:
+        raise ValueError(f"members lists {len(members)} ranks but the topology has {topology.world_size}")
+    dead = frozenset(dead)
+    unknown = sorted(dead - set(members))
+    if unknown:
+        raise ValueError(f"dead ranks {unknown} are not members {list(members)}")
+    lost, gone, layouts, kept = {}, [], {}, {}
+    for replica, layout in enumerate(topology.layouts):
+        ranks = [members[g] for g in topology.ranks_of(replica)]
+        tp_lost = frozenset(i for i, m in enumerate(ranks) if m in dead)
+        if tp_lost:
+            lost[replica] = tp_lost
+        if len(tp_lost) == layout.tp:
+            gone.append(replica)
+            continue
+        layouts[replica] = layout.without_ranks(tp_lost) if tp_lost else layout
+        kept[replica] = tuple(m for m in ranks if m not in dead)
+    return ReplicaMembership(lost, tuple(gone), layouts, kept)

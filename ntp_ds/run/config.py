@@ -1,0 +1,426 @@
+"""The train configuration: one dataclass per Hydra group, checks that name the field at fault, and the DeepSpeed
+config generated from it.
+
+Pure logic: no process group, no file written. `RunConfig.from_dict` takes the composed Hydra config as a plain
+dict; `validate` raises a `ConfigError` whose message starts with the dotted field name.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
+
+from ntp_ds.batch import POLICIES
+from ntp_ds.engine.config import ConfigError, NTPConfig, check_batch, load_deepspeed_config
+from ntp_ds.layout import LayoutError, Topology
+from ntp_ds.models import LlamaConfig
+
+FAULT_KINDS = ("crash", "hang", "device_error")
+FAULT_PHASES = ("forward", "backward", "grad_sync", "optimizer", "recovery")
+WANDB_MODES = ("online", "offline", "disabled")
+OPTIMIZERS = ("adamw", "sgd")
+PRECISIONS = ("fp32", "bf16")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+@dataclass
+class ModelConfig:
+    """Which Llama to train: a name for the logs and the shape fields of `ntp_ds.models.LlamaConfig`."""
+
+    name: str = "tiny"
+    """Name shown in logs, the dry run and the summary."""
+    llama: dict = field(default_factory=dict)
+    """Every other key of the group: `LlamaConfig` fields (hidden_size, num_hidden_layers, ...)."""
+
+    def llama_config(self) -> LlamaConfig:
+        try:
+            return LlamaConfig(**self.llama)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"model.{e}") from None
+
+
+@dataclass
+class ParallelConfig:
+    """Replicas, their TP degrees and the ZeRO stage; everything but `zero_stage` is an `NTPConfig` field."""
+
+    tp: int = 2
+    """Healthy tensor-parallel degree of a replica (its scale-up domain)."""
+    replicas: int = 2
+    """Data-parallel replicas."""
+    degrees: list | None = None
+    """TP degree of each replica at start; null: every replica at `tp`. E.g. [2, 1] starts one replica degraded."""
+    zero_stage: int = 1
+    """DeepSpeed ZeRO stage: 0, 1 or 2."""
+    batch_policy: str = "preserve_global_batch"
+    """`preserve_global_batch`: healthy replicas take a degraded one's shortfall; `proportional`: the batch shrinks."""
+    min_tp: int = 1
+    """Smallest TP degree a replica may train at; below it the replica is dropped."""
+    zero_redundancy: int = 1
+    """In-memory copies of each ZeRO partition kept on other replicas."""
+    memory_budget_gb: float | None = None
+    """Per-GPU memory budget; a degraded replica lowers its micro-batch to fit it; null: no limit."""
+    timeout_s: float = 300.0
+    """Bound on every wait for a peer, in seconds."""
+
+    def ntp(self) -> NTPConfig:
+        kw = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "zero_stage"}
+        return NTPConfig(**kw)
+
+    @property
+    def replica_degrees(self) -> tuple[int, ...]:
+        return tuple(self.degrees) if self.degrees is not None else (self.tp,) * self.replicas
+
+
+@dataclass
+class DataConfig:
+    """The token stream: seeded synthetic sequences, read in the same order by every run."""
+
+    name: str = "synthetic"
+    """Dataset; only `synthetic` (ntp_ds.batch.loader.SyntheticTokens) for now."""
+    seq_len: int = 64
+    """Tokens per sample."""
+    size: int = 4096
+    """Samples in the dataset; the sampler wraps around into a new seeded permutation."""
+    seed: int = 0
+    """Seed of the tokens and of the sample order."""
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer, turned into the DeepSpeed `optimizer` (and `scheduler`) sections."""
+
+    name: str = "adamw"
+    """`adamw` (torch AdamW, no fused CUDA op) or `sgd`."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW moment decay rates."""
+    eps: float = 1e-8
+    """AdamW denominator epsilon."""
+    momentum: float = 0.0
+    """SGD momentum."""
+    grad_clip: float = 0.0
+    """Global gradient-norm clip (DeepSpeed gradient_clipping); 0 disables it."""
+    warmup_steps: int = 0
+    """Linear warm-up steps (DeepSpeed WarmupLR); 0: constant learning rate."""
+
+
+@dataclass
+class FaultEvent:
+    """One scheduled fault: `kind` hits global rank `rank` during `phase` of step `step` (1-based)."""
+
+    rank: int
+    step: int
+    phase: str
+    kind: str
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection schedule; the injector itself lives in `ntp_ds.control`."""
+
+    events: list = field(default_factory=list)
+    """List of {rank, step, phase, kind}: kind crash|hang|device_error, phase forward|backward|grad_sync|
+    optimizer|recovery."""
+
+
+@dataclass
+class WandbConfig:
+    """Where the W&B run goes."""
+
+    mode: str = "offline"
+    """online, offline (no network; sync later with `wandb sync`) or disabled."""
+    project: str = "ntp-ds"
+    """W&B project."""
+    entity: str | None = None
+    """W&B team or user; null: the default entity of the logged-in user."""
+    name: str | None = None
+    """Run name; null: the run directory's name."""
+    tags: list = field(default_factory=list)
+    """Tags attached to the run."""
+
+
+@dataclass
+class LoggingConfig:
+    """Console, log files, progress bar and W&B."""
+
+    level: str = "INFO"
+    """Level of rank 0 on the console and of every rank's file run_dir/logs/rank{N}.log."""
+    other_ranks_level: str = "WARNING"
+    """Console level of the ranks other than 0."""
+    progress: bool = True
+    """tqdm progress bar of the training steps on rank 0."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """W&B settings."""
+
+
+@dataclass
+class LauncherConfig:
+    """How `ntp-ds train` starts its workers when it runs outside any launcher (see `ntp_ds.launch`)."""
+
+    name: str = "local"
+    """Launcher; `local` spawns the workers of this node and hosts the rendezvous store."""
+    nnodes: int = 1
+    """Nodes taking part."""
+    node_rank: int = 0
+    """This node's index; node 0 hosts the store."""
+    nproc_per_node: int | None = None
+    """Workers per node; null: the world size (sum of the replicas' degrees) divided by nnodes."""
+    store: str | None = None
+    """HOST:PORT of the store node 0 hosts; null on a single node: a free local port."""
+    grace_s: float = 10.0
+    """Seconds workers get to exit after SIGTERM when the launcher is stopped."""
+
+
+@dataclass
+class TrainSection:
+    """Steps and batch."""
+
+    steps: int = 20
+    """Optimizer steps to run."""
+    global_batch: int = 8
+    """Failure-free global batch in samples (DeepSpeed train_batch_size)."""
+    micro_batch: int = 2
+    """Samples per micro-batch (DeepSpeed train_micro_batch_size_per_gpu)."""
+    precision: str = "fp32"
+    """fp32 or bf16."""
+    save_final: bool = True
+    """Write the consolidated weights to run_dir/final (HF form) at the end."""
+
+
+@dataclass
+class RunConfig:
+    """Everything one training run reads."""
+
+    seed: int = 0
+    """Seeds the weights; the data has its own `data.seed`."""
+    recipe: str | None = None
+    """Name of recipes/NAME.yaml merged over the defaults."""
+    dry_run: bool = False
+    """Print shapes, per-GPU memory (healthy and degraded) and the group layout, then exit."""
+    deepspeed_config: str | None = None
+    """Path of a DeepSpeed JSON used whole instead of the one generated from train/optim/parallel."""
+    run_dir: str | None = None
+    """Where the run writes metrics, events, summary, W&B files and weights; null: hydra.run.dir."""
+    train: TrainSection = field(default_factory=TrainSection)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+    # -- construction ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict) -> "RunConfig":
+        """Build from the composed config (a plain dict); unknown keys and wrong types name their field."""
+        data = {k: v for k, v in data.items() if k != "hydra"}
+        model = dict(data.pop("model", None) or {})
+        cfg = _build(cls, data, "")
+        cfg.model = ModelConfig(name=str(model.pop("name", "model")), llama=model)
+        return cfg
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["model"] = {"name": self.model.name, **self.model.llama}
+        return out
+
+    # -- derived -----------------------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """Processes the topology needs: the sum of the replicas' TP degrees."""
+        return sum(self.parallel.replica_degrees)
+
+    @property
+    def allocated_gpus(self) -> int:
+        """GPUs the job holds: every replica's healthy domain, degraded or not."""
+        return self.parallel.replicas * self.parallel.tp
+
+    def ds_config(self) -> dict:
+        """The DeepSpeed config: the file named by `deepspeed_config` whole, else generated."""
+        if self.deepspeed_config:
+            try:
+                return load_deepspeed_config(self.deepspeed_config)
+            except ConfigError as e:
+                raise ConfigError(f"deepspeed_config: {e}") from None
+        return load_deepspeed_config(generate_deepspeed_config(self))
+
+    # -- checks ------------------------------------------------------------------------------------------------
+    def validate(self, world_size: int | None = None) -> None:
+        """Check every field before any process starts; `world_size` is the launcher's WORLD_SIZE, if any."""
+        _check_choice("logging.level", self.logging.level, LOG_LEVELS)
+        _check_choice("logging.other_ranks_level", self.logging.other_ranks_level, LOG_LEVELS)
+        _check_choice("logging.wandb.mode", self.logging.wandb.mode, WANDB_MODES)
+        _check_choice("optim.name", self.optim.name, OPTIMIZERS)
+        _check_choice("train.precision", self.train.precision, PRECISIONS)
+        _check_choice("data.name", self.data.name, ("synthetic",))
+        _check_choice("parallel.batch_policy", self.parallel.batch_policy, POLICIES)
+        _check_choice("parallel.zero_stage", self.parallel.zero_stage, (0, 1, 2))
+        for name in ("train.steps", "train.global_batch", "train.micro_batch", "data.seq_len", "data.size",
+                     "launcher.nnodes"):
+            _check_positive(name, _get(self, name))
+        if self.optim.lr <= 0:
+            raise ConfigError(f"optim.lr={self.optim.lr} must be positive")
+        if self.optim.grad_clip < 0 or self.optim.warmup_steps < 0:
+            raise ConfigError(f"optim.grad_clip={self.optim.grad_clip} and optim.warmup_steps="
+                              f"{self.optim.warmup_steps} must be 0 or more")
+        llama = self.model.llama_config()
+        if self.data.seq_len > llama.max_position_embeddings:
+            raise ConfigError(f"data.seq_len={self.data.seq_len} exceeds model.max_position_embeddings="
+                              f"{llama.max_position_embeddings}")
+        ntp = self._check_parallel(llama)
+        self._check_world(world_size)
+        ds = self.ds_config()
+        try:
+            check_batch(ds, ntp)
+        except ConfigError as e:
+            raise ConfigError(f"train.global_batch/micro_batch: {e}") from None
+        self._check_faults()
+
+    def _check_parallel(self, llama: LlamaConfig) -> NTPConfig:
+        p = self.parallel
+        for name in ("tp", "replicas"):
+            _check_positive(f"parallel.{name}", getattr(p, name))
+        if p.degrees is not None and not isinstance(p.degrees, list):
+            raise ConfigError(f"parallel.degrees={p.degrees!r} must be a list of TP degrees or null")
+        ntp = p.ntp()
+        try:
+            ntp.validate(None)
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("ntp.", "parallel.")) from None
+        for r, degree in enumerate(p.replica_degrees):
+            try:
+                Topology.from_degrees(llama.units(), (degree,))
+            except LayoutError as e:
+                field_name = f"parallel.degrees[{r}]" if p.degrees is not None else "parallel.tp"
+                raise ConfigError(f"{field_name}={degree} does not fit model {self.model.name}: {e}") from None
+        topology = Topology.from_degrees(llama.units(), p.replica_degrees)
+        if self.optim.grad_clip and any(lay.shares_kv() for lay in topology.layouts):
+            raise ConfigError(f"optim.grad_clip={self.optim.grad_clip} is not supported yet when a replica's layout "
+                              f"shares a KV head between ranks (parallel.degrees={list(p.replica_degrees)}, "
+                              f"num_key_value_heads={llama.num_key_value_heads}); set optim.grad_clip=0")
+        return ntp
+
+    def _check_world(self, world_size: int | None) -> None:
+        need, launcher = self.world_size, self.launcher
+        degrees = list(self.parallel.replica_degrees)
+        if world_size is not None and world_size != need:
+            raise ConfigError(f"parallel.degrees={degrees} needs {need} processes but the launcher started "
+                              f"WORLD_SIZE={world_size}; set parallel.tp/parallel.replicas (or degrees) to match")
+        if not 0 <= launcher.node_rank < launcher.nnodes:
+            raise ConfigError(f"launcher.node_rank={launcher.node_rank} must lie in 0..nnodes-1={launcher.nnodes - 1}")
+        if launcher.nproc_per_node is not None:
+            _check_positive("launcher.nproc_per_node", launcher.nproc_per_node)
+            if launcher.nproc_per_node * launcher.nnodes != need:
+                raise ConfigError(f"launcher.nproc_per_node={launcher.nproc_per_node} x launcher.nnodes="
+                                  f"{launcher.nnodes} = {launcher.nproc_per_node * launcher.nnodes} processes, but "
+                                  f"parallel.degrees={degrees} needs {need}")
+        elif need % launcher.nnodes:
+            raise ConfigError(f"launcher.nnodes={launcher.nnodes} does not divide the world size {need} of "
+                              f"parallel.degrees={degrees}; set launcher.nproc_per_node")
+        if launcher.nnodes > 1 and not launcher.store:
+            raise ConfigError(f"launcher.store=null: with launcher.nnodes={launcher.nnodes}, give HOST:PORT of the "
+                              f"store node 0 hosts")
+
+    def _check_faults(self) -> None:
+        if not isinstance(self.fault.events, list):
+            raise ConfigError(f"fault.events={self.fault.events!r} must be a list of {{rank, step, phase, kind}}")
+        events = []
+        for i, raw in enumerate(self.fault.events):
+            name = f"fault.events[{i}]"
+            if not isinstance(raw, dict):
+                raise ConfigError(f"{name}={raw!r} must be a mapping {{rank, step, phase, kind}}")
+            event = _build(FaultEvent, dict(raw), name + ".")
+            if not 0 <= event.rank < self.world_size:
+                raise ConfigError(f"{name}.rank={event.rank} does not exist: the world has {self.world_size} ranks "
+                                  f"(0..{self.world_size - 1})")
+            if not 1 <= event.step <= self.train.steps:
+                raise ConfigError(f"{name}.step={event.step} must lie in 1..train.steps={self.train.steps}")
+            _check_choice(f"{name}.phase", event.phase, FAULT_PHASES)
+            _check_choice(f"{name}.kind", event.kind, FAULT_KINDS)
+            events.append(event)
+        self.fault.events = events
+
+    def fault_events(self) -> list[FaultEvent]:
+        return [e if isinstance(e, FaultEvent) else FaultEvent(**e) for e in self.fault.events]
+
+
+def generate_deepspeed_config(cfg: RunConfig) -> dict:
+    """The DeepSpeed config of a run: batch, optimizer, ZeRO stage and precision from the train config."""
+    o = cfg.optim
+    if o.name == "sgd":
+        optimizer = {"type": "SGD", "params": {"lr": o.lr, "momentum": o.momentum, "weight_decay": o.weight_decay}}
+    else:
+        optimizer = {"type": "AdamW", "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps,
+                                                 "weight_decay": o.weight_decay, "torch_adam": True}}
+    ds = {"train_batch_size": cfg.train.global_batch, "train_micro_batch_size_per_gpu": cfg.train.micro_batch,
+          "optimizer": optimizer, "zero_optimization": {"stage": cfg.parallel.zero_stage},
+          "bf16": {"enabled": cfg.train.precision == "bf16"}, "gradient_clipping": o.grad_clip,
+          "steps_per_print": 10**9, "wall_clock_breakdown": False, "zero_allow_untested_optimizer": True}
+    if o.warmup_steps:
+        ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": o.lr,
+                                                          "warmup_num_steps": o.warmup_steps,
+                                                          "warmup_type": "linear"}}
+    return ds
+
+
+# -- helpers ---------------------------------------------------------------------------------------------------
+def _get(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _check_choice(name: str, value, valid) -> None:
+    if value not in valid:
+        raise ConfigError(f"{name}={value!r} must be one of {', '.join(map(str, valid))}")
+
+
+def _check_positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be a positive integer")
+
+
+def _build(cls, data: dict, prefix: str):
+    """Instantiate dataclass `cls` from `data`, nested dataclasses included; name unknown keys and wrong types."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]} is not a known setting; valid: {', '.join(sorted(known))}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if isinstance(hint, type) and hasattr(hint, "__dataclass_fields__"):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{prefix}{name}={value!r} must be a mapping")
+            kwargs[name] = _build(hint, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(f"{prefix}{name}", value, hint)
+    missing = [f.name for f in known.values()
+               if f.name not in kwargs and f.default is MISSING and f.default_factory is MISSING]
+    if missing:
+        raise ConfigError(f"{prefix}{missing[0]} is missing")
+    return cls(**kwargs)
+
+
+def _coerce(name: str, value, hint):
+    """Check `value` against a field's type hint; ints are accepted where floats are expected."""
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    base = typing.get_origin(base) or base
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{name}=null is not allowed; expected {getattr(base, '__name__', base)}")
+    if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if base is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{name}={value!r} must be an integer")
+    if base in (str, bool, list, dict) and not isinstance(value, base):
+        raise ConfigError(f"{name}={value!r} must be a {base.__name__}")
+    return value
