@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ntp_ds.control.inject import main  # noqa: E402
+from ntp_ds.control.inject import main
 
 if __name__ == "__main__":
     sys.exit(main())

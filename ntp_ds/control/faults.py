@@ -14,8 +14,8 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable, Mapping, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def fault_key(n: int) -> str:
 
 
 def fired_key(rank: int) -> str:
-    """Store key where a rank records the fault it fired and the wall time it did (to measure detection)."""
+    """Return the store key where a rank records the fault it fired and the wall time it did (to measure detection)."""
     return f"fault/fired/{rank}"
 
 
@@ -73,7 +73,7 @@ class Fault:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_mapping(cls, item, where: str = "fault", world_size: int | None = None) -> "Fault":
+    def from_mapping(cls, item, where: str = "fault", world_size: int | None = None) -> Fault:
         """Build a fault from a mapping of its four fields; errors name `where.FIELD`."""
         if not isinstance(item, Mapping):
             raise ValueError(f"{where} must be a mapping with keys {', '.join(FIELDS)}; got {item!r}")
@@ -87,7 +87,7 @@ class Fault:
         return cls(*(item[k] for k in FIELDS))
 
     @classmethod
-    def decode(cls, raw: bytes | str) -> "Fault":
+    def decode(cls, raw: bytes | str) -> Fault:
         return cls.from_mapping(json.loads(raw))
 
 
@@ -99,7 +99,7 @@ class FaultSchedule:
 
     @classmethod
     def from_config(cls, items: Sequence[Mapping] | None, world_size: int,
-                    where: str = "fault.faults") -> "FaultSchedule":
+                    where: str = "fault.faults") -> FaultSchedule:
         """Read the Hydra `fault.faults` list; raise ValueError naming the entry and field at fault."""
         if items is None:
             return cls()
@@ -153,7 +153,7 @@ class FaultInjector:
 
     @property
     def pending(self) -> tuple[Fault, ...]:
-        """Faults of this rank not fired yet."""
+        """Return this rank's faults not fired yet."""
         return tuple(f for f, _ in self._pending)
 
     def check(self, step: int, phase: str) -> None:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class Beat:
         return f"{self.counter} {self.wall!r}"
 
     @classmethod
-    def decode(cls, raw: bytes | str) -> "Beat":
+    def decode(cls, raw: bytes | str) -> Beat:
         text = raw.decode() if isinstance(raw, bytes) else raw
         counter, wall = text.split()
         return cls(int(counter), float(wall))
@@ -104,16 +104,16 @@ class LivenessMonitor:
                 self._exited.setdefault(rank, reason)
 
     def silent_for(self, rank: int) -> float:
-        """Seconds since `rank`'s counter last changed (or since the monitor began watching it)."""
+        """Return the seconds since `rank`'s counter last changed (or since the monitor began watching it)."""
         return self._clock() - self._changed_at[rank]
 
     def dead(self) -> frozenset[int]:
-        """Ranks that have exited or have been silent for longer than `heartbeat_timeout_s`."""
+        """Return the ranks that have exited or have been silent for longer than `heartbeat_timeout_s`."""
         return frozenset(r for r in self._changed_at
                          if r in self._exited or self.silent_for(r) > self.heartbeat_timeout_s)
 
     def last_seen(self, rank: int) -> float | None:
-        """Wall time stamped in the latest beat seen from `rank`, or None if it never beat."""
+        """Return the wall time stamped in the latest beat seen from `rank`, or None if it never beat."""
         return self._wall.get(rank)
 
     def reason(self, rank: int) -> str:
@@ -170,7 +170,7 @@ class Heartbeat:
         self.store.set(heartbeat_key(self.rank), beat.encode())
         return beat
 
-    def start(self) -> "Heartbeat":
+    def start(self) -> Heartbeat:
         """Beat once from the caller (so a dead store fails here, loudly), then keep beating in a daemon thread."""
         if self._thread is not None:
             raise RuntimeError(f"heartbeat of rank {self.rank} is already running")
@@ -214,7 +214,7 @@ class Heartbeat:
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
-    def __enter__(self) -> "Heartbeat":
+    def __enter__(self) -> Heartbeat:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
 
 from ntp_ds.layout import ShardLayout, Topology
 
@@ -64,7 +64,7 @@ class MembershipChange:
             raise ValueError(f"survivors={self.survivors} must be sorted and distinct")
 
     def new_rank(self, rank: int) -> int:
-        """Global rank of survivor `rank` in the new generation's process groups."""
+        """Return the global rank of survivor `rank` in the new generation's process groups."""
         return self.survivors.index(rank)
 
     def encode(self) -> str:
@@ -73,7 +73,7 @@ class MembershipChange:
                            "detected_at": self.detected_at}, sort_keys=True)
 
     @classmethod
-    def decode(cls, raw: bytes | str) -> "MembershipChange":
+    def decode(cls, raw: bytes | str) -> MembershipChange:
         d = json.loads(raw)
         return cls(d["generation"], frozenset(d["dead"]), tuple(d["survivors"]), d["detection_s"], d["reason"],
                    tuple((int(r), float(t)) for r, t in d["detected_at"]))
@@ -94,7 +94,7 @@ class FailureReport:
                            "reason": self.reason, "last_seen": {str(r): t for r, t in self.last_seen.items()}})
 
     @classmethod
-    def decode(cls, raw: bytes | str) -> "FailureReport":
+    def decode(cls, raw: bytes | str) -> FailureReport:
         d = json.loads(raw)
         return cls(d["reporter"], frozenset(d["ranks"]), d["detected_at"], d["reason"],
                    {int(r): t for r, t in d["last_seen"].items()})
@@ -175,18 +175,18 @@ class Membership:
         return True
 
     def pending(self) -> bool:
-        """Whether some rank has reported a failure in the current generation (one store round trip)."""
+        """Return whether some rank has reported a failure in the current generation (one store round trip)."""
         return self.store.check([self._reports_key(self.generation)])
 
     def reports(self, generation: int) -> list[FailureReport]:
-        """Reports of `generation` visible in the store now."""
+        """Return the reports of `generation` visible in the store now."""
         key = self._reports_key(generation)
         if not self.store.check([key]):
             return []
         return [FailureReport.decode(line) for line in self.store.get(key).decode().splitlines() if line]
 
     def decision(self, generation: int) -> MembershipChange | None:
-        """The change committed for `generation`, or None if none is committed yet (never waits)."""
+        """Return the change committed for `generation`, or None if none is committed yet (never waits)."""
         self._check_generation(generation)
         key = self._decision_key(generation)
         return MembershipChange.decode(self.store.get(key)) if self.store.check([key]) else None
@@ -251,20 +251,20 @@ class ReplicaMembership:
 
     @property
     def degraded(self) -> tuple[int, ...]:
-        """Replicas that lost some ranks and keep at least one."""
+        """Return the replicas that lost some ranks and keep at least one."""
         return tuple(r for r in sorted(self.lost) if r not in self.gone)
 
     def below(self, min_tp: int) -> tuple[int, ...]:
-        """Surviving replicas whose new TP degree is below `min_tp`."""
+        """Return the surviving replicas whose new TP degree is below `min_tp`."""
         return tuple(r for r, lay in sorted(self.layouts.items()) if lay.tp < min_tp)
 
     def topology(self, drop: Iterable[int] = ()) -> Topology:
-        """Topology of the surviving replicas, less `drop`, in their old order."""
+        """Return the topology of the surviving replicas, less `drop`, in their old order."""
         drop = set(drop)
         return Topology(tuple(lay for r, lay in sorted(self.layouts.items()) if r not in drop))
 
     def ranks(self, drop: Iterable[int] = ()) -> tuple[int, ...]:
-        """Launch ranks of that topology in global-rank order (replica after replica)."""
+        """Return the launch ranks of that topology in global-rank order (replica after replica)."""
         drop = set(drop)
         return tuple(m for r, ms in sorted(self.members.items()) if r not in drop for m in ms)
 

@@ -1,0 +1,212 @@
+"""Heartbeats and the liveness decision: fake clocks for the logic, real processes for SIGSTOP and SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from ntp_ds.control.heartbeat import (
+    Beat,
+    Heartbeat,
+    LivenessMonitor,
+    heartbeat_key,
+    mark_exited,
+    poll_liveness,
+    read_beats,
+    read_exits,
+)
+from ntp_ds.control.store import host_store
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class FakeClock:
+    def __init__(self, now: float = 100.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# -- pure monitor ------------------------------------------------------------------------------------------------
+
+def test_silent_rank_is_dead_after_the_timeout():
+    clock = FakeClock()
+    mon = LivenessMonitor([0, 1], heartbeat_timeout_s=2.0, clock=clock)
+    mon.observe({0: Beat(1, 50.0), 1: Beat(1, 50.0)})
+    clock.now += 1.5
+    mon.observe({0: Beat(2, 51.5), 1: Beat(1, 50.0)})  # rank 1's counter is stuck
+    assert mon.dead() == set()
+    clock.now += 0.6
+    assert mon.dead() == {1}
+    assert mon.last_seen(1) == 50.0 and mon.last_seen(0) == 51.5
+    assert "no heartbeat for 2.10s" in mon.reason(1)
+    clock.now += 1.0
+    mon.observe({1: Beat(2, 53.0)})  # a beat again (SIGCONT): alive
+    assert mon.dead() == set()
+    clock.now += 0.5
+    assert mon.dead() == {0}
+
+
+def test_rank_never_heard_from_is_dead_after_the_timeout():
+    clock = FakeClock()
+    mon = LivenessMonitor([0, 1], heartbeat_timeout_s=1.0, clock=clock)
+    mon.observe({0: Beat(1, 1.0)})
+    clock.now += 1.01
+    assert mon.dead() == {0, 1}
+    assert mon.last_seen(1) is None
+
+
+def test_exited_rank_is_dead_at_once_and_unknown_ranks_are_ignored():
+    clock = FakeClock()
+    mon = LivenessMonitor([0, 1, 2], heartbeat_timeout_s=10.0, clock=clock)
+    mon.observe({0: Beat(1, 1.0), 7: Beat(1, 1.0)}, exited={2: "exit code -9", 8: "gone"})
+    assert mon.dead() == {2}
+    assert mon.reason(2) == "rank 2 exited (exit code -9)"
+    assert mon.ranks == (0, 1, 2)
+    mon.retain([0, 1])
+    assert mon.ranks == (0, 1) and mon.dead() == set()
+
+
+def test_counter_reset_counts_as_a_beat():
+    clock = FakeClock()
+    mon = LivenessMonitor([0], heartbeat_timeout_s=1.0, clock=clock)
+    mon.observe({0: Beat(40, 1.0)})
+    clock.now += 0.9
+    mon.observe({0: Beat(1, 2.0)})
+    clock.now += 0.9
+    assert mon.dead() == set()
+
+
+def test_monitor_rejects_a_non_positive_timeout():
+    with pytest.raises(ValueError, match="heartbeat_timeout_s=0"):
+        LivenessMonitor([0], 0)
+
+
+# -- store-backed, in process --------------------------------------------------------------------------------------
+
+def test_beats_and_exits_round_trip_through_the_store():
+    store = dist.HashStore()
+    assert read_beats(store, [0, 1]) == {} and read_exits(store) == {}
+    store.set(heartbeat_key(1), Beat(3, 7.5).encode())
+    assert read_beats(store, [0, 1]) == {1: Beat(3, 7.5)}
+    store.set(heartbeat_key(0), Beat(1, 7.0).encode())
+    assert read_beats(store, [0, 1]) == {0: Beat(1, 7.0), 1: Beat(3, 7.5)}
+    mark_exited(store, 1, "exit code\n1")
+    mark_exited(store, 1, "later")
+    assert read_exits(store) == {1: "exit code 1"}
+    mon = LivenessMonitor([0, 1], 30.0)
+    assert poll_liveness(store, mon) == {1}
+
+
+def test_heartbeat_thread_beats_and_stops_within_its_bound():
+    store = dist.HashStore()
+    hb = Heartbeat(store, 3, interval_s=0.01).start()
+    first = read_beats(store, [3])[3].counter
+    time.sleep(0.2)
+    assert read_beats(store, [3])[3].counter > first + 3
+    t0 = time.monotonic()
+    assert hb.stop(timeout_s=2.0)
+    assert time.monotonic() - t0 < 1.0
+    stopped = read_beats(store, [3])[3].counter
+    time.sleep(0.05)
+    assert read_beats(store, [3])[3].counter == stopped
+
+
+def test_heartbeat_reports_each_dead_peer_once():
+    store = dist.HashStore()
+    seen, done = [], threading.Event()
+
+    def on_dead(ranks, wall):
+        seen.append(ranks)
+        done.set()
+
+    peer = Heartbeat(store, 1, interval_s=0.01).start()
+    mon = LivenessMonitor([1, 2], heartbeat_timeout_s=0.1)
+    with Heartbeat(store, 0, interval_s=0.01, monitor=mon, on_dead=on_dead) as hb:
+        assert done.wait(3.0)  # rank 2 never beats
+        time.sleep(0.1)
+        assert seen == [frozenset({2})]
+        hb.retain([1])
+        peer.stop()
+        done.clear()
+        assert done.wait(3.0)
+        assert seen == [frozenset({2}), frozenset({1})]
+
+
+def test_heartbeat_survives_store_errors_and_keeps_the_error():
+    class FlakyStore:
+        calls = 0
+
+        def set(self, key, value):
+            FlakyStore.calls += 1
+            if FlakyStore.calls > 1:
+                raise RuntimeError("store unreachable")
+
+    hb = Heartbeat(FlakyStore(), 0, interval_s=0.01).start()
+    time.sleep(0.1)
+    assert hb.stop(1.0)
+    assert FlakyStore.calls > 3 and "unreachable" in str(hb.error)
+
+
+def test_heartbeat_arguments_are_checked():
+    with pytest.raises(ValueError, match="interval_s=0"):
+        Heartbeat(dist.HashStore(), 0, interval_s=0)
+    with pytest.raises(ValueError, match="together"):
+        Heartbeat(dist.HashStore(), 0, monitor=LivenessMonitor([1], 1.0))
+
+
+# -- real processes ------------------------------------------------------------------------------------------------
+
+WORKER = """
+import sys, time
+from ntp_ds.control.heartbeat import Heartbeat
+from ntp_ds.control.store import connect_store
+Heartbeat(connect_store(sys.argv[1], 20.0), int(sys.argv[2]), interval_s=0.05).start()
+time.sleep(60)
+"""
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.timeout(60)
+def test_stopped_and_killed_workers_are_reported_dead_in_time():
+    store, address = host_store(timeout_s=20.0)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, address, str(r)], cwd=ROOT, env=env)
+             for r in range(3)]
+    try:
+        deadline = time.monotonic() + 40.0
+        while len(read_beats(store, range(3))) < 3:
+            assert time.monotonic() < deadline, "workers did not start beating"
+            assert all(p.poll() is None for p in procs), "a worker exited early"
+            time.sleep(0.05)
+        timeout_s, slack_s = 1.0, 1.0
+        mon = LivenessMonitor(range(3), heartbeat_timeout_s=timeout_s)
+        poll_liveness(store, mon)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        os.kill(procs[2].pid, signal.SIGKILL)
+        t_signal, found = time.monotonic(), {}
+        while len(found) < 2 and time.monotonic() < t_signal + timeout_s + slack_s:
+            for rank in poll_liveness(store, mon):
+                found.setdefault(rank, time.monotonic() - t_signal)
+            time.sleep(0.02)
+        assert set(found) == {1, 2}, f"detected {found}"
+        assert all(timeout_s - 0.1 <= t <= timeout_s + slack_s for t in found.values()), found
+        assert _state(procs[1].pid) == "T"
+        assert procs[2].wait(5.0) == -signal.SIGKILL
+        assert 0 not in mon.dead()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(5.0)

@@ -1,0 +1,270 @@
+"""Membership agreement: the pure decision, the replica mapping, and the store protocol under concurrency."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ntp_ds.control.membership import (
+    BarrierTimeout,
+    Evicted,
+    FailureReport,
+    Membership,
+    MembershipChange,
+    MembershipTimeout,
+    StaleGeneration,
+    barrier,
+    decide,
+    replica_membership,
+)
+from ntp_ds.control.store import connect_store, host_store
+from ntp_ds.layout import ModelUnits, Topology
+
+UNITS = ModelUnits(heads=8, kv_heads=4, ffn=16, vocab=32)
+
+
+def run_threads(fn, n, timeout=10.0):
+    """Run fn(i) on n threads started together; return results in order, failing on error or overrun."""
+    out, errors, start = [None] * n, [], threading.Barrier(n)
+
+    def body(i):
+        try:
+            start.wait(timeout)
+            out[i] = fn(i)
+        except BaseException as err:  # handed to the test thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a thread overran its bound"
+    if errors:
+        raise errors[0]
+    return out
+
+
+# -- pure ------------------------------------------------------------------------------------------------------
+
+def test_decide_merges_reports_into_one_change():
+    reports = [FailureReport(0, frozenset({3}), 100.5, "collective error", {3: 100.0}),
+               FailureReport(1, frozenset({3, 5}), 101.0, "heartbeat timeout", {5: 99.0}),
+               FailureReport(2, frozenset({9}), 100.0, "collective error")]  # 9 is not a member
+    change = decide(4, range(8), reports)
+    assert change.generation == 5
+    assert change.dead == {3, 5}
+    assert change.survivors == (0, 1, 2, 4, 6, 7)
+    assert change.detected_at == ((3, 100.5), (5, 101.0))
+    assert change.detection_s == pytest.approx(2.0)
+    assert change.reason == "collective error; heartbeat timeout"
+    assert MembershipChange.decode(change.encode()) == change
+    assert change.new_rank(4) == 3
+
+
+def test_decide_rejects_reports_naming_no_member():
+    with pytest.raises(ValueError, match="no current member"):
+        decide(0, [0, 1], [FailureReport(0, frozenset({7}), 1.0, "x")])
+
+
+def test_replica_membership_maps_dead_ranks_to_replicas():
+    topo = Topology.from_degrees(UNITS, (4, 4, 2))  # ranks 0-3, 4-7, 8-9
+    rm = replica_membership(topo, {1, 2, 8, 9})
+    assert rm.lost == {0: frozenset({1, 2}), 2: frozenset({0, 1})}
+    assert rm.gone == (2,)
+    assert rm.degraded == (0,)
+    assert rm.layouts[0] == topo.layouts[0].without_ranks({1, 2})
+    assert rm.layouts[1] == topo.layouts[1]
+    assert rm.members == {0: (0, 3), 1: (4, 5, 6, 7)}
+    assert rm.below(3) == (0,)
+    assert rm.topology().degrees == (2, 4)
+    assert rm.ranks() == (0, 3, 4, 5, 6, 7)
+    assert rm.topology(drop=[0]).degrees == (4,) and rm.ranks(drop=[0]) == (4, 5, 6, 7)
+
+
+def test_replica_membership_after_an_earlier_change_uses_launch_ranks():
+    topo = Topology.from_degrees(UNITS, (3, 4))
+    members = (0, 1, 3, 4, 5, 6, 7)  # launch rank 2 died in an earlier generation
+    rm = replica_membership(topo, {4}, members)
+    assert rm.lost == {1: frozenset({0})}
+    assert rm.members == {0: (0, 1, 3), 1: (5, 6, 7)}
+    with pytest.raises(ValueError, match=r"dead ranks \[2\] are not members"):
+        replica_membership(topo, {2}, members)
+    with pytest.raises(ValueError, match="members lists 3 ranks"):
+        replica_membership(topo, {0}, (0, 1, 3))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.data())
+def test_replica_membership_partitions_the_dead(degrees, data):
+    topo = Topology.from_degrees(UNITS, degrees)
+    dead = data.draw(st.frozensets(st.integers(0, topo.world_size - 1)))
+    rm = replica_membership(topo, dead)
+    lost_global = {topo.ranks_of(r)[i] for r, tps in rm.lost.items() for i in tps}
+    assert lost_global == dead
+    for r, t in enumerate(degrees):
+        assert (r in rm.gone) == (len(rm.lost.get(r, ())) == t)
+        if r not in rm.gone:
+            assert rm.layouts[r].tp == t - len(rm.lost.get(r, ()))
+            assert len(rm.members[r]) == rm.layouts[r].tp
+    assert sorted(rm.ranks()) == sorted(set(range(topo.world_size)) - dead)
+
+
+# -- store protocol ----------------------------------------------------------------------------------------------
+
+def test_one_report_becomes_the_decision_every_rank_reads():
+    store = dist.HashStore()
+    views = [Membership(store, r, range(4), settle_s=0.0, poll_s=0.001) for r in range(4)]
+    assert not views[1].pending()
+    assert views[0].report_failure(0, {2}, 10.0, "collective error", {2: 9.5})
+    assert views[1].pending()
+    changes = [v.await_decision(0, timeout_s=2.0) for v in views if v.rank != 2]
+    assert len(set(changes)) == 1
+    assert changes[0] == MembershipChange(1, frozenset({2}), (0, 1, 3), 0.5, "collective error", ((2, 10.0),))
+
+
+def test_concurrent_proposers_commit_one_decision_threads():
+    store = dist.HashStore()
+    n = 8
+    views = [Membership(store, r, range(n), settle_s=0.0, poll_s=0.001) for r in range(n)]
+
+    def propose(i):  # no settle window: every proposer races compare_set with its own view of the reports
+        views[i].report_failure(0, {i}, 1.0 + i, f"rank {i} saw itself fail")
+        return views[i].await_decision(0, timeout_s=5.0)
+
+    changes = run_threads(propose, n)
+    assert len(set(changes)) == 1
+    assert store.get("decision/0").decode() == changes[0].encode()
+
+
+def test_settle_window_gathers_concurrent_reports():
+    store = dist.HashStore()
+    views = [Membership(store, r, range(6), settle_s=0.3, poll_s=0.005) for r in range(6)]
+
+    def propose(i):
+        if i < 3:
+            views[i].report_failure(0, {i + 3}, 1.0, "collective error")
+        return views[i].await_decision(0, timeout_s=5.0)
+
+    changes = run_threads(propose, 6)
+    assert len(set(changes)) == 1
+    assert changes[0].dead == {3, 4, 5} and changes[0].survivors == (0, 1, 2)
+
+
+def _propose_in_process(address, rank, n, results):
+    store = connect_store(address, 10.0)
+    view = Membership(store, rank, range(n), settle_s=0.0, poll_s=0.002)
+    barrier(store, "start", rank, range(n), 20.0, poll_s=0.002)  # race the proposals against each other
+    view.report_failure(0, {rank}, float(rank), "self report")
+    results.put((rank, view.await_decision(0, timeout_s=20.0).encode()))
+
+
+def test_concurrent_proposers_commit_one_decision_processes():
+    store, address = host_store(timeout_s=20.0)
+    n, ctx = 3, mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_propose_in_process, args=(address, r, n, results), daemon=True) for r in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=30.0) for _ in range(n))
+    finally:
+        for p in procs:
+            p.join(5.0)
+            if p.is_alive():
+                p.kill()
+    assert len(set(got.values())) == 1
+    assert got[0] == store.get("decision/0").decode()
+
+
+def test_stale_generation_is_ignored():
+    store = dist.HashStore()
+    a, b = (Membership(store, r, range(3), settle_s=0.0, poll_s=0.001) for r in (0, 1))
+    a.report_failure(0, {2}, 1.0, "x")
+    change = a.await_decision(0, 1.0)
+    assert run_threads(lambda i: (a, b)[i].confirm(change, 2.0), 2) == [True, True]
+    assert a.generation == b.generation == 1
+    assert a.report_failure(0, {1}, 2.0, "late") is False
+    assert not store.check(["membership/1/reports"])
+    assert a.confirm(change, 1.0) is False  # an old decision changes nothing
+    assert a.members == (0, 1)
+    with pytest.raises(StaleGeneration):
+        a.await_decision(0, 1.0)
+    with pytest.raises(ValueError, match="ahead"):
+        a.report_failure(2, {1}, 2.0, "x")
+
+
+def test_report_after_decision_is_ignored_and_must_be_repeated():
+    store = dist.HashStore()
+    v = Membership(store, 0, range(4), settle_s=0.0, poll_s=0.001)
+    v.report_failure(0, {3}, 1.0, "x")
+    change = v.await_decision(0, 1.0)
+    assert v.report_failure(0, {2}, 1.5, "y") is False
+    assert change.dead == {3}
+    assert v.report_failure(0, {3}, 1.0, "x") is False  # still generation 0 locally, but decided
+
+
+def test_barrier_excludes_dead_ranks():
+    store = dist.HashStore()
+    v = [Membership(store, r, range(4), settle_s=0.0, poll_s=0.001) for r in range(4)]
+    v[0].report_failure(0, {1}, 1.0, "heartbeat timeout")
+    change = v[0].await_decision(0, 1.0)
+    # rank 1 is dead and never calls confirm; the survivors pass anyway
+    assert run_threads(lambda i: v[[0, 2, 3][i]].confirm(change, 3.0), 3) == [True] * 3
+    assert all(x.generation == 1 and x.members == (0, 2, 3) for x in (v[0], v[2], v[3]))
+
+
+def test_barrier_times_out_naming_missing_survivor():
+    store = dist.HashStore()
+    v = [Membership(store, r, range(3), settle_s=0.0, poll_s=0.001) for r in range(3)]
+    v[1].report_failure(0, {0}, 1.0, "crash")
+    change = v[1].await_decision(0, 1.0)
+    t0 = time.monotonic()
+    with pytest.raises(BarrierTimeout) as err:
+        v[1].confirm(change, 0.3)
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert err.value.missing == {2}
+    assert v[1].generation == 1  # adopted: rank 2 is reported in generation 1
+    assert v[1].report_failure(1, err.value.missing, 2.0, "missed the barrier")
+
+
+def test_barrier_counts_a_repeated_arrival_once():
+    store = dist.HashStore()
+    with pytest.raises(BarrierTimeout):
+        barrier(store, "b", 0, [0, 1], 0.05, poll_s=0.001)
+    with pytest.raises(BarrierTimeout):
+        barrier(store, "b", 0, [0, 1], 0.05, poll_s=0.001)
+    barrier(store, "b", 1, [0, 1], 0.5, poll_s=0.001)
+
+
+def test_await_decision_is_bounded_without_reports():
+    v = Membership(dist.HashStore(), 0, range(2), poll_s=0.01)
+    t0 = time.monotonic()
+    with pytest.raises(MembershipTimeout, match="generation 0"):
+        v.await_decision(0, 0.2)
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_evicted_rank_learns_it_must_leave():
+    store = dist.HashStore()
+    alive, hung = Membership(store, 0, range(2), settle_s=0.0), Membership(store, 1, range(2))
+    alive.report_failure(0, {1}, 1.0, "heartbeat timeout")
+    change = hung.await_decision(0, 1.0)  # the hung rank wakes up and reads the decision
+    with pytest.raises(Evicted, match="rank 1 was declared dead"):
+        hung.confirm(change, 1.0)
+
+
+def test_confirm_rejects_an_uncommitted_change():
+    store = dist.HashStore()
+    v = Membership(store, 0, range(3))
+    forged = MembershipChange(1, frozenset({2}), (0, 1), 0.0, "forged")
+    with pytest.raises(ValueError, match="not the committed decision"):
+        v.confirm(forged, 1.0)
+    with pytest.raises(ValueError, match="skips"):
+        v.confirm(MembershipChange(3, frozenset({2}), (0, 1), 0.0, "x"), 1.0)
