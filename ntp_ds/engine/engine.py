@@ -31,13 +31,13 @@ class NTPEngine(DeepSpeedEngine):
     """DeepSpeedEngine API (`engine(batch)`, `backward`, `step`, checkpoints) over a nonuniform topology."""
 
     def __init__(self, *, ntp_groups: ReplicaGroups, batch_plan: BatchPlan, specs: dict[str, ParamSpec],
-                 full_shapes: dict[str, tuple[int, ...]], timeout_s: float, **deepspeed_kwargs):
+                 full_shapes: dict[str, tuple[int, ...]], ntp, **deepspeed_kwargs):
         super().__init__(**deepspeed_kwargs)
-        self.ntp_groups, self.batch_plan = ntp_groups, batch_plan
+        self.ntp_groups, self.batch_plan, self.ntp = ntp_groups, batch_plan, ntp
         self.param_specs, self.full_shapes = specs, full_shapes
         plan, rank, topo = ntp_groups.plan, ntp_groups.rank, ntp_groups.topology
-        self._grads = UnitExchange(plan.grad_transfers, rank, topo, specs, timeout_s)
-        self._params = UnitExchange(plan.param_transfers, rank, topo, specs, timeout_s)
+        self._grads = UnitExchange(plan.grad_transfers, rank, topo, specs, ntp.timeout_s)
+        self._params = UnitExchange(plan.param_transfers, rank, topo, specs, ntp.timeout_s)
         self._loss_weight = None
         self._pending_sends: list = []
         if not self.is_anchor:

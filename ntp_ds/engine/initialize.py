@@ -1,17 +1,24 @@
-"""`ntp_ds.initialize`: validate, build groups and the local shard, and wrap it in an NTPEngine."""
+"""`ntp_ds.initialize`: validate, join the process group, build this rank's shard and wrap it in an NTPEngine.
+
+`JobSpec` holds everything needed to (re)build an engine; recovery calls `build_engine` again for a new topology.
+"""
 
 from __future__ import annotations
 
 import copy
-import math
+import json
 import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
 
 import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.config import DeepSpeedConfig
 
-from ntp_ds.batch import max_micro_batch, plan_batch
+from ntp_ds.batch import BatchPlan, max_micro_batch, plan_batch
 from ntp_ds.comm.groups import NTPMpu, ReplicaGroups, backend_for_device, build_groups
 from ntp_ds.engine.config import ConfigError, NTPConfig, check_batch, env_world_size, load_deepspeed_config
 from ntp_ds.engine.engine import NTPEngine
@@ -20,15 +27,33 @@ from ntp_ds.models import Llama, LlamaConfig
 from ntp_ds.models.sharding import shard_tensor
 
 
-def _model_config(model) -> LlamaConfig:
+@dataclass
+class JobSpec:
+    """A validated job: DeepSpeed and NTP configs, the model config, and client optimizer/scheduler factories."""
+
+    ds_config: dict
+    ntp: NTPConfig
+    model_config: LlamaConfig
+    optimizer: Callable | None = None
+    lr_scheduler: Callable | None = None
+    seq_len: int | None = None
+
+    def plan(self, topology: Topology) -> tuple:
+        """Gradient-sync and batch plans of a topology."""
+        sync = plan_gradient_sync(topology)
+        limits = _micro_limits(self, topology)
+        batch = plan_batch(topology.degrees, self.ntp.tp, self.ds_config["train_batch_size"],
+                           self.ds_config["train_micro_batch_size_per_gpu"], self.ntp.batch_policy, sync.anchors,
+                           limits)
+        return sync, batch
+
+
+def model_config_of(model) -> LlamaConfig:
     if isinstance(model, Llama):
         return model.config
     if isinstance(model, LlamaConfig):
         return model
     if isinstance(model, (str, os.PathLike)):
-        import json
-        from pathlib import Path
-
         return LlamaConfig.from_hf_dict(json.loads((Path(model) / "config.json").read_text()))
     raise ConfigError(f"model must be an ntp_ds.models.Llama, a LlamaConfig or an HF directory, "
                       f"got {type(model).__name__}")
@@ -41,17 +66,30 @@ def build_topology(units, ntp: NTPConfig) -> Topology:
         raise ConfigError(f"ntp.degrees={list(ntp.replica_degrees)}: {e}") from None
 
 
-def _local_model(model, config: LlamaConfig, groups: ReplicaGroups) -> Llama:
+def _micro_limits(spec: JobSpec, topology: Topology):
+    if spec.ntp.memory_budget_gb is None:
+        return None
+    from ntp_ds.batch.memory import rank_memory
+
+    budget = int(spec.ntp.memory_budget_gb * 2**30)
+    seq_len = spec.seq_len or spec.model_config.max_position_embeddings
+    micro = spec.ds_config["train_micro_batch_size_per_gpu"]
+    return tuple(max_micro_batch(*rank_memory(spec.model_config, lay, spec.ds_config, seq_len, len(topology.layouts)),
+                                 budget, micro) for lay in topology.layouts)
+
+
+def shard_module(model, config: LlamaConfig, groups: ReplicaGroups) -> Llama:
+    """This rank's shard of `model` (an unsharded Llama, an HF directory, or a config for fresh weights)."""
     layout, tp_rank, tp_group = groups.layout, groups.tp_rank, groups.tp_group
     if isinstance(model, (str, os.PathLike)):
         return Llama.from_pretrained(model, layout=layout, tp_rank=tp_rank, tp_group=tp_group)
-    shard = Llama(config, layout=layout, tp_rank=tp_rank, tp_group=tp_group)
-    if isinstance(model, Llama):
-        specs = shard.param_specs()
-        full = dict(model.named_parameters())
-        with torch.no_grad():
-            for name, p in shard.named_parameters():
-                p.copy_(shard_tensor(full[name].detach(), specs[name][0], layout, tp_rank))
+    if not isinstance(model, Llama):
+        return Llama(config, layout=layout, tp_rank=tp_rank, tp_group=tp_group, seed=0)
+    shard = Llama(config, layout=layout, tp_rank=tp_rank, tp_group=tp_group, init=False)
+    specs, full = shard.param_specs(), dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in shard.named_parameters():
+            p.copy_(shard_tensor(full[name].detach(), specs[name][0], layout, tp_rank))
     return shard
 
 
@@ -71,62 +109,74 @@ def _rank_deepspeed_config(ds_config: dict, groups: ReplicaGroups, micro_sizes: 
     return cfg
 
 
-def _micro_limits(config: LlamaConfig, topology: Topology, ntp: NTPConfig, ds_config: dict, seq_len: int):
-    if ntp.memory_budget_gb is None:
-        return None
-    from ntp_ds.batch.memory import rank_memory
-
-    budget = int(ntp.memory_budget_gb * 2**30)
-    limits = []
-    for layout in topology.layouts:
-        static, per_sample = rank_memory(config, layout, ds_config, seq_len, dp=ntp.replicas)
-        limits.append(max_micro_batch(static, per_sample, budget, ds_config["train_micro_batch_size_per_gpu"]))
-    return tuple(limits)
-
-
-def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_len: int | None = None) -> NTPEngine:
-    """Build this rank's NTPEngine.
-
-    `model`: an unsharded `Llama` (every rank keeps only its shard of it), a `LlamaConfig` (fresh weights) or an HF
-    directory. `config`: a DeepSpeed config dict or JSON path; `train_batch_size` is the failure-free global batch.
-    `ntp`: an NTPConfig or a dict of its fields. Every check runs before a process group is built.
-    """
+def prepare(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_len=None) -> tuple[JobSpec, Topology]:
+    """Every check that can fail on user input, before any process group exists."""
     ds_config = load_deepspeed_config(config)
     ntp = NTPConfig.from_any(ntp)
     ntp.validate(env_world_size())
-    model_config = _model_config(model)
-    topology = build_topology(model_config.units(), ntp)
-    sync = plan_gradient_sync(topology)
+    spec = JobSpec(ds_config, ntp, model_config_of(model), optimizer, lr_scheduler, seq_len)
+    topology = build_topology(spec.model_config.units(), ntp)
     check_batch(ds_config, ntp)
-    limits = _micro_limits(model_config, topology, ntp, ds_config, seq_len or model_config.max_position_embeddings)
-    batch_plan = plan_batch(topology.degrees, ntp.tp, ds_config["train_batch_size"],
-                            ds_config["train_micro_batch_size_per_gpu"], ntp.batch_policy, sync.anchors, limits)
+    spec.plan(topology)
     if ds_config.get("gradient_clipping", 0) and any(lay.shares_kv() for lay in topology.layouts):
         raise ConfigError("gradient_clipping>0 is not supported yet with a layout that shares a KV head between "
                           "ranks; choose TP degrees that divide num_key_value_heads or disable clipping")
+    return spec, topology
 
+
+def join_world(ntp: NTPConfig, store=None, generation: int = 0, rank: int | None = None,
+               world_size: int | None = None) -> None:
+    """Join generation `generation`'s process group: on the launcher's store when there is one."""
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=backend_for_device(), timeout=_timedelta(ntp.timeout_s))
+    timeout = timedelta(seconds=ntp.timeout_s)
+    if store is None:
+        deepspeed.init_distributed(dist_backend=backend_for_device(), timeout=timeout)
+        return
+    from ntp_ds.control.store import generation_store
+
+    rank = int(os.environ["RANK"]) if rank is None else rank
+    world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
+    dist.init_process_group(backend_for_device(), store=generation_store(store, generation), rank=rank,
+                            world_size=world_size, timeout=timeout)
+    deepspeed.init_distributed(dist_backend=backend_for_device(), timeout=timeout)
+
+
+def build_engine(spec: JobSpec, topology: Topology, module_for: Callable[[ReplicaGroups], Llama]) -> NTPEngine:
+    """Build this rank's groups, shard and NTPEngine for `topology` (the process group must exist)."""
+    sync, batch_plan = spec.plan(topology)
     groups = build_groups(topology, sync, dist.get_rank())
-    module = _local_model(model, model_config, groups)
+    module = module_for(groups)
     if torch.cuda.is_available():
         module = module.to(torch.device("cuda", torch.cuda.current_device()))
     specs = module.param_specs()
-    rank_cfg = _rank_deepspeed_config(ds_config, groups, batch_plan.replicas[groups.replica].micro_sizes)
+    rank_cfg = _rank_deepspeed_config(spec.ds_config, groups, batch_plan.replicas[groups.replica].micro_sizes)
     mpu = NTPMpu(groups)
     anchor = groups.is_anchor
-    engine = NTPEngine(ntp_groups=groups, batch_plan=batch_plan, specs={n: s for n, (s, _) in specs.items()},
-                       full_shapes={n: shape for n, (_, shape) in specs.items()}, timeout_s=ntp.timeout_s,
-                       args=None, model=module, optimizer=optimizer if anchor else None,
-                       model_parameters=[p for p in module.parameters()],
-                       lr_scheduler=lr_scheduler if anchor else None, mpu=mpu, dist_init_required=False,
-                       config=rank_cfg, config_class=DeepSpeedConfig(rank_cfg, mpu))
+    return NTPEngine(ntp_groups=groups, batch_plan=batch_plan, specs={n: s for n, (s, _) in specs.items()},
+                     full_shapes={n: shape for n, (_, shape) in specs.items()}, ntp=spec.ntp,
+                     args=None, model=module, optimizer=spec.optimizer if anchor else None,
+                     model_parameters=list(module.parameters()),
+                     lr_scheduler=spec.lr_scheduler if anchor else None, mpu=mpu, dist_init_required=False,
+                     config=rank_cfg, config_class=DeepSpeedConfig(rank_cfg, mpu))
+
+
+def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_len: int | None = None,
+               store=None) -> NTPEngine:
+    """Build this rank's NTPEngine.
+
+    `model`: an unsharded `Llama` (every rank keeps only its shard of it), a `LlamaConfig` (fresh weights from seed
+    0) or an HF directory. `config`: a DeepSpeed config dict or JSON path; `train_batch_size` is the failure-free
+    global batch. `ntp`: an NTPConfig or a dict of its fields. `store`: the coordination store (default: the
+    launcher's, from `NTP_STORE`, when set). Every check runs before a process group is built.
+    """
+    spec, topology = prepare(model, config, ntp, optimizer, lr_scheduler, seq_len)
+    if store is None and os.environ.get("NTP_STORE"):
+        from ntp_ds.control.store import connect_from_env
+
+        store = connect_from_env(spec.ntp.timeout_s)
+    if not dist.is_initialized():
+        join_world(spec.ntp, store)
+    engine = build_engine(spec, topology, lambda groups: shard_module(model, spec.model_config, groups))
+    engine.job, engine.store = spec, store
     return engine
-
-
-def _timedelta(seconds: float):
-    from datetime import timedelta
-
-    return timedelta(seconds=seconds)

@@ -1,0 +1,117 @@
+"""This rank's optimizer state as fragments of its parameters, and installing such state into a fresh engine.
+
+A fragment is the part of one parameter's flattened local shard that this rank's optimizer owns: all of it without
+ZeRO, a slice of it under ZeRO 1/2 (`param._hp_mapping`). Fragments are DeepSpeed-layout-free, so they can be copied
+to another replica every step and re-sliced into a differently partitioned engine after a failure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+MASTER = "fp32"
+
+
+@dataclass
+class Fragment:
+    """Elements [start, start + numel) of a parameter's flattened local shard, with their optimizer tensors."""
+
+    start: int
+    numel: int
+    tensors: dict[str, torch.Tensor]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def _inner_optimizer(engine):
+    return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
+def uses_hp_mapping(engine) -> bool:
+    return any(hasattr(p, "_hp_mapping") for p in engine.module.parameters())
+
+
+def supports_live_state(engine) -> bool:
+    """Whether this engine's optimizer state can be read and installed by fragments (ZeRO 1/2, or fp32 stage 0)."""
+    return uses_hp_mapping(engine) or _inner_optimizer(engine) is engine.optimizer
+
+
+def optimizer_step(engine) -> int:
+    """The optimizer's step count (0 before the first step)."""
+    for state in _inner_optimizer(engine).state.values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
+
+
+def state_keys(engine) -> tuple[str, ...]:
+    """Names of the per-element optimizer tensors (e.g. exp_avg, exp_avg_sq for Adam); empty for plain SGD."""
+    for state in _inner_optimizer(engine).state.values():
+        return tuple(k for k, v in state.items() if torch.is_tensor(v) and v.numel() > 1)
+    return ()
+
+
+def local_fragments(engine, keys: tuple[str, ...]) -> dict[str, Fragment]:
+    """Views (not copies) of this rank's fp32 masters and optimizer tensors, per parameter name."""
+    out = {}
+    inner = _inner_optimizer(engine)
+    for name, p in engine.module.named_parameters():
+        mapping = getattr(p, "_hp_mapping", None)
+        if hasattr(p, "_hp_mapping"):
+            if mapping is None:
+                continue
+            addr = mapping.lp_fragment_address
+            tensors = {MASTER: mapping.get_hp_fragment()}
+            tensors.update({k: mapping.get_hp_fragment(k) for k in keys})
+            out[name] = Fragment(addr.start, addr.numel, tensors)
+        else:
+            state = inner.state.get(p, {})
+            tensors = {MASTER: p.data.view(-1)}
+            tensors.update({k: state[k].view(-1) for k in keys if k in state})
+            out[name] = Fragment(0, p.numel(), tensors)
+    return out
+
+
+def fragment_addresses(engine) -> dict[str, tuple[int, int]]:
+    """(start, numel) of the fragment this rank's optimizer owns, per parameter (those with none are left out)."""
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if hasattr(p, "_hp_mapping"):
+            if p._hp_mapping is not None:
+                out[name] = (p._hp_mapping.lp_fragment_address.start, p._hp_mapping.lp_fragment_address.numel)
+        else:
+            out[name] = (0, p.numel())
+    return out
+
+
+@torch.no_grad()
+def install_state(engine, values: dict[str, dict[str, torch.Tensor]], step: int, keys: tuple[str, ...]) -> None:
+    """Install fp32 masters, optimizer tensors and the step count into a freshly built engine.
+
+    `values[name][key]` is a full-size (local shard shape) tensor of which only this rank's fragment is read.
+    """
+    inner = _inner_optimizer(engine)
+    if uses_hp_mapping(engine):
+        if keys:
+            for group in engine.optimizer.single_partition_of_fp32_groups:
+                inner.state[group] = {"step": torch.tensor(float(step))}
+                inner.state[group].update({k: torch.zeros_like(group) for k in keys})
+            engine.optimizer._lazy_init_hp_params_optimizer_state()
+        for name, p in engine.module.named_parameters():
+            if name not in values:
+                continue
+            safe_set_full_fp32_param(p, values[name][MASTER])
+            for k in keys:
+                safe_set_full_optimizer_state(p, values[name][k], k)
+        return
+    for name, p in engine.module.named_parameters():
+        if name not in values:
+            continue
+        p.data.copy_(values[name][MASTER].view_as(p))
+        if keys:
+            inner.state[p] = {"step": torch.tensor(float(step))}
+            inner.state[p].update({k: values[name][k].view_as(p).clone() for k in keys})
