@@ -9,6 +9,7 @@ weighted by its share of the global batch's tokens, so the update is the token-w
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,16 +23,36 @@ from ntp_ds.comm.exchange import GRAD_TAG, PARAM_TAG, UnitExchange
 from ntp_ds.comm.groups import ReplicaGroups
 from ntp_ds.layout import ParamSpec
 from ntp_ds.models.sharding import unshard_into
+from ntp_ds.recovery import state
+from ntp_ds.recovery.plan import plan_buddies
+from ntp_ds.recovery.redundancy import StateCopies
 
 
 TOPOLOGY_FILE = "ntp_topology.json"
+
+
+@dataclass
+class Snapshot:
+    """A survivor's state at the moment of a failure, in its old topology's terms."""
+
+    topology: object
+    rank: int
+    params: dict[str, torch.Tensor]
+    fragments: dict
+    keys: tuple[str, ...]
+    optimizer_step: int
+    held: dict
+    global_steps: int
+    global_samples: int
+    mid_step: bool
+    zero_stage: int
 
 
 class NTPEngine(DeepSpeedEngine):
     """DeepSpeedEngine API (`engine(batch)`, `backward`, `step`, checkpoints) over a nonuniform topology."""
 
     def __init__(self, *, ntp_groups: ReplicaGroups, batch_plan: BatchPlan, specs: dict[str, ParamSpec],
-                 full_shapes: dict[str, tuple[int, ...]], ntp, **deepspeed_kwargs):
+                 full_shapes: dict[str, tuple[int, ...]], ntp, zero_stage: int, **deepspeed_kwargs):
         super().__init__(**deepspeed_kwargs)
         self.ntp_groups, self.batch_plan, self.ntp = ntp_groups, batch_plan, ntp
         self.param_specs, self.full_shapes = specs, full_shapes
@@ -40,6 +61,12 @@ class NTPEngine(DeepSpeedEngine):
         self._params = UnitExchange(plan.param_transfers, rank, topo, specs, ntp.timeout_s)
         self._loss_weight = None
         self._pending_sends: list = []
+        self.on_phase = lambda step, phase: None
+        """Called at every phase boundary (forward, backward, grad_sync, optimizer): the fault-injection seam."""
+        self.in_optimizer_step = False
+        self.job_zero_stage = zero_stage
+        self.copies = StateCopies(rank, plan_buddies(topo, plan, zero_stage, ntp.zero_redundancy), list(specs),
+                                  ntp.timeout_s)
         if not self.is_anchor:
             self.enable_backward_allreduce = False
         self.sync_parameters()
@@ -64,6 +91,7 @@ class NTPEngine(DeepSpeedEngine):
     # -- forward / backward / step -----------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         """Run the model; a dict batch (as the loader yields) is unpacked and its loss weight recorded."""
+        self.on_phase(self.global_steps, "forward")
         if len(inputs) == 1 and isinstance(inputs[0], dict) and not kwargs:
             kwargs, inputs = dict(inputs[0]), ()
         global_tokens = kwargs.pop("global_tokens", None)
@@ -80,10 +108,13 @@ class NTPEngine(DeepSpeedEngine):
         """Back-propagate the micro-batch's mean loss, weighted by its share of the global batch."""
         if self._loss_weight is None:
             raise RuntimeError("call engine(batch) with labels before engine.backward(loss)")
+        self.on_phase(self.global_steps, "backward")
         # DeepSpeed averages over the anchors' data-parallel group; the weights already sum to one over the step.
         scaled = loss * (self._loss_weight * len(self.ntp_groups.plan.anchors))
         self._loss_weight = None
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
+            self.on_phase(self.global_steps, "grad_sync")
         if not self.is_anchor:
             self._contributor_backward(scaled, retain_graph)
             if boundary:
@@ -125,7 +156,14 @@ class NTPEngine(DeepSpeedEngine):
         return [params[n].register_hook(lambda g, e=e: g + e) for n, e in extra.items()]
 
     def step(self, lr_kwargs=None):
+        """DeepSpeed's step; at a boundary every rank first confirms it is ready, so a step applies everywhere or
+        nowhere unless a rank dies inside the optimizer itself."""
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
+            self.on_phase(self.global_steps, "optimizer")
+            ready = torch.ones(1, device=self.device)
+            dist.all_reduce(ready)
+            self.in_optimizer_step = True
         if self.is_anchor:
             super().step(lr_kwargs)
         elif boundary:
@@ -137,8 +175,34 @@ class NTPEngine(DeepSpeedEngine):
             self.global_samples += self.batch_plan.global_samples
         if boundary and (self._params.outgoing or self._params.incoming):
             self.sync_parameters()
+        if boundary:
+            self.refresh_copies()
+            self.in_optimizer_step = False
         if not self.is_anchor:
             self.micro_steps += 1
+
+    # -- redundancy and recovery -------------------------------------------------------------------------------
+    def optimizer_keys(self) -> tuple[str, ...]:
+        return state.state_keys(self) if self.is_anchor else ()
+
+    def refresh_copies(self) -> None:
+        """Send this rank's optimizer fragments to its buddies and take in the copies it keeps for others."""
+        if not (self.copies.targets or self.copies.owners):
+            return
+        keys = self.optimizer_keys()
+        frags = state.local_fragments(self, keys) if self.is_anchor else {}
+        self.copies.refresh(frags, keys, state.optimizer_step(self) if self.is_anchor else 0)
+
+    def snapshot(self) -> "Snapshot":
+        """Everything a survivor carries into recovery (views of live tensors: keep this engine until done)."""
+        keys = self.optimizer_keys()
+        return Snapshot(
+            topology=self.ntp_groups.topology, rank=self.ntp_groups.rank,
+            params={n: p.detach() for n, p in self.named_shards().items()},
+            fragments=state.local_fragments(self, keys) if self.is_anchor else {},
+            keys=keys, optimizer_step=state.optimizer_step(self) if self.is_anchor else 0,
+            held=dict(self.copies.held), global_steps=self.global_steps, global_samples=self.global_samples,
+            mid_step=self.in_optimizer_step, zero_stage=self.job_zero_stage)
 
     # -- DeepSpeed checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):

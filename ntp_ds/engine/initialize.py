@@ -155,6 +155,7 @@ def build_engine(spec: JobSpec, topology: Topology, module_for: Callable[[Replic
     anchor = groups.is_anchor
     return NTPEngine(ntp_groups=groups, batch_plan=batch_plan, specs={n: s for n, (s, _) in specs.items()},
                      full_shapes={n: shape for n, (_, shape) in specs.items()}, ntp=spec.ntp,
+                     zero_stage=int(spec.ds_config.get("zero_optimization", {}).get("stage", 0)),
                      args=None, model=module, optimizer=spec.optimizer if anchor else None,
                      model_parameters=list(module.parameters()),
                      lr_scheduler=spec.lr_scheduler if anchor else None, mpu=mpu, dist_init_required=False,

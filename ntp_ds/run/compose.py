@@ -88,7 +88,7 @@ def _one_line(exc: Exception) -> str:
         return type(exc).__name__
     key = re.match(r"Could not override '([^']+)'", lines[0])
     if key:
-        return f"{key.group(1)} is not a known setting ({lines[-1]})"
+        return f"{key.group(1)} is not a known setting (check the spelling; `ntp-ds train --help` lists the groups)"
     return lines[0]
 
 

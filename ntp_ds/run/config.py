@@ -11,12 +11,11 @@ import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from ntp_ds.batch import POLICIES
+from ntp_ds.control.faults import FaultSchedule
 from ntp_ds.engine.config import ConfigError, NTPConfig, check_batch, load_deepspeed_config
 from ntp_ds.layout import LayoutError, Topology
 from ntp_ds.models import LlamaConfig
 
-FAULT_KINDS = ("crash", "hang", "device_error")
-FAULT_PHASES = ("forward", "backward", "grad_sync", "optimizer", "recovery")
 WANDB_MODES = ("online", "offline", "disabled")
 OPTIMIZERS = ("adamw", "sgd")
 PRECISIONS = ("fp32", "bf16")
@@ -108,22 +107,12 @@ class OptimConfig:
 
 
 @dataclass
-class FaultEvent:
-    """One scheduled fault: `kind` hits global rank `rank` during `phase` of step `step` (1-based)."""
-
-    rank: int
-    step: int
-    phase: str
-    kind: str
-
-
-@dataclass
 class FaultConfig:
-    """Fault injection schedule; the injector itself lives in `ntp_ds.control`."""
+    """Fault injection schedule, read by `ntp_ds.control.FaultSchedule`; the injector lives in `ntp_ds.control`."""
 
-    events: list = field(default_factory=list)
-    """List of {rank, step, phase, kind}: kind crash|hang|device_error, phase forward|backward|grad_sync|
-    optimizer|recovery."""
+    faults: list = field(default_factory=list)
+    """List of {rank, step, phase, kind}: launch rank, step 1..train.steps, phase forward|backward|grad_sync|
+    optimizer|recovery, kind crash|hang|device_error."""
 
 
 @dataclass
@@ -215,7 +204,7 @@ class RunConfig:
 
     # -- construction ------------------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict) -> "RunConfig":
+    def from_dict(cls, data: dict) -> RunConfig:
         """Build from the composed config (a plain dict); unknown keys and wrong types name their field."""
         data = {k: v for k, v in data.items() if k != "hydra"}
         model = dict(data.pop("model", None) or {})
@@ -305,10 +294,11 @@ class RunConfig:
         return ntp
 
     def _check_world(self, world_size: int | None) -> None:
-        need, launcher = self.world_size, self.launcher
-        degrees = list(self.parallel.replica_degrees)
+        need, launcher, p = self.world_size, self.launcher, self.parallel
+        degrees = (f"parallel.degrees={list(p.degrees)}" if p.degrees is not None
+                   else f"parallel.tp={p.tp} x parallel.replicas={p.replicas}")
         if world_size is not None and world_size != need:
-            raise ConfigError(f"parallel.degrees={degrees} needs {need} processes but the launcher started "
+            raise ConfigError(f"{degrees} needs {need} processes but the launcher started "
                               f"WORLD_SIZE={world_size}; set parallel.tp/parallel.replicas (or degrees) to match")
         if not 0 <= launcher.node_rank < launcher.nnodes:
             raise ConfigError(f"launcher.node_rank={launcher.node_rank} must lie in 0..nnodes-1={launcher.nnodes - 1}")
@@ -317,35 +307,25 @@ class RunConfig:
             if launcher.nproc_per_node * launcher.nnodes != need:
                 raise ConfigError(f"launcher.nproc_per_node={launcher.nproc_per_node} x launcher.nnodes="
                                   f"{launcher.nnodes} = {launcher.nproc_per_node * launcher.nnodes} processes, but "
-                                  f"parallel.degrees={degrees} needs {need}")
+                                  f"{degrees} needs {need}")
         elif need % launcher.nnodes:
             raise ConfigError(f"launcher.nnodes={launcher.nnodes} does not divide the world size {need} of "
-                              f"parallel.degrees={degrees}; set launcher.nproc_per_node")
+                              f"{degrees}; set launcher.nproc_per_node")
         if launcher.nnodes > 1 and not launcher.store:
             raise ConfigError(f"launcher.store=null: with launcher.nnodes={launcher.nnodes}, give HOST:PORT of the "
                               f"store node 0 hosts")
 
     def _check_faults(self) -> None:
-        if not isinstance(self.fault.events, list):
-            raise ConfigError(f"fault.events={self.fault.events!r} must be a list of {{rank, step, phase, kind}}")
-        events = []
-        for i, raw in enumerate(self.fault.events):
-            name = f"fault.events[{i}]"
-            if not isinstance(raw, dict):
-                raise ConfigError(f"{name}={raw!r} must be a mapping {{rank, step, phase, kind}}")
-            event = _build(FaultEvent, dict(raw), name + ".")
-            if not 0 <= event.rank < self.world_size:
-                raise ConfigError(f"{name}.rank={event.rank} does not exist: the world has {self.world_size} ranks "
-                                  f"(0..{self.world_size - 1})")
-            if not 1 <= event.step <= self.train.steps:
-                raise ConfigError(f"{name}.step={event.step} must lie in 1..train.steps={self.train.steps}")
-            _check_choice(f"{name}.phase", event.phase, FAULT_PHASES)
-            _check_choice(f"{name}.kind", event.kind, FAULT_KINDS)
-            events.append(event)
-        self.fault.events = events
+        try:
+            schedule = FaultSchedule.from_config(self.fault.faults, self.world_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for i, fault in enumerate(schedule.faults):
+            if not 1 <= fault.step <= self.train.steps:
+                raise ConfigError(f"fault.faults[{i}].step={fault.step} must lie in 1..train.steps={self.train.steps}")
 
-    def fault_events(self) -> list[FaultEvent]:
-        return [e if isinstance(e, FaultEvent) else FaultEvent(**e) for e in self.fault.events]
+    def fault_schedule(self) -> FaultSchedule:
+        return FaultSchedule.from_config(self.fault.faults, self.world_size)
 
 
 def generate_deepspeed_config(cfg: RunConfig) -> dict:

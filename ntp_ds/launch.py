@@ -1,0 +1,263 @@
+"""`ntp-ds launch`: start this node's workers, host the job's store, and keep the survivors running when one dies.
+
+Unlike the `deepspeed` launcher (which kills every sibling when one worker fails) and `torchrun` (which restarts them
+all), this launcher lets the other workers go on, so a job can train through the loss of a GPU. It hosts the
+job's TCPStore in its own process (node 0's launcher), never in a training rank, so losing rank 0 does not lose the
+store; workers find it in `NTP_STORE=HOST:PORT`.
+
+Each worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (the node), NTP_STORE, MASTER_ADDR and
+MASTER_PORT (for the default env:// rendezvous), and NTP_RUN_DIR when a run directory is given.
+
+Exit status: 0 when at least one worker finished successfully (exit 0), the others' deaths being printed; else the
+status of the first worker that failed (128 + N for signal N); 2 for a usage mistake; 130 when interrupted. With
+several nodes, each node's launcher judges only its own workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PROG = "ntp-ds launch"
+MASTER_PORT_KEY = "launch/master_port"
+_VALUED = ("--nproc-per-node", "--nnodes", "--node-rank", "--store", "--run-dir", "--grace-s")
+
+USAGE = f"""usage: {PROG} [--nproc-per-node N] [--nnodes N --node-rank I --store HOST:PORT]
+                     [--run-dir DIR] [--grace-s S] (-m MODULE | SCRIPT) [ARGS ...]
+
+Start N worker processes on this node (python -m MODULE ARGS, or python SCRIPT ARGS) and wait for them.
+A worker that dies is reported (rank, exit code or signal); the others keep running.
+
+  --nproc-per-node N   workers on this node (default: 1)
+  --nnodes N           nodes in the job (default: 1); ranks are node_rank * N + local rank
+  --node-rank I        this node's index (default: 0); node 0 hosts the store
+  --store HOST:PORT    the job's store: node 0 listens on PORT, the others connect (required with --nnodes > 1;
+                       default on one node: 127.0.0.1 and a free port)
+  --run-dir DIR        passed to the workers as NTP_RUN_DIR
+  --grace-s S          seconds workers get after SIGTERM when the launcher is stopped (default: 10)
+
+Example: {PROG} --nproc-per-node 4 -m ntp_ds.train recipe=cpu_demo
+Exit status: 0 if at least one worker finished successfully, else the first failure's status; 2 for bad usage.
+"""
+
+
+class LaunchError(Exception):
+    """A usage mistake; the message is one line that names the option."""
+
+
+@dataclass
+class LaunchSpec:
+    """What to start on this node and how it joins the job."""
+
+    command: list[str]
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    store: str | None = None
+    run_dir: str | None = None
+    grace_s: float = 10.0
+
+    def __post_init__(self):
+        for name in ("nproc_per_node", "nnodes"):
+            if getattr(self, name) < 1:
+                raise LaunchError(f"--{name.replace('_', '-')}={getattr(self, name)} must be at least 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise LaunchError(f"--node-rank={self.node_rank} must lie in 0..nnodes-1={self.nnodes - 1}")
+        if self.nnodes > 1 and not self.store:
+            raise LaunchError(f"--store is required with --nnodes={self.nnodes}: give HOST:PORT of node 0")
+        if self.store:
+            from ntp_ds.control.store import parse_address
+
+            try:
+                parse_address(self.store)
+            except ValueError as e:
+                raise LaunchError(f"--store: {e}") from None
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split `[launcher options] (-m MODULE | SCRIPT) [ARGS]` into the options and the worker command."""
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-m", "--module"):
+            if i + 1 >= len(argv):
+                raise LaunchError("-m needs a module name, e.g. -m ntp_ds.train")
+            return argv[:i], [sys.executable, "-u", "-m", argv[i + 1], *argv[i + 2:]]
+        if arg in _VALUED:
+            i += 2
+            continue
+        if arg.startswith("-"):
+            i += 1
+            continue
+        return argv[:i], [sys.executable, "-u", arg, *argv[i + 1:]]
+    return argv, []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(spec: LaunchSpec, local_rank: int, store: str, master: tuple[str, int], base=os.environ) -> dict:
+    """The environment of one worker."""
+    import ntp_ds
+
+    env = dict(base)
+    package_root = str(Path(ntp_ds.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.update(RANK=str(spec.node_rank * spec.nproc_per_node + local_rank), WORLD_SIZE=str(spec.world_size),
+               LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(spec.nproc_per_node), GROUP_RANK=str(spec.node_rank),
+               NTP_STORE=store, MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+    if spec.run_dir:
+        env["NTP_RUN_DIR"] = str(Path(spec.run_dir).resolve())
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.nproc_per_node)))
+    set_cpu_accelerator(env)
+    return env
+
+
+def set_cpu_accelerator(env=os.environ) -> None:
+    """Tell DeepSpeed to use its CPU accelerator where there is no GPU (it otherwise warns on every import)."""
+    if "DS_ACCELERATOR" not in env:
+        import torch
+
+        if not torch.cuda.is_available():
+            env["DS_ACCELERATOR"] = "cpu"
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _say(text: str) -> None:
+    print(f"{PROG}: {text}", file=sys.stderr, flush=True)
+
+
+def _rendezvous(spec: LaunchSpec):
+    """Host (node 0) or reach the job's store; return it, its address and the env:// master address."""
+    from ntp_ds.control.store import connect_store, host_store, parse_address
+
+    if spec.node_rank == 0:
+        host, port = parse_address(spec.store) if spec.store else ("127.0.0.1", 0)
+        store, address = host_store(port, host)
+        master = (host, _free_port())
+        store.set(MASTER_PORT_KEY, str(master[1]))
+        return store, address, master
+    store = connect_store(spec.store)
+    host, _ = parse_address(spec.store)
+    return store, spec.store, (host, int(store.get(MASTER_PORT_KEY).decode()))
+
+
+def launch(spec: LaunchSpec, poll_s: float = 0.1) -> int:
+    """Start the workers, wait for every one, report each exit; return the exit status described above."""
+    from ntp_ds.control.heartbeat import mark_exited
+
+    store, address, master = _rendezvous(spec)
+    first = spec.node_rank * spec.nproc_per_node
+    _say(f"store at {address} (NTP_STORE); starting ranks {first}-{first + spec.nproc_per_node - 1} of "
+         f"{spec.world_size}: {' '.join(spec.command[1:])}")
+    procs = {first + i: subprocess.Popen(spec.command, env=worker_env(spec, i, address, master))
+             for i in range(spec.nproc_per_node)}
+    codes: dict[int, int] = {}
+
+    def stop(signum, _frame):
+        raise KeyboardInterrupt(signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        while len(codes) < len(procs):
+            for rank, proc in procs.items():
+                if rank in codes or proc.poll() is None:
+                    continue
+                codes[rank] = proc.returncode
+                reason = _describe_exit(proc.returncode)
+                if proc.returncode != 0:
+                    _say(f"rank {rank} {reason}; the other workers keep running")
+                try:
+                    mark_exited(store, rank, reason)
+                except Exception as e:  # the store is ours; a failed write must not take the survivors down
+                    _say(f"could not record rank {rank}'s exit in the store: {e}")
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        _say("stopping: SIGTERM to the workers")
+        _terminate([p for r, p in procs.items() if r not in codes], spec.grace_s)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    ok = [r for r, c in codes.items() if c == 0]
+    failed = {r: c for r, c in codes.items() if c != 0}
+    if not failed:
+        return 0
+    _say(f"{len(ok)} of {len(codes)} workers finished successfully; "
+         + ", ".join(f"rank {r} {_describe_exit(c)}" for r, c in sorted(failed.items())))
+    if ok:
+        return 0
+    code = failed[min(failed)]
+    return 128 - code if code < 0 else code
+
+
+def _terminate(procs: list, grace_s: float) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def parse_args(argv: list[str]) -> LaunchSpec:
+    options, command = split_argv(argv)
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise LaunchError(message)
+
+    parser = Parser(prog=PROG, add_help=False)
+    parser.add_argument("--nproc-per-node", type=int, default=1)
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--store")
+    parser.add_argument("--run-dir")
+    parser.add_argument("--grace-s", type=float, default=10.0)
+    args = parser.parse_args(options)
+    if not command:
+        raise LaunchError("nothing to launch: give -m MODULE or SCRIPT, e.g. -m ntp_ds.train recipe=cpu_demo")
+    return LaunchSpec(command, args.nproc_per_node, args.nnodes, args.node_rank, args.store, args.run_dir,
+                      args.grace_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    try:
+        spec = parse_args(argv)
+    except LaunchError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    return launch(spec)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

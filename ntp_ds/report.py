@@ -1,0 +1,148 @@
+"""`ntp-ds report RUN_DIR`: a goodput timeline PNG and a summary table of a training run.
+
+The timeline has three panels over the training step: throughput against the failure-free rate, the TP degree of
+every replica, and goodput with the active GPU fraction; failures, recoveries and skipped faults are marked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ntp_ds.goodput import BUCKETS
+from ntp_ds.run.records import read_run
+
+PROG = "ntp-ds report"
+TIMELINE = "goodput_timeline.png"
+# Step s covers the x interval (s - 1, s]: a failure and its recovery happen inside the step they interrupt.
+MARKERS = {"failure": ("tab:red", "-", "failure", 0.6), "recovery": ("tab:green", "--", "recovery", 0.3),
+           "fault_skipped": ("tab:gray", ":", "fault scheduled, not injected", 0.5)}
+
+
+def _replica_keys(metrics: list[dict]) -> list[str]:
+    keys = {k for m in metrics for k in m if k.startswith("tp_degree/replica_")}
+    return sorted(keys, key=lambda k: int(k.rsplit("_", 1)[1]))
+
+
+def summary_table(metrics: list[dict], events: list[dict], summary: dict, run_dir: Path) -> str:
+    """The run at a glance, as aligned `name  value` rows."""
+    last = metrics[-1] if metrics else {}
+    first = metrics[0] if metrics else {}
+    s = summary or {"steps": len(metrics), "goodput": last.get("goodput", 0.0),
+                    "tokens_per_s": last.get("tokens_per_s", 0.0), "throughput_ratio": last.get("throughput_ratio", 0.0),
+                    "failure_free_tokens_per_s": last.get("failure_free_tokens_per_s", 0.0),
+                    "active_gpu_fraction": last.get("active_gpu_fraction", 0.0),
+                    "allocated_gpus": last.get("allocated_gpus", 0)}
+    keys = _replica_keys(metrics)
+    start = [first.get(k, 0) for k in keys]
+    end = [last.get(k, 0) for k in keys]
+    counts: dict[str, int] = {}
+    for e in events:
+        counts[e.get("event", "?")] = counts.get(e.get("event", "?"), 0) + 1
+    rows = [("run", str(run_dir)), ("status", "finished" if summary else "unfinished (no summary.json)"),
+            ("steps", str(s.get("steps", len(metrics))))]
+    if "wall_s" in s:
+        rows.append(("wall time", f"{s['wall_s']:.2f} s (+ {s.get('startup_s', 0.0):.1f} s start-up, not counted)"))
+    rows += [("goodput", f"{s.get('goodput', 0.0):.3f}"),
+             ("tokens/s", (f"{s.get('tokens_per_s', 0.0):.0f} ({s.get('throughput_ratio', 0.0):.2f} of failure-free "
+                           f"{s.get('failure_free_tokens_per_s', 0.0):.0f})")),
+             ("active GPUs", f"{100 * s.get('active_gpu_fraction', 0.0):.0f}% of {s.get('allocated_gpus', 0)}"),
+             ("TP degrees", f"{start} -> {end}"),
+             ("recoveries", str(counts.get("recovery", 0)))]
+    if any(f"time/{b}_s" in s for b in BUCKETS):
+        rows.append(("time split", "  ".join(f"{b} {100 * s.get(f'share/{b}', 0.0):.1f}%" for b in BUCKETS)))
+    if counts.get("fault_skipped"):
+        rows.append(("faults", f"{counts['fault_skipped']} scheduled, not injected (live recovery not available)"))
+    if "final_loss" in s:
+        rows.append(("final loss", f"{s['final_loss']:.4f}"))
+    if s.get("final_weights"):
+        rows.append(("final weights", str(s["final_weights"])))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def plot_timeline(metrics: list[dict], events: list[dict], path: Path, title: str = "") -> Path:
+    """Draw the three-panel goodput timeline to `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [m["step"] for m in metrics]
+    fig, (ax_tp, ax_deg, ax_gp) = plt.subplots(3, 1, figsize=(9, 8), sharex=True, constrained_layout=True)
+    ax_tp.plot(steps, [m.get("tokens_per_s", 0.0) for m in metrics], label="tokens/s", color="tab:blue")
+    ax_tp.plot(steps, [m.get("failure_free_tokens_per_s", 0.0) for m in metrics], label="failure-free",
+               color="tab:blue", linestyle="--", alpha=0.5)
+    ax_tp.set_ylabel("tokens/s")
+    ax_ratio = ax_tp.twinx()
+    ax_ratio.plot(steps, [m.get("throughput_ratio", 0.0) for m in metrics], color="tab:orange", alpha=0.7,
+                  label="ratio")
+    ax_ratio.set_ylabel("ratio to failure-free")
+    ax_ratio.set_ylim(0, max([1.2] + [1.05 * m.get("throughput_ratio", 0.0) for m in metrics]))
+    keys = _replica_keys(metrics)
+    for i, key in enumerate(keys):
+        offset = (i - (len(keys) - 1) / 2) * 0.04  # keep equal degrees apart
+        ax_deg.step(steps, [m.get(key, 0) + offset for m in metrics], where="post",
+                    label=f"replica {key.rsplit('_', 1)[1]}")
+    top = max([1] + [m.get(k, 0) for m in metrics for k in keys])
+    ax_deg.set_ylim(-0.3, top + 0.5)
+    ax_deg.yaxis.get_major_locator().set_params(integer=True)
+    ax_deg.set_ylabel("TP degree")
+    ax_deg.legend(loc="lower left", fontsize="small", ncol=min(len(keys), 4) or 1)
+    ax_gp.plot(steps, [m.get("goodput", 0.0) for m in metrics], label="goodput (cumulative)", color="tab:purple")
+    ax_gp.plot(steps, [m.get("step_goodput", 0.0) for m in metrics], label="goodput (step)", color="tab:purple",
+               alpha=0.4)
+    ax_gp.plot(steps, [m.get("active_gpu_fraction", 0.0) for m in metrics], label="active GPU fraction",
+               color="tab:green")
+    ax_gp.set_ylim(0, 1.05)
+    ax_gp.set_xlabel("step")
+    ax_gp.set_ylabel("fraction")
+    labelled = set()
+    for e in events:
+        if e.get("event") not in MARKERS:
+            continue
+        color, style, label, before = MARKERS[e["event"]]
+        for ax in (ax_tp, ax_deg, ax_gp):
+            ax.axvline(e.get("step", 0) - before, color=color, linestyle=style, alpha=0.8,
+                       label=label if ax is ax_gp and label not in labelled else None)
+        labelled.add(label)
+    ax_gp.legend(loc="lower left", fontsize="small")
+    lines, labels = ax_tp.get_legend_handles_labels()
+    lines2, labels2 = ax_ratio.get_legend_handles_labels()
+    ax_tp.legend(lines + lines2, labels + labels2, loc="lower left", fontsize="small")
+    fig.suptitle(title or "goodput timeline")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description="Draw a run's goodput timeline and print its summary.",
+                                     epilog="Example: ntp-ds report outputs/2026-01-01/12-00-00")
+    parser.add_argument("run_dir", help="run directory of `ntp-ds train` (holds metrics.jsonl)")
+    parser.add_argument("--out", help=f"PNG path (default: RUN_DIR/{TIMELINE})")
+    args = parser.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        print(f"{PROG}: error: RUN_DIR={str(run_dir)!r} is not a directory", file=sys.stderr)
+        return 2
+    metrics, events, summary = read_run(run_dir)
+    if not metrics:
+        print(f"{PROG}: error: RUN_DIR={str(run_dir)!r} holds no step in metrics.jsonl (not a run directory, or the "
+              f"run stopped before its first step)", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else run_dir / TIMELINE
+    try:
+        plot_timeline(metrics, events, out, title=f"{run_dir.name}: {summary.get('model', '')}".rstrip(": "))
+    except OSError as e:
+        print(f"{PROG}: error: --out={str(out)!r}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    print(summary_table(metrics, events, summary, run_dir))
+    print(f"timeline: {out}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

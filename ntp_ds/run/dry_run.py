@@ -1,0 +1,133 @@
+"""`dry_run=true`: check a recipe without GPUs. Print shapes, per-GPU memory (healthy and degraded) and the group
+layout, computed from the config alone: no process group, no weights (the model is built on the meta device).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+from ntp_ds.batch import BatchError, max_micro_batch, plan_batch
+from ntp_ds.batch.memory import rank_memory
+from ntp_ds.layout import ShardLayout, Topology, plan_gradient_sync
+from ntp_ds.layout import units as U
+from ntp_ds.run.config import RunConfig
+
+GIB = 2**30
+
+
+def _ranges(ranks: list[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _spread(values: list[int]) -> str:
+    lo, hi = min(values), max(values)
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def degraded_layouts(layout: ShardLayout, min_tp: int) -> list[tuple[str, ShardLayout]]:
+    """The healthy layout, after one lost GPU, and at `min_tp`, as recovery would shrink it (survivors keep units)."""
+    tp = layout.tp
+    out = [(f"healthy TP {tp}", layout)]
+    if tp - 1 >= min_tp and tp > 1:
+        out.append((f"1 GPU lost: TP {tp - 1}", layout.without_ranks({tp - 1})))
+    if min_tp < tp - 1:
+        out.append((f"at min_tp: TP {min_tp}", layout.without_ranks(set(range(min_tp, tp)))))
+    return out
+
+
+def shapes_section(cfg: RunConfig, layouts: list[tuple[str, ShardLayout]]) -> list[str]:
+    from ntp_ds.models import Llama
+
+    llama = cfg.model.llama_config()
+    specs = Llama(llama, init=False, device="meta").param_specs()
+    seen: dict[str, tuple[int, tuple]] = {}
+    for name, (spec, shape) in specs.items():
+        key = re.sub(r"\.layers\.\d+\.", ".layers.N.", name)
+        count = seen.get(key, (0, None))[0]
+        seen[key] = (count + 1, (spec, shape))
+    rows = [["parameter", "full"] + [label.split(": ")[-1] for label, _ in layouts]]
+    for key, (count, (spec, shape)) in seen.items():
+        shards = [str(list(max((lay.shard_shape(spec, shape, r) for r in range(lay.tp)), key=math.prod)))
+                  for _, lay in layouts]
+        rows.append([key + (f" (x{count})" if count > 1 else ""), str(list(shape))] + shards)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["shapes (full, then the largest rank's shard):"]
+    for row in rows:
+        lines.append("  " + row[0].ljust(widths[0]) + "".join(f"  {c:>{w}}" for c, w in zip(row[1:], widths[1:])))
+    return lines
+
+
+def memory_section(cfg: RunConfig, ds: dict, layouts: list[tuple[str, ShardLayout]]) -> list[str]:
+    llama, micro = cfg.model.llama_config(), ds["train_micro_batch_size_per_gpu"]
+    budget = cfg.parallel.memory_budget_gb
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    share = f"over ZeRO-{stage} DP {cfg.parallel.replicas}" if stage else "unpartitioned"
+    title = (f"memory per GPU, estimate (most loaded rank: weights, grads, fp32 master and Adam moments {share}; "
+             f"activations at seq {cfg.data.seq_len}):")
+    lines = [title,
+             f"  {'layout':<22} {'static':>10} {'per sample':>10} {'micro':>5} {'total':>10}  budget"]
+    for label, lay in layouts:
+        static, per_sample = rank_memory(llama, lay, ds, cfg.data.seq_len, dp=cfg.parallel.replicas)
+        fit = micro
+        verdict = "no budget set"
+        if budget is not None:
+            try:
+                fit = max_micro_batch(static, per_sample, int(budget * GIB), micro)
+                verdict = f"fits {budget:g} GiB" + (f" at micro-batch {fit}" if fit < micro else "")
+            except BatchError:
+                fit, verdict = micro, f"DOES NOT FIT {budget:g} GiB"
+        total = static + per_sample * fit
+        lines.append(f"  {label:<22} {_size(static):>10} {_size(per_sample):>10} {fit:>5} {_size(total):>10}  "
+                     f"{verdict}")
+    return lines
+
+
+def layout_section(cfg: RunConfig, ds: dict, topology: Topology) -> list[str]:
+    plan = plan_gradient_sync(topology)
+    batch = plan_batch(topology.degrees, cfg.parallel.tp, ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"],
+                       cfg.parallel.batch_policy, plan.anchors)
+    lines = ["group layout (anchors reduce in DeepSpeed's DP groups; contributors send to their anchor):"]
+    for r, lay in enumerate(topology.layouts):
+        role = "anchor" if plan.is_anchor(r) else f"contributor -> replica {plan.anchor_of[r]}"
+        units = ", ".join(f"{k} {_spread([U.count(lay.owned(k, t)) for t in range(lay.tp)])}"
+                          for k in ("heads", "kv", "ffn", "vocab"))
+        part = batch.replicas[r]
+        lines.append(f"  replica {r}: ranks {_ranges(topology.ranks_of(r))} (TP {lay.tp}, {role}); per rank: {units}; "
+                     f"{part.samples} samples in {part.micro_steps} micro-batch(es) of {_spread(list(part.micro_sizes))}")
+    return lines
+
+
+def describe(cfg: RunConfig) -> str:
+    """The dry-run report of a validated config."""
+    llama, ds, p = cfg.model.llama_config(), cfg.ds_config(), cfg.parallel
+    topology = Topology.from_degrees(llama.units(), p.replica_degrees)
+    from ntp_ds.models import Llama
+
+    params = sum(math.prod(shape) for _, shape in Llama(llama, init=False, device="meta").param_specs().values())
+    nproc = cfg.launcher.nproc_per_node or cfg.world_size // cfg.launcher.nnodes
+    precision = "bf16" if ds.get("bf16", {}).get("enabled") else "fp32"
+    head = f"dry run: recipe {cfg.recipe or '-'}, model {cfg.model.name} ({_count(params)} parameters, {precision})"
+    topo = (f"topology: {p.replicas} replicas, TP degrees {list(topology.degrees)} (healthy {p.tp}, min {p.min_tp}) = "
+            f"{cfg.world_size} processes of {cfg.allocated_gpus} GPUs allocated; launcher: {cfg.launcher.nnodes} "
+            f"node(s) x {nproc}; ZeRO-{ds.get('zero_optimization', {}).get('stage', 0)}; "
+            f"batch {ds['train_batch_size']} x {cfg.data.seq_len} tokens, micro-batch "
+            f"{ds['train_micro_batch_size_per_gpu']}, policy {p.batch_policy}")
+    lines = [head, topo, ""]
+    layouts = degraded_layouts(ShardLayout.balanced(llama.units(), p.tp), p.min_tp)
+    lines += shapes_section(cfg, layouts) + [""] + memory_section(cfg, ds, layouts) + [""]
+    lines += layout_section(cfg, ds, topology)
+    lines += ["", f"DeepSpeed config: {json.dumps(ds, sort_keys=True)}"]
+    return "\n".join(lines)

@@ -1,0 +1,192 @@
+"""`ntp-ds train` and `python -m ntp_ds.train`: compose the config, then dry-run, launch the workers, or be one.
+
+- Outside any launcher (no RANK in the environment) it validates the config and starts the world's workers on this
+  node through `ntp_ds.launch` (`python -m ntp_ds.train` with the same overrides), then waits for them.
+- Under a launcher (`ntp-ds launch`, `deepspeed --module ntp_ds.train`, `torchrun -m ntp_ds.train`) it is one rank:
+  it builds the NTPEngine and runs the Trainer. The deepspeed launcher's `--local_rank=N` is accepted.
+- `dry_run=true` prints shapes, per-GPU memory (healthy and degraded) and the group layout, and starts nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+PROG = "ntp-ds train"
+
+USAGE = """usage: ntp-ds train [recipe=NAME] [GROUP=OPTION ...] [KEY=VALUE ...]
+
+Train a Llama with nonuniform tensor parallelism on DeepSpeed. Without a launcher around it, this starts one
+worker per GPU (the sum of the replicas' TP degrees) on this machine and waits for them.
+
+  recipe=NAME        a ready experiment from recipes/: {recipes}
+  GROUP=OPTION       pick a config group option:
+{groups}
+  KEY=VALUE          set one field, e.g. parallel.tp=2 parallel.replicas=2 parallel.zero_stage=1
+                     train.steps=20 train.global_batch=8 seed=0 fault=none logging.wandb.mode=disabled
+  hydra.run.dir=DIR  run directory (or run_dir=DIR); default outputs/DATE/TIME
+  dry_run=true       print shapes, per-GPU memory (healthy and degraded) and the group layout; start nothing
+  deepspeed_config=PATH.json   use this DeepSpeed config whole instead of generating one
+
+Examples:
+  ntp-ds train recipe=cpu_demo
+  ntp-ds train recipe=gpu_70b_nvl72 dry_run=true
+  ntp-ds train parallel.tp=2 parallel.replicas=2 fault=none train.steps=20 hydra.run.dir=runs/a
+  ntp-ds report runs/a
+
+The run directory gets metrics.jsonl, events.jsonl, summary.json, logs/, wandb/ and final/ (HF weights).
+Other launchers: ntp-ds launch --nproc-per-node N -m ntp_ds.train ..., deepspeed --num_gpus N --module
+ntp_ds.train ..., torchrun --nproc-per-node N -m ntp_ds.train ... (see docs/usage.md for their limits).
+"""
+
+log = logging.getLogger("ntp_ds.train")
+
+
+def usage() -> str:
+    from ntp_ds.run.compose import GROUPS, available_recipes, group_options
+
+    groups = "\n".join(f"                     {g}: {', '.join(group_options(g))}" for g in GROUPS)
+    return USAGE.format(recipes=", ".join(available_recipes()), groups=groups)
+
+
+class _TqdmHandler(logging.StreamHandler):
+    """Write log lines above the progress bar instead of through it."""
+
+    def emit(self, record):
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+def setup_logging(rank: int, level: str, other_ranks_level: str) -> logging.Logger:
+    """Console logging of this rank: `level` on rank 0, `other_ranks_level` elsewhere."""
+    root = logging.getLogger("ntp_ds")
+    root.setLevel(logging.DEBUG)
+    root.propagate = False
+    handler = _TqdmHandler()
+    handler.setLevel(level if rank == 0 else other_ranks_level)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", "%H:%M:%S"))
+    root.handlers = [handler]
+    return root
+
+
+def add_file_log(run_dir: Path, rank: int, level: str) -> None:
+    """Also log this rank to RUN_DIR/logs/rank{rank}.log."""
+    path = run_dir / "logs" / f"rank{rank}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setLevel(level)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("ntp_ds").addHandler(handler)
+
+
+def agree_run_dir(run_dir: str) -> Path:
+    """Every rank takes rank 0's run directory (launchers that start ranks separately may compose different ones)."""
+    import torch.distributed as dist
+
+    box = [str(Path(run_dir).resolve())]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def run_worker(cfg, started: float) -> int:
+    """Be one rank: build the engine, run the Trainer, write the records and the final weights."""
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    import ntp_ds
+    from ntp_ds.goodput.wandb_log import WandbLogger
+    from ntp_ds.run.records import RunRecorder
+    from ntp_ds.run.trainer import Trainer, seed_everything
+
+    rank = int(os.environ["RANK"])
+    setup_logging(rank, cfg.logging.level, cfg.logging.other_ranks_level)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    seed_everything(cfg.seed)
+    engine = ntp_ds.initialize(model=cfg.model.llama_config(), config=cfg.ds_config(), ntp=cfg.parallel.ntp(),
+                               seq_len=cfg.data.seq_len)
+    run_dir = agree_run_dir(os.environ.get("NTP_RUN_DIR") or cfg.run_dir)
+    add_file_log(run_dir, rank, cfg.logging.level)
+    g = engine.ntp_groups
+    log.info("replica %d, TP rank %d of %d (%s)", g.replica, g.tp_rank, len(g.tp_ranks),
+             "anchor" if g.is_anchor else "contributor")
+    recorder, progress = RunRecorder(None), None
+    if rank == 0:
+        w = cfg.logging.wandb
+        wandb = WandbLogger(mode=w.mode, project=w.project, entity=w.entity, name=w.name or run_dir.name,
+                            tags=w.tags, run_dir=run_dir, config=cfg.to_dict())
+        recorder = RunRecorder(run_dir, wandb)
+        log.info("run directory %s; TP degrees %s (%d ranks, %d GPUs allocated); W&B %s", run_dir,
+                 list(g.topology.degrees), cfg.world_size, cfg.allocated_gpus, w.mode)
+        progress = tqdm(total=cfg.train.steps, desc=f"train {cfg.model.name}", unit="step", dynamic_ncols=True,
+                        file=sys.stderr, disable=None if cfg.logging.progress else True)
+        if progress.disable:
+            progress = None
+    trainer = Trainer(cfg, engine, recorder, run_dir=run_dir, progress=progress,
+                      startup_s=time.perf_counter() - started)
+    try:
+        trainer.train()
+    except BaseException:
+        recorder.abort()
+        raise
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def launch_local(cfg, argv: list[str]) -> int:
+    """Start this node's workers of `python -m ntp_ds.train ARGV` and wait for them."""
+    from ntp_ds.launch import LaunchSpec, launch
+
+    run_dir = Path(cfg.run_dir).resolve()
+    lc = cfg.launcher
+    nproc = lc.nproc_per_node or cfg.world_size // lc.nnodes
+    print(f"{PROG}: {cfg.world_size} workers ({nproc} on this node), run directory {run_dir}", file=sys.stderr,
+          flush=True)
+    spec = LaunchSpec([sys.executable, "-u", "-m", "ntp_ds.train", *argv], nproc, lc.nnodes, lc.node_rank,
+                      lc.store, str(run_dir), lc.grace_s)
+    code = launch(spec)
+    if (run_dir / "summary.json").is_file():
+        print(f"{PROG}: done; see the run with: ntp-ds report {run_dir}", file=sys.stderr, flush=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
+    from ntp_ds.launch import set_cpu_accelerator
+
+    set_cpu_accelerator()  # before the first deepspeed import
+    from ntp_ds.run.compose import BAD_INPUT, fail, load_config, strip_launcher_args
+
+    argv = strip_launcher_args(list(sys.argv[1:] if argv is None else argv))
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(usage())
+        return 0
+
+    under_launcher = "RANK" in os.environ
+    try:
+        cfg = load_config(argv)
+        world = int(os.environ.get("WORLD_SIZE", "0")) if under_launcher and not cfg.dry_run else 0
+        cfg.validate(world or None)
+    except BAD_INPUT as e:
+        return fail(PROG, e) if int(os.environ.get("RANK", "0")) == 0 else 2
+    if cfg.dry_run:
+        if int(os.environ.get("RANK", "0")) == 0:
+            from ntp_ds.run.dry_run import describe
+
+            print(describe(cfg))
+        return 0
+    if not under_launcher:
+        return launch_local(cfg, argv)
+    return run_worker(cfg, started)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""The `ntp-ds` command: help, dispatch, one-line errors with exit status 2, the launcher and other launchers."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ntp_ds.cli import COMMANDS
+from ntp_ds.cli import main as cli
+from ntp_ds.run.compose import strip_launcher_args
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(args: list[str], timeout: float, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """Run a command in its own session; on timeout kill the whole group (launcher and workers) and fail."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+                "WANDB_MODE": "offline", **(env or {})}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NTP_RUN_DIR", "NTP_STORE"):
+        if key not in (env or {}):
+            full_env.pop(key, None)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                            cwd=cwd or REPO, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(args)} did not finish in {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def ntp_ds(*args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "ntp_ds.cli", *args], timeout, env)
+
+
+def test_help_lists_every_command(capsys):
+    assert cli(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in COMMANDS:
+        assert f"  {command} " in out
+    assert "ntp-ds train recipe=cpu_demo" in out
+
+
+@pytest.mark.parametrize("command, expect", [("train", "recipe=NAME"), ("launch", "--nproc-per-node"),
+                                             ("simulate", "usage: ntp-ds simulate"), ("report", "RUN_DIR"),
+                                             ("inject", "--store")])
+def test_command_help(command, expect, capsys):
+    assert cli([command, "--help"]) == 0
+    assert expect in capsys.readouterr().out
+
+
+def test_unknown_command_and_missing_module(capsys, monkeypatch):
+    assert cli(["trian"]) == 2
+    assert "unknown command 'trian'" in capsys.readouterr().err
+    monkeypatch.setitem(COMMANDS, "inject", "ntp_ds.control.not_built_yet")
+    assert cli(["inject", "--rank", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not available in this build" in err
+
+
+@pytest.mark.parametrize("args, env, field", [
+    (["recipe=no_such_recipe"], None, "recipe='no_such_recipe'"),
+    (["train.steps"], None, "malformed override 'train.steps'"),
+    (["parallel.tp=2", "parallel.replicas=2", "launcher.nproc_per_node=3"], None, "launcher.nproc_per_node=3"),
+    (["parallel.tp=2", "parallel.replicas=2"], {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0"},
+     "WORLD_SIZE=3"),
+    (["fault=one_crash", "parallel.replicas=1"], None, "fault.faults[0].rank=3"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, env, field):
+    result = ntp_ds("train", *args, env=env)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith("ntp-ds train: error: ") and field in lines[0]
+
+
+def test_deepspeed_local_rank_argument_is_stripped(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert strip_launcher_args(["--local_rank=1", "recipe=cpu_demo"]) == ["recipe=cpu_demo"]
+    assert os.environ["LOCAL_RANK"] == "1"
+    assert strip_launcher_args(["a=1", "--local-rank", "2", "b=2"]) == ["a=1", "b=2"]
+
+
+@pytest.mark.skipif(shutil.which("deepspeed") is None, reason="deepspeed launcher not on PATH")
+def test_deepspeed_launcher_runs_the_train_module():
+    result = run(["deepspeed", "--num_gpus", "1", "--module", "ntp_ds.train", "recipe=gpu_1b_8gpu", "dry_run=true"],
+                 timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "dry run: recipe gpu_1b_8gpu" in result.stdout
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+def test_torchrun_runs_the_train_module():
+    result = run(["torchrun", "--nproc-per-node", "1", "-m", "ntp_ds.train", "recipe=cpu_demo", "dry_run=true"],
+                 timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "group layout" in result.stdout
+
+
+def test_dry_run_starts_nothing():
+    result = ntp_ds("train", "recipe=gpu_70b_nvl72", "dry_run=true")
+    assert result.returncode == 0, result.stderr
+    for piece in ("70.55B parameters", "healthy TP 64", "1 GPU lost: TP 63", "group layout", "replica 7"):
+        assert piece in result.stdout
+
+
+WORKER = textwrap.dedent("""
+    import os, signal, sys, time
+    from pathlib import Path
+    from ntp_ds.control.heartbeat import read_exits
+    from ntp_ds.control.store import connect_from_env
+
+    rank, out = int(os.environ["RANK"]), Path(sys.argv[1])
+    store = connect_from_env(10)
+    store.set(f"hello/{rank}", os.environ["WORLD_SIZE"])
+    if sys.argv[2] == "all_fail":
+        sys.exit(5)
+    if rank == 1:
+        sys.exit(3)
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while len(read_exits(store)) < 2 and time.monotonic() < deadline:  # outlive the others' deaths
+        time.sleep(0.05)
+    exits = read_exits(store)
+    out.joinpath(f"rank{rank}.done").write_text(f"{os.environ['LOCAL_RANK']} {sorted(exits)} {exits.get(2, '')}")
+""")
+
+
+def test_launcher_keeps_survivors_running(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    result = ntp_ds("launch", "--nproc-per-node", "3", str(script), str(tmp_path), "some_fail", timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert "rank 1 exited with code 3" in result.stderr
+    assert "rank 2 killed by SIGKILL" in result.stderr
+    assert "1 of 3 workers finished successfully" in result.stderr
+    assert (tmp_path / "rank0.done").read_text() == "0 [1, 2] killed by SIGKILL"
+
+
+def test_launcher_fails_when_no_worker_finishes(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    result = ntp_ds("launch", "--nproc-per-node", "2", str(script), str(tmp_path), "all_fail", timeout=90)
+    assert result.returncode == 5
+    assert "0 of 2 workers finished successfully" in result.stderr
+
+
+def test_launcher_usage_errors(capsys):
+    assert cli(["launch", "--nproc-per-node", "2"]) == 2
+    assert "nothing to launch" in capsys.readouterr().err
+    assert cli(["launch", "--nnodes", "2", "-m", "ntp_ds.train"]) == 2
+    assert "--store is required" in capsys.readouterr().err
+    assert cli(["launch", "--store", "nohost", "-m", "ntp_ds.train"]) == 2
+    assert "--store:" in capsys.readouterr().err

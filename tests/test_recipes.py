@@ -1,0 +1,149 @@
+"""Every recipe composes and validates; overrides apply in the right order; the GPU recipes pass a dry run."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ntp_ds.engine.config import ConfigError
+from ntp_ds.goodput.dashboard import spec_json
+from ntp_ds.run.compose import available_recipes, compose_dict, load_config, recipe_overrides
+from ntp_ds.run.config import generate_deepspeed_config
+from ntp_ds.run.dry_run import describe
+from ntp_ds.sim.cli import UsageError
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = ["cpu_demo", "cpu_failure_matrix", "gpu_1b_8gpu", "gpu_70b_nvl72"]
+
+
+def validated(argv):
+    cfg = load_config(argv)
+    cfg.validate()
+    return cfg
+
+
+def test_the_shipped_recipes_are_there():
+    assert set(RECIPES) <= set(available_recipes())
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_composes_and_validates(recipe):
+    cfg = validated([f"recipe={recipe}"])
+    assert cfg.recipe == recipe
+    ds = cfg.ds_config()
+    assert ds["train_batch_size"] == cfg.train.global_batch
+    assert ds["zero_optimization"]["stage"] == cfg.parallel.zero_stage
+
+
+def test_default_config_composes():
+    cfg = validated([])
+    assert (cfg.parallel.tp, cfg.parallel.replicas, cfg.world_size) == (2, 2, 4)
+    assert cfg.fault.faults == [] and cfg.logging.wandb.mode == "offline"
+    assert cfg.run_dir.startswith("outputs/")
+
+
+def test_cpu_demo_is_two_replicas_of_tp2_with_one_crash():
+    cfg = validated(["recipe=cpu_demo"])
+    assert cfg.parallel.replica_degrees == (2, 2)
+    (fault,) = cfg.fault_schedule().faults
+    assert fault.kind == "crash" and 0 <= fault.rank < cfg.world_size and 1 <= fault.step <= cfg.train.steps
+    assert cfg.logging.wandb.mode == "offline"
+    assert cfg.model.name == "tiny"
+
+
+def test_readme_overrides_apply(tmp_path):
+    cfg = validated(["parallel.tp=2", "parallel.replicas=2", "parallel.zero_stage=1", "fault=none", "train.steps=20",
+                     "seed=0", f"hydra.run.dir={tmp_path}"])
+    assert (cfg.parallel.tp, cfg.parallel.replicas, cfg.parallel.zero_stage) == (2, 2, 1)
+    assert cfg.train.steps == 20 and cfg.seed == 0 and cfg.fault.faults == []
+    assert cfg.run_dir == str(tmp_path)
+    assert validated([f"run_dir={tmp_path}/x"]).run_dir == f"{tmp_path}/x"
+
+
+def test_command_line_wins_over_the_recipe():
+    cfg = validated(["recipe=cpu_demo", "fault=none", "train.steps=5", "model=tiny", "parallel.degrees=[2,1]"])
+    assert cfg.fault.faults == [] and cfg.train.steps == 5
+    assert cfg.parallel.replica_degrees == (2, 1) and cfg.world_size == 3
+    assert cfg.data.seed == cfg.seed  # data.seed follows seed unless set
+    assert validated(["seed=7"]).data.seed == 7
+
+
+def test_recipe_becomes_group_choices_then_fields():
+    overrides = recipe_overrides("gpu_70b_nvl72")
+    assert overrides[0] == "model=llama_70b"
+    assert "parallel.tp=64" in overrides and "launcher.nnodes=128" in overrides
+
+
+def test_generated_deepspeed_config():
+    cfg = validated(["optim=sgd", "optim.lr=0.5", "train.precision=bf16", "parallel.zero_stage=2",
+                     "optim.warmup_steps=10"])
+    ds = generate_deepspeed_config(cfg)
+    assert ds["optimizer"] == {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.0, "weight_decay": 0.0}}
+    assert ds["bf16"] == {"enabled": True} and ds["zero_optimization"] == {"stage": 2}
+    assert ds["scheduler"]["params"]["warmup_num_steps"] == 10
+    assert validated([]).ds_config()["optimizer"]["params"]["torch_adam"] is True
+
+
+def test_deepspeed_config_passes_through_whole(tmp_path):
+    path = tmp_path / "ds.json"
+    ds = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 0},
+          "optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "my_key": 1}
+    path.write_text(json.dumps(ds))
+    assert validated([f"deepspeed_config={path}"]).ds_config() == ds
+    path.write_text(json.dumps({**ds, "zero_optimization": {"stage": 3}}))
+    with pytest.raises(ConfigError, match="deepspeed_config: zero_optimization.stage=3"):
+        validated([f"deepspeed_config={path}"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["recipe=nope"], "recipe='nope': no such recipe"),
+    (["model=gpt"], "model=gpt: no such option"),
+    (["train.steps"], "malformed override 'train.steps'"),
+    (["train.stepz=3"], "train.stepz is not a known setting"),
+    (["train.steps=many"], "train.steps='many' must be an integer"),
+    (["parallel.tp=8"], "parallel.tp=8 does not fit model tiny"),
+    (["parallel.degrees=[2,3]"], "parallel.degrees[1]=3 must lie in"),
+    (["launcher.nproc_per_node=3"], "launcher.nproc_per_node=3"),
+    (["fault=one_crash", "parallel.replicas=1"], "fault.faults[0].rank=3 does not exist"),
+    (["fault.faults=[{rank:0,step:1,phase:fwd,kind:crash}]"], "fault.faults[0].phase='fwd'"),
+    (["fault.faults=[{rank:0,step:50,phase:forward,kind:crash}]"], "fault.faults[0].step=50"),
+    (["logging.wandb.mode=loud"], "logging.wandb.mode='loud'"),
+    (["train.global_batch=3"], "train.global_batch/micro_batch"),
+])
+def test_bad_input_names_the_field(argv, message):
+    with pytest.raises((UsageError, ConfigError)) as info:
+        validated(argv)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_world_size_of_the_launcher_must_match():
+    cfg = load_config(["parallel.tp=2", "parallel.replicas=2"])
+    with pytest.raises(ConfigError, match="needs 4 processes but the launcher started WORLD_SIZE=3"):
+        cfg.validate(world_size=3)
+
+
+@pytest.mark.parametrize("recipe, expect", [
+    ("gpu_1b_8gpu", ["llama_1b", "1.24B parameters", "healthy TP 4", "1 GPU lost: TP 3", "at min_tp: TP 2",
+                     "replica 1: ranks 4-7"]),
+    ("gpu_70b_nvl72", ["llama_70b", "70.55B parameters", "healthy TP 64", "TP 63", "at min_tp: TP 56",
+                       "replica 7: ranks 448-511", "128 node(s) x 4", "fits 180 GiB"]),
+])
+def test_gpu_recipes_dry_run(recipe, expect):
+    text = describe(validated([f"recipe={recipe}"]))
+    for piece in expect:
+        assert piece in text
+    assert "DOES NOT FIT" not in text
+
+
+def test_composed_dict_has_no_hydra_node():
+    data = compose_dict(["hydra.run.dir=/tmp/somewhere"])
+    assert "hydra" not in data and data["run_dir"] == "/tmp/somewhere"
+
+
+def test_committed_dashboard_matches_the_code():
+    committed = (REPO / "docs" / "wandb_dashboard.json").read_text()
+    assert committed == spec_json(), "regenerate: python -m ntp_ds.goodput.dashboard --write docs/wandb_dashboard.json"
+    panels = [p for s in json.loads(committed)["sections"] for p in s["panels"]]
+    keys = {k for p in panels for k in p.get("y", [])}
+    assert {"goodput", "tokens_per_s", "active_gpus", "tp_degree/replica_0", "event/recovery_s"} <= keys

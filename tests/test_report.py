@@ -1,0 +1,64 @@
+"""`ntp-ds report RUN_DIR` draws the goodput timeline PNG and prints the summary table."""
+
+import re
+
+from ntp_ds.cli import main as cli
+from ntp_ds.goodput import GoodputMeter, StepTiming
+from ntp_ds.report import TIMELINE, summary_table
+from ntp_ds.run.records import RunRecorder, read_run
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def fake_run(run_dir, finished=True):
+    """A run of 6 steps in which replica 1 drops from TP 2 to TP 1 after a failure at step 4."""
+    recorder = RunRecorder(run_dir)
+    meter = GoodputMeter(allocated_gpus=4, healthy_tp=2)
+    recorder.event("run_start", 0, degrees=[2, 2])
+    for step in range(1, 7):
+        degrees = (2, 2) if step < 4 else (2, 1)
+        if step == 4:
+            recorder.event("failure", 4, rank=3, kind="crash")
+            meter.record_lost("detection", 0.2, active_gpus=3)
+            meter.record_lost("recovery", 0.8, active_gpus=3)
+            recorder.event("recovery", 4, detection_s=0.2, recovery_s=0.8, redone_s=0.0, degrees_after=[2, 1])
+        recorder.step({**meter.record_step(StepTiming(step, 1.0, 0.8, 0.1, 256 * sum(degrees), degrees)),
+                       "loss": 6.0 - step / 10})
+    if finished:
+        recorder.finish({**meter.summary(), "final_loss": 5.4, "model": "tiny", "final_weights": str(run_dir / "final")})
+    else:
+        recorder.close()
+
+
+def test_report_writes_a_png_and_a_table(tmp_path, capsys):
+    fake_run(tmp_path)
+    assert cli(["report", str(tmp_path)]) == 0
+    png = tmp_path / TIMELINE
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000
+    out = capsys.readouterr().out
+    for piece in ("goodput", "tokens/s", "[2, 2] -> [2, 1]", "final loss", str(png)):
+        assert piece in out
+    assert re.search(r"^recoveries +1$", out, re.MULTILINE)
+
+
+def test_report_to_another_path_and_of_an_unfinished_run(tmp_path, capsys):
+    fake_run(tmp_path / "run", finished=False)
+    out = tmp_path / "plots" / "t.png"
+    assert cli(["report", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    assert "unfinished" in capsys.readouterr().out
+
+
+def test_summary_table_without_summary_uses_the_last_step(tmp_path):
+    fake_run(tmp_path, finished=False)
+    metrics, events, summary = read_run(tmp_path)
+    assert summary == {}
+    table = summary_table(metrics, events, summary, tmp_path)
+    assert re.search(r"^steps +6$", table, re.MULTILINE) and re.search(r"^recoveries +1$", table, re.MULTILINE)
+
+
+def test_report_of_a_directory_without_a_run(tmp_path, capsys):
+    assert cli(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no step in metrics.jsonl" in err
+    assert cli(["report", str(tmp_path / "missing")]) == 2
