@@ -1,4 +1,8 @@
-"""Run a function on N local processes joined by gloo, with a hard time limit: a hang fails, never blocks."""
+"""Run a function on N local processes joined by gloo, with a hard time limit: a hang fails, never blocks.
+
+With `store=True` the parent hosts the coordination store (as `ntp-ds launch` does), marks every child that exits
+without a result as exited in it, and returns the results of the ranks that finished (for failure tests).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -17,9 +22,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world_size, port, args, results):
+def _child(fn, rank, world_size, port, store_address, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    if store_address:
+        os.environ["NTP_STORE"] = store_address
     if os.environ.get("NTP_TEST_DEVICE", "cpu") == "cpu":
         os.environ["DS_ACCELERATOR"] = "cpu"
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -28,42 +35,82 @@ def _child(fn, rank, world_size, port, args, results):
         torch.set_num_threads(1)
         # Plain pickle bytes: torch's queue reducers share tensors through the child, which is about to exit.
         results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
+    except SystemExit as e:
+        results.put((rank, "exit", e.code))
     except BaseException:  # report every failure to the parent, which owns the verdict
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 180.0) -> list:
-    """Run `fn(rank, world_size, *args)` in `world_size` processes; return their results in rank order.
+def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, store: bool = False) -> list | dict:
+    """Run `fn(rank, world_size, *args)` in `world_size` processes.
 
-    `fn` must be importable (module level). Raises if any rank fails, or if all have not finished within `timeout`
-    seconds, in which case every process is killed.
+    Without `store`: return the results in rank order; raise if any rank fails. With `store`: return
+    {rank: result} of the ranks that returned one; a rank that dies or exits is marked exited in the store and left
+    out; a rank that raises still fails the run. Either way, all have to be done within `timeout` seconds, or every
+    process is killed and TimeoutError raised.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, results), daemon=True)
+    host, address = None, None
+    if store:
+        from ntp_ds.control.store import host_store
+
+        host, address = host_store()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, address, args, results), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
-    out, deadline = {}, time.monotonic() + timeout
+    out, done, deadline = {}, set(), time.monotonic() + timeout
     try:
-        while len(out) < world_size:
+        while len(done) < world_size:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout}s")
+                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - done)} did not finish in {timeout}s")
             try:
-                rank, status, value = results.get(timeout=min(left, 1.0))
+                rank, status, value = results.get(timeout=min(left, 0.2))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
-                if dead:
-                    raise RuntimeError(f"ranks {dead} exited with codes {[procs[r].exitcode for r in dead]}")
+                for r, p in enumerate(procs):
+                    if r in done or p.exitcode is None:
+                        continue
+                    if not store and p.exitcode != 0:
+                        raise RuntimeError(f"rank {r} exited with code {p.exitcode}")
+                    if p.exitcode != 0:
+                        from ntp_ds.control.heartbeat import mark_exited
+
+                        mark_exited(host, r, f"exit code {p.exitcode}")
+                        done.add(r)
+                if store and len(done) + _stopped(procs, done) >= world_size:
+                    break
                 continue
+            done.add(rank)
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = pickle.loads(value)
+            if status == "ok":
+                out[rank] = pickle.loads(value)
     finally:
         for p in procs:
+            if p.is_alive() and p.pid:
+                try:
+                    os.kill(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+    if store:
+        return out
     return [out[r] for r in range(world_size)]
+
+
+def _stopped(procs, done) -> int:
+    """Processes stopped by SIGSTOP (a hang injected on purpose) that have not finished."""
+    count = 0
+    for r, p in enumerate(procs):
+        if r in done or p.pid is None:
+            continue
+        try:
+            with open(f"/proc/{p.pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "T":
+                    count += 1
+        except OSError:
+            pass
+    return count

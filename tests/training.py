@@ -105,3 +105,38 @@ def train_with_checkpoint(rank, world_size, ntp: dict, stage: int, steps: int, c
     return {"shards": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
             "global_steps": engine.global_steps, "layout": engine.ntp_groups.layout,
             "tp_rank": engine.ntp_groups.tp_rank}
+
+
+def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, global_batch: int, micro: int,
+                        steps: int, faults: list, heartbeat_timeout_s: float = 2.0):
+    """One rank of a run with injected faults and live recovery; returns its final state and recovery events."""
+    import ntp_ds
+    from ntp_ds.control.faults import DeviceError, FaultInjector, FaultSchedule
+    from ntp_ds.recovery.manager import Recovery
+
+    config = tiny_config()
+    ntp = dict(ntp, timeout_s=ntp.get("timeout_s", 20.0))
+    engine = ntp_ds.initialize(model=full_model(config), config=deepspeed_config(optim, stage, global_batch, micro),
+                               ntp=ntp)
+    recovery = Recovery(engine, engine.store, rank, heartbeat_timeout_s=heartbeat_timeout_s)
+    injector = FaultInjector(FaultSchedule.from_config(faults, world_size), rank, engine.store)
+    engine.on_phase = recovery.on_phase = injector.check
+    data, sampler = dataset(config), GlobalBatchSampler(256, seed=1)
+    while engine.global_steps < steps:
+        step = engine.global_steps
+        try:
+            for batch in replica_micro_batches(data, sampler, engine.batch_plan, engine.ntp_groups.replica, step):
+                engine.backward(engine(batch))
+                engine.step()
+        except DeviceError:
+            recovery.leave("device error")
+        except (RuntimeError, TimeoutError, ConnectionError) as error:
+            engine = recovery.recover(error).engine
+            engine.on_phase = injector.check
+    full = engine.consolidated_state_dict()
+    recovery.close()
+    return {"replica": engine.ntp_groups.replica, "tp_rank": engine.ntp_groups.tp_rank,
+            "layout": engine.ntp_groups.layout, "shards": {n: p.detach().float().clone()
+                                                           for n, p in engine.module.named_parameters()},
+            "full": full, "events": recovery.events, "global_steps": engine.global_steps,
+            "degrees": engine.ntp_groups.topology.degrees}

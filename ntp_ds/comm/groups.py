@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -42,17 +43,21 @@ class ReplicaGroups:
         return self.topology.layouts[self.replica]
 
 
-def build_groups(topology: Topology, plan: SyncPlan, rank: int) -> ReplicaGroups:
-    """Create only the groups this rank belongs to; members synchronise among themselves, nobody else waits."""
+def build_groups(topology: Topology, plan: SyncPlan, rank: int, timeout_s: float) -> ReplicaGroups:
+    """Create only the groups this rank belongs to; members synchronise among themselves, nobody else waits.
+
+    Every collective on them is bounded by `timeout_s` (a hung peer is only seen at that bound).
+    """
     replica, tp_rank = topology.locate(rank)
     tp_ranks = topology.ranks_of(replica)
     if plan.is_anchor(replica):
         dp_ranks = [topology.ranks_of(a)[tp_rank] for a in plan.anchors]
     else:
         dp_ranks = [rank]
+    timeout = timedelta(seconds=timeout_s)
     return ReplicaGroups(topology, plan, rank, replica, tp_rank, tp_ranks, dp_ranks,
-                         dist.new_group(tp_ranks, use_local_synchronization=True),
-                         dist.new_group(dp_ranks, use_local_synchronization=True))
+                         dist.new_group(tp_ranks, timeout=timeout, use_local_synchronization=True),
+                         dist.new_group(dp_ranks, timeout=timeout, use_local_synchronization=True))
 
 
 class NTPMpu:

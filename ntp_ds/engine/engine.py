@@ -91,7 +91,7 @@ class NTPEngine(DeepSpeedEngine):
     # -- forward / backward / step -----------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         """Run the model; a dict batch (as the loader yields) is unpacked and its loss weight recorded."""
-        self.on_phase(self.global_steps, "forward")
+        self.on_phase(self.global_steps + 1, "forward")
         if len(inputs) == 1 and isinstance(inputs[0], dict) and not kwargs:
             kwargs, inputs = dict(inputs[0]), ()
         global_tokens = kwargs.pop("global_tokens", None)
@@ -108,13 +108,13 @@ class NTPEngine(DeepSpeedEngine):
         """Back-propagate the micro-batch's mean loss, weighted by its share of the global batch."""
         if self._loss_weight is None:
             raise RuntimeError("call engine(batch) with labels before engine.backward(loss)")
-        self.on_phase(self.global_steps, "backward")
+        self.on_phase(self.global_steps + 1, "backward")
         # DeepSpeed averages over the anchors' data-parallel group; the weights already sum to one over the step.
         scaled = loss * (self._loss_weight * len(self.ntp_groups.plan.anchors))
         self._loss_weight = None
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
-            self.on_phase(self.global_steps, "grad_sync")
+            self.on_phase(self.global_steps + 1, "grad_sync")
         if not self.is_anchor:
             self._contributor_backward(scaled, retain_graph)
             if boundary:
@@ -160,7 +160,7 @@ class NTPEngine(DeepSpeedEngine):
         nowhere unless a rank dies inside the optimizer itself."""
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
-            self.on_phase(self.global_steps, "optimizer")
+            self.on_phase(self.global_steps + 1, "optimizer")
             ready = torch.ones(1, device=self.device)
             dist.all_reduce(ready)
             self.in_optimizer_step = True
@@ -192,6 +192,15 @@ class NTPEngine(DeepSpeedEngine):
         keys = self.optimizer_keys()
         frags = state.local_fragments(self, keys) if self.is_anchor else {}
         self.copies.refresh(frags, keys, state.optimizer_step(self) if self.is_anchor else 0)
+
+    def release(self) -> None:
+        """Drop every reference this engine holds (model, optimizer, process groups).
+
+        Gloo closes a group's connections only when nothing references it; once closed, a live peer still waiting on
+        this rank in a collective fails at once instead of at its timeout. The engine is unusable afterwards.
+        """
+        self.destroy()
+        self.__dict__.clear()
 
     def snapshot(self) -> "Snapshot":
         """Everything a survivor carries into recovery (views of live tensors: keep this engine until done)."""

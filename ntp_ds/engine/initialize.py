@@ -145,7 +145,7 @@ def join_world(ntp: NTPConfig, store=None, generation: int = 0, rank: int | None
 def build_engine(spec: JobSpec, topology: Topology, module_for: Callable[[ReplicaGroups], Llama]) -> NTPEngine:
     """Build this rank's groups, shard and NTPEngine for `topology` (the process group must exist)."""
     sync, batch_plan = spec.plan(topology)
-    groups = build_groups(topology, sync, dist.get_rank())
+    groups = build_groups(topology, sync, dist.get_rank(), spec.ntp.timeout_s)
     module = module_for(groups)
     if torch.cuda.is_available():
         module = module.to(torch.device("cuda", torch.cuda.current_device()))

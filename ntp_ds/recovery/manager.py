@@ -1,0 +1,368 @@
+"""Turn a failure into the next generation's engine: detect, agree, regroup, reshard, re-slice, resume.
+
+Everything happens in the surviving processes, from memory. Survivors snapshot their state (parameters, optimizer
+fragments, the copies they keep for their buddies), agree on the dead through the store, tear down the old process
+group, join a fresh one on the generation's store prefix, and build the new topology's engine: parameters come from
+the units each rank already held plus exactly the missing units pulled from a peer replica; optimizer fragments are
+re-sliced for the new anchors' ZeRO partitions from their live holders or, for a dead holder, its buddy's copy.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import deepspeed.comm as ds_comm
+import torch
+import torch.distributed as dist
+
+from ntp_ds.control.heartbeat import Heartbeat, LivenessMonitor, mark_exited, poll_liveness
+from ntp_ds.control.membership import Membership, barrier, replica_membership
+from ntp_ds.engine.initialize import JobSpec, build_engine, join_world
+from ntp_ds.layout import Topology
+from ntp_ds.models import Llama
+from ntp_ds.models.sharding import gather_units, packed_numel, scatter_units
+from ntp_ds.recovery import state as S
+from ntp_ds.recovery.plan import plan_unit_moves
+
+log = logging.getLogger("ntp_ds.recovery")
+MOVE_TAG, STATE_TAG = 53, 59
+
+
+class NoReplicaLeft(RuntimeError):
+    """Every replica fell below `min_tp`: training cannot go on."""
+
+
+class QuiescedExit(SystemExit):
+    """This rank leaves the job (its replica was dropped, or its own device failed)."""
+
+
+@dataclass
+class RecoveryOutcome:
+    engine: object
+    event: dict = field(default_factory=dict)
+
+
+class Recovery:
+    """One rank's live recovery. `rank` is its launch rank, which never changes; the global rank does."""
+
+    def __init__(self, engine, store, rank: int, *, heartbeat_interval_s: float = 0.5,
+                 heartbeat_timeout_s: float = 3.0, settle_s: float = 0.3):
+        self.engine, self.store, self.rank = engine, store, rank
+        self.members = tuple(range(engine.ntp_groups.topology.world_size))
+        self.membership = Membership(store, rank, self.members, settle_s=settle_s)
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.monitor = LivenessMonitor(self.members, heartbeat_timeout_s)
+        self.heartbeat = Heartbeat(store.clone(), rank, heartbeat_interval_s).start()
+        self.events: list[dict] = []
+        self.job: JobSpec = engine.job
+        self.on_phase = lambda step, phase: None
+        """Called with phase "recovery" once the new membership is agreed: the fault-injection seam."""
+
+    def close(self) -> None:
+        self.heartbeat.stop()
+
+    def leave(self, reason: str) -> None:
+        """Quiesce: tell the others this rank is gone, stop beating and exit cleanly (code 0)."""
+        mark_exited(self.store, self.rank, reason)
+        self.close()
+        raise QuiescedExit(0)
+
+    # -- the whole recovery -------------------------------------------------------------------------------------
+    def recover(self, error: BaseException) -> RecoveryOutcome:
+        """Recover from `error` (a failed collective or peer); retried if a rank fails during recovery itself."""
+        failed_at = time.time()
+        snapshot = self.engine.snapshot()
+        old_members = self.members
+        traceback.clear_frames(error.__traceback__)
+        error.__traceback__ = error.__context__ = error.__cause__ = None
+        self.engine.release()
+        self.engine = None
+        for attempt in range(len(self.members)):
+            try:
+                return self._attempt(snapshot, old_members, error, failed_at)
+            except (RuntimeError, TimeoutError, ConnectionError) as again:
+                if isinstance(again, NoReplicaLeft):
+                    raise
+                log.warning("rank %d: recovery attempt %d failed (%s); retrying", self.rank, attempt + 1, again)
+                error = again
+        raise RuntimeError(f"rank {self.rank}: recovery did not converge after {len(self.members)} attempts")
+
+    def _attempt(self, snapshot, old_members, error, failed_at) -> RecoveryOutcome:
+        t0 = time.time()
+        if dist.is_initialized():
+            # Closing our connections fails every collective a live peer still waits on with us, so it joins the
+            # recovery at once instead of at its process-group timeout (gloo closes them once unreferenced).
+            ds_comm.destroy_process_group()
+            gc.collect()
+        dead, reason = self._detect(error)
+        generation = self.membership.generation
+        self.membership.report_failure(generation, dead, time.time(), reason,
+                                       {r: self.monitor.last_seen(r) for r in dead})
+        # A survivor blocked in a collective with a hung peer arrives only after its process-group timeout.
+        bound = 2 * self.job.ntp.timeout_s + self.heartbeat_timeout_s
+        change = self.membership.await_decision(generation, bound)
+        self.membership.confirm(change, bound)
+        t_agreed = time.time()
+
+        self.on_phase(snapshot.global_steps + 1, "recovery")
+        gone = set(old_members) - set(change.survivors)
+        plan = replica_membership(snapshot.topology, gone, old_members)
+        drop = plan.below(self.job.ntp.min_tp)
+        new_members = plan.ranks(drop)
+        if not new_members:
+            raise NoReplicaLeft(f"every replica is below min_tp={self.job.ntp.min_tp} after losing ranks "
+                                f"{sorted(gone)}")
+        if self.rank not in new_members:
+            log.warning("rank %d: replica dropped (below min_tp=%d); leaving", self.rank, self.job.ntp.min_tp)
+            self.leave(f"replica below min_tp={self.job.ntp.min_tp}")
+        new_topology = plan.topology(drop)
+
+        join_world(self.job.ntp, self.store, change.generation, new_members.index(self.rank), len(new_members))
+        self.members = new_members
+        self.monitor.retain(new_members)
+        t_regrouped = time.time()
+
+        old_rank_of = {i: old_members.index(m) for i, m in enumerate(new_members)}
+        moves = plan_unit_moves(snapshot.topology, new_topology, old_rank_of)
+        moved = {}
+        engine = build_engine(self.job, new_topology,
+                              lambda groups: self._reshard(groups, snapshot, moves, moved))
+        opt_moved, lossless = self._reslice(engine, snapshot, old_members, new_members)
+        engine.global_steps, engine.global_samples = snapshot.global_steps, snapshot.global_samples
+        engine.job, engine.store = self.job, self.store
+        engine.refresh_copies()
+        barrier(self.store, f"recovery/{change.generation}/done", self.rank, new_members, self.job.ntp.timeout_s)
+        t_done = time.time()
+
+        rebuilt = [r for r in plan.degraded if r not in drop]
+        lost_bytes = _lost_shard_bytes(snapshot.topology, old_members, gone, rebuilt, engine)
+        event = {
+            "generation": change.generation, "dead": sorted(gone), "dropped_replicas": list(drop),
+            "degrees_before": list(snapshot.topology.degrees), "degrees_after": list(new_topology.degrees),
+            "detection_s": change.detection_s, "failure_to_detection_s": t0 - failed_at,
+            "agreement_s": t_agreed - t0, "regroup_s": t_regrouped - t_agreed, "reshard_s": t_done - t_regrouped,
+            "bytes_moved": moved.get("bytes", 0), "lost_shard_bytes": lost_bytes,
+            "optimizer_bytes_moved": opt_moved, "lossless": lossless and not snapshot.mid_step,
+            "reason": change.reason,
+        }
+        self.engine = engine
+        self.events.append(event)
+        log.warning("rank %d: recovered to generation %d, TP degrees %s -> %s", self.rank, change.generation,
+                    event["degrees_before"], event["degrees_after"])
+        return RecoveryOutcome(engine, event)
+
+    # -- detection ----------------------------------------------------------------------------------------------
+    def _detect(self, error: BaseException) -> tuple[frozenset[int], str]:
+        """Find the dead members: marked exited, silent past the heartbeat timeout, or reported by a peer."""
+        deadline = time.monotonic() + 2 * self.heartbeat_timeout_s + self.job.ntp.timeout_s
+        while time.monotonic() < deadline:
+            dead = poll_liveness(self.store, self.monitor) & set(self.members)
+            reported = {r for rep in self.membership.reports(self.membership.generation) for r in rep.ranks}
+            dead |= reported & set(self.members)
+            if dead:
+                return frozenset(dead), "; ".join(self.monitor.reason(r) for r in sorted(dead)) or str(error)
+            time.sleep(0.05)
+        raise error
+
+    # -- parameters ---------------------------------------------------------------------------------------------
+    def _reshard(self, groups, snapshot, moves, moved: dict) -> Llama:
+        """Build this rank's new shard: keep the units it held, pull the missing ones from their holders."""
+        module = Llama(self.job.model_config, layout=groups.layout, tp_rank=groups.tp_rank,
+                       tp_group=groups.tp_group, init=False)
+        specs = {n: s for n, (s, _) in module.param_specs().items()}
+        new_params = dict(module.named_parameters())
+        old_replica, old_tp = snapshot.topology.locate(snapshot.rank)
+        old_layout = snapshot.topology.layouts[old_replica]
+        with torch.no_grad():
+            for name, spec in specs.items():
+                keep = _intersect_owned(old_layout, old_tp, groups.layout, groups.tp_rank, spec.kind)
+                if keep:
+                    buf = gather_units(snapshot.params[name].float(), spec, old_layout, old_tp, keep)
+                    scatter_units(new_params[name].data, buf, spec, groups.layout, groups.tp_rank, keep)
+            moved["bytes"] = self._exchange_units(moves, groups, snapshot, old_layout, old_tp, specs, new_params)
+        return module
+
+    def _exchange_units(self, moves, groups, snapshot, old_layout, old_tp, specs, new_params) -> int:
+        me, works, incoming = groups.rank, [], []
+        timeout = _timeout(self.job.ntp.timeout_s)
+        width = next(iter(snapshot.params.values())).element_size()
+        for dst in sorted({m.dst for m in moves if m.src == me}):
+            parts = [gather_units(snapshot.params[n], specs[n], old_layout, old_tp, m.units)
+                     for m in moves if m.src == me and m.dst == dst for n in specs if specs[n].kind == m.kind]
+            works.append(dist.isend(torch.cat(parts).contiguous(), dst, tag=MOVE_TAG))
+        received = 0
+        for src in sorted({m.src for m in moves if m.dst == me}):
+            items = [(n, m.units) for m in moves if m.src == src and m.dst == me for n in specs
+                     if specs[n].kind == m.kind]
+            n = sum(packed_numel(specs[name], tuple(new_params[name].shape), u) for name, u in items)
+            buf = torch.empty(n, dtype=next(iter(snapshot.params.values())).dtype)
+            incoming.append((dist.irecv(buf, src, tag=MOVE_TAG), buf, items))
+        for work, buf, items in incoming:
+            work.wait(timeout)
+            pos = 0
+            for name, units in items:
+                n = packed_numel(specs[name], tuple(new_params[name].shape), units)
+                scatter_units(new_params[name].data, buf[pos:pos + n].float(), specs[name], groups.layout,
+                              groups.tp_rank, units)
+                pos += n
+            received += buf.numel() * width
+        for w in works:
+            w.wait(timeout)
+        return received
+
+    # -- optimizer state ----------------------------------------------------------------------------------------
+    def _reslice(self, engine, snapshot, old_members, new_members) -> tuple[int, bool]:
+        """Give every new anchor rank the optimizer state of its new fragments; return (bytes received, lossless)."""
+        me = engine.ntp_groups.rank
+        held = {}  # owner old global rank -> (step, {name: Fragment}) this rank can serve
+        if snapshot.fragments:
+            held[snapshot.rank] = (snapshot.optimizer_step, snapshot.fragments)
+        for owner, copy in snapshot.held.items():
+            held[owner] = (copy.step, copy.fragments)
+        offer = {"keys": snapshot.keys, "held": {o: {n: (f.start, f.numel) for n, f in frags.items()}
+                                                  for o, (_, frags) in held.items()},
+                 "steps": {o: step for o, (step, _) in held.items()}}
+        need = {}
+        if engine.is_anchor:
+            need = S.fragment_addresses(engine)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, {"offer": offer, "need": need, "old_rank": snapshot.rank})
+        keys = next((g["offer"]["keys"] for g in gathered if g["offer"]["keys"]), ())
+        steps = [s for g in gathered for s in g["offer"]["steps"].values()]
+        step = max(steps) if steps else 0
+        old, new = snapshot.topology, engine.ntp_groups.topology
+        sync = engine.ntp_groups.plan
+        old_anchor_layout = old.layouts[_anchors_of(old)[0]]
+        same_layout = new.layouts[sync.anchors[0]] == old_anchor_layout
+        plan, lossless = _plan_state_moves(gathered, old, new, sync, old_anchor_layout, same_layout)
+        received = self._move_state(engine, plan, held, keys, step, gathered)
+        return received, lossless
+
+    def _move_state(self, engine, plan, held, keys, step, gathered) -> int:
+        me = engine.ntp_groups.rank
+        timeout = _timeout(self.job.ntp.timeout_s)
+        width = 1 + len(keys)
+        works, incoming = [], []
+
+        def pack(items) -> torch.Tensor:
+            parts = []
+            for _, _, owner, name, lo, hi in items:
+                frag = held[owner][1][name]
+                tensors = [frag.tensors["fp32"]] + [frag.tensors.get(k, frag.tensors.get(f"key{i}"))
+                                                     for i, k in enumerate(keys)]
+                parts += [t.reshape(-1)[lo - frag.start:hi - frag.start].float().cpu() for t in tensors]
+            return torch.cat(parts)
+
+        for dst in sorted({p[1] for p in plan if p[0] == me and p[1] != me}):
+            works.append(dist.isend(pack([p for p in plan if p[0] == me and p[1] == dst]), dst, tag=STATE_TAG))
+        values = {}
+        if engine.is_anchor:
+            for name, p in engine.module.named_parameters():
+                base = p.detach().float().reshape(-1).clone()
+                values[name] = {"fp32": base, **{k: torch.zeros_like(base) for k in keys}}
+        received = 0
+        for src in sorted({p[0] for p in plan if p[1] == me}):
+            items = [p for p in plan if p[0] == src and p[1] == me]
+            if src == me:
+                incoming.append((None, pack(items), items))
+                continue
+            buf = torch.empty(sum(hi - lo for *_, lo, hi in items) * width)
+            incoming.append((dist.irecv(buf, src, tag=STATE_TAG), buf, items))
+        for work, buf, items in incoming:
+            if work is not None:
+                work.wait(timeout)
+                received += buf.numel() * 4
+            pos = 0
+            for *_, name, lo, hi in items:
+                for k in ("fp32",) + tuple(keys):
+                    values[name][k][lo:hi] = buf[pos:pos + hi - lo]
+                    pos += hi - lo
+        for w in works:
+            w.wait(timeout)
+        if engine.is_anchor:
+            shaped = {n: {k: v.view_as(p) for k, v in values[n].items()}
+                      for n, p in engine.module.named_parameters()}
+            S.install_state(engine, shaped, step, tuple(keys))
+        return received
+
+
+def _plan_state_moves(gathered, old: Topology, new: Topology, sync, old_anchor_layout, same_layout):
+    """(src new rank, dst new rank, owner old rank, name, lo, hi) for every needed element range, and lossless.
+
+    A new anchor rank at TP index j needs, for each parameter, its new fragment of TP shard j; when the anchors keep
+    their layout those elements lie in the old fragments of the old anchors at TP index j, served by the owner if
+    alive or by a buddy's copy. A range nobody holds falls back to the parameter value with zero moments.
+    """
+    plan, lossless = [], True
+    offers = {}  # owner old rank -> list of (new rank serving it)
+    for new_rank, g in enumerate(gathered):
+        for owner in g["offer"]["held"]:
+            offers.setdefault(int(owner), []).append(new_rank)
+    old_anchors = _anchors_of(old)
+    for dst, g in enumerate(gathered):
+        if not g["need"]:
+            continue
+        if not same_layout:
+            lossless = False
+            continue
+        _, tp = new.locate(dst)
+        owners = [old.ranks_of(a)[tp] for a in old_anchors]
+        for name, (start, numel) in g["need"].items():
+            covered = []
+            for owner in owners:
+                servers = sorted(offers.get(owner, []), key=lambda s: (s != dst, s))
+                if not servers:
+                    continue
+                src = servers[0]
+                ostart, onumel = gathered[src]["offer"]["held"][owner][name] if name in \
+                    gathered[src]["offer"]["held"][owner] else (0, 0)
+                lo, hi = max(start, ostart), min(start + numel, ostart + onumel)
+                if lo < hi:
+                    plan.append((src, dst, owner, name, lo, hi))
+                    covered.append((lo, hi))
+            if sum(hi - lo for lo, hi in covered) < numel:
+                lossless = False
+    return plan, lossless
+
+
+def _anchors_of(topology: Topology) -> tuple[int, ...]:
+    from ntp_ds.layout import plan_gradient_sync
+
+    return plan_gradient_sync(topology).anchors
+
+
+def _intersect_owned(old_layout, old_tp, new_layout, new_tp, kind):
+    from ntp_ds.layout import units as U
+
+    return U.intersect(old_layout.owned(kind, old_tp), new_layout.owned(kind, new_tp))
+
+
+def _lost_shard_bytes(topology: Topology, members, gone, rebuilt, engine) -> int:
+    """Parameter bytes the dead ranks of the rebuilt replicas held that no survivor of their replica holds."""
+    from ntp_ds.layout import units as U
+
+    total = 0
+    width = next(engine.module.parameters()).element_size()
+    for g in gone:
+        replica, tp = topology.locate(members.index(g))
+        if replica not in rebuilt:
+            continue
+        lay = topology.layouts[replica]
+        alive = [t for t in range(lay.tp) if topology.ranks_of(replica)[t] not in {members.index(x) for x in gone}]
+        for name, spec in engine.param_specs.items():
+            units = lay.owned(spec.kind, tp)
+            for t in alive:
+                units = U.subtract(units, lay.owned(spec.kind, t))
+            if units:
+                total += packed_numel(spec, engine.full_shapes[name], units) * width
+    return total
+
+
+def _timeout(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
