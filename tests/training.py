@@ -108,14 +108,14 @@ def train_with_checkpoint(rank, world_size, ntp: dict, stage: int, steps: int, c
 
 
 def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, global_batch: int, micro: int,
-                        steps: int, faults: list, heartbeat_timeout_s: float = 2.0):
+                        steps: int, faults: list, heartbeat_timeout_s: float = 2.0, zero_redundancy: int = 1):
     """One rank of a run with injected faults and live recovery; returns its final state and recovery events."""
     import ntp_ds
     from ntp_ds.control.faults import DeviceError, FaultInjector, FaultSchedule
-    from ntp_ds.recovery.manager import Recovery
+    from ntp_ds.recovery.manager import Recovery, RecoveryImpossible
 
     config = tiny_config()
-    ntp = dict(ntp, timeout_s=ntp.get("timeout_s", 20.0))
+    ntp = dict(ntp, timeout_s=ntp.get("timeout_s", 12.0), zero_redundancy=zero_redundancy)
     engine = ntp_ds.initialize(model=full_model(config), config=deepspeed_config(optim, stage, global_batch, micro),
                                ntp=ntp)
     recovery = Recovery(engine, engine.store, rank, heartbeat_timeout_s=heartbeat_timeout_s)
@@ -131,7 +131,11 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
         except DeviceError:
             recovery.leave("device error")
         except (RuntimeError, TimeoutError, ConnectionError) as error:
-            engine = recovery.recover(error).engine
+            try:
+                engine = recovery.recover(error).engine
+            except RecoveryImpossible as stop:
+                recovery.close()
+                return {"stopped": str(stop), "events": recovery.events}
             engine.on_phase = injector.check
     full = engine.consolidated_state_dict()
     recovery.close()

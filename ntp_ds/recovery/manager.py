@@ -25,15 +25,19 @@ from ntp_ds.engine.initialize import JobSpec, build_engine, join_world
 from ntp_ds.layout import Topology
 from ntp_ds.models import Llama
 from ntp_ds.models.sharding import gather_units, packed_numel, scatter_units
-from ntp_ds.recovery import state as S
-from ntp_ds.recovery.plan import plan_unit_moves
+from ntp_ds.recovery.plan import plan_unit_moves, rereplicated_moves
+from ntp_ds.recovery.reslice import reslice
 
 log = logging.getLogger("ntp_ds.recovery")
-MOVE_TAG, STATE_TAG = 53, 59
+MOVE_TAG = 53
 
 
-class NoReplicaLeft(RuntimeError):
-    """Every replica fell below `min_tp`: training cannot go on."""
+class RecoveryImpossible(RuntimeError):
+    """Training cannot go on in memory: no replica is left, or some parameter has no copy on any survivor."""
+
+
+class NoReplicaLeft(RecoveryImpossible):
+    """Every replica fell below `min_tp`."""
 
 
 class QuiescedExit(SystemExit):
@@ -85,7 +89,7 @@ class Recovery:
             try:
                 return self._attempt(snapshot, old_members, error, failed_at)
             except (RuntimeError, TimeoutError, ConnectionError) as again:
-                if isinstance(again, NoReplicaLeft):
+                if isinstance(again, RecoveryImpossible):
                     raise
                 log.warning("rank %d: recovery attempt %d failed (%s); retrying", self.rank, attempt + 1, again)
                 error = again
@@ -127,14 +131,22 @@ class Recovery:
         t_regrouped = time.time()
 
         old_rank_of = {i: old_members.index(m) for i, m in enumerate(new_members)}
-        moves = plan_unit_moves(snapshot.topology, new_topology, old_rank_of)
+        try:
+            moves = plan_unit_moves(snapshot.topology, new_topology, old_rank_of)
+        except LookupError as e:
+            raise RecoveryImpossible(f"{e}: every replica lost it (ranks {sorted(gone)} died); restart from the last "
+                                     f"checkpoint") from None
         moved = {}
+        rereplicated = rereplicated_moves(snapshot.topology, new_topology, old_rank_of, moves)
         engine = build_engine(self.job, new_topology,
-                              lambda groups: self._reshard(groups, snapshot, moves, moved))
-        opt_moved, lossless = self._reslice(engine, snapshot, old_members, new_members)
+                              lambda groups: self._reshard(groups, snapshot, moves, moved, rereplicated))
+        opt_moved, lossless = reslice(engine, snapshot, self.job.ntp.timeout_s)
         engine.global_steps, engine.global_samples = snapshot.global_steps, snapshot.global_samples
         engine.job, engine.store = self.job, self.store
         engine.refresh_copies()
+        totals = torch.tensor([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), opt_moved, int(lossless)],
+                              dtype=torch.float64)
+        dist.all_reduce(totals)
         barrier(self.store, f"recovery/{change.generation}/done", self.rank, new_members, self.job.ntp.timeout_s)
         t_done = time.time()
 
@@ -145,8 +157,10 @@ class Recovery:
             "degrees_before": list(snapshot.topology.degrees), "degrees_after": list(new_topology.degrees),
             "detection_s": change.detection_s, "failure_to_detection_s": t0 - failed_at,
             "agreement_s": t_agreed - t0, "regroup_s": t_regrouped - t_agreed, "reshard_s": t_done - t_regrouped,
-            "bytes_moved": moved.get("bytes", 0), "lost_shard_bytes": lost_bytes,
-            "optimizer_bytes_moved": opt_moved, "lossless": lossless and not snapshot.mid_step,
+            "bytes_moved": int(totals[0]), "lost_shard_bytes": lost_bytes,
+            "kv_rereplicated_bytes": int(totals[1]), "rank_bytes_received": moved.get("bytes", 0),
+            "optimizer_bytes_moved": int(totals[2]),
+            "lossless": int(totals[3]) == len(new_members) and not snapshot.mid_step,
             "reason": change.reason,
         }
         self.engine = engine
@@ -169,7 +183,7 @@ class Recovery:
         raise error
 
     # -- parameters ---------------------------------------------------------------------------------------------
-    def _reshard(self, groups, snapshot, moves, moved: dict) -> Llama:
+    def _reshard(self, groups, snapshot, moves, moved: dict, rereplicated=()) -> Llama:
         """Build this rank's new shard: keep the units it held, pull the missing ones from their holders."""
         module = Llama(self.job.model_config, layout=groups.layout, tp_rank=groups.tp_rank,
                        tp_group=groups.tp_group, init=False)
@@ -184,6 +198,10 @@ class Recovery:
                     buf = gather_units(snapshot.params[name].float(), spec, old_layout, old_tp, keep)
                     scatter_units(new_params[name].data, buf, spec, groups.layout, groups.tp_rank, keep)
             moved["bytes"] = self._exchange_units(moves, groups, snapshot, old_layout, old_tp, specs, new_params)
+        width = next(iter(snapshot.params.values())).element_size()
+        moved["kv_rereplicated"] = sum(packed_numel(specs[n], tuple(new_params[n].shape), m.units) * width
+                                       for m in rereplicated if m.dst == groups.rank
+                                       for n in specs if specs[n].kind == m.kind)
         return module
 
     def _exchange_units(self, moves, groups, snapshot, old_layout, old_tp, specs, new_params) -> int:
@@ -213,126 +231,6 @@ class Recovery:
         for w in works:
             w.wait(timeout)
         return received
-
-    # -- optimizer state ----------------------------------------------------------------------------------------
-    def _reslice(self, engine, snapshot, old_members, new_members) -> tuple[int, bool]:
-        """Give every new anchor rank the optimizer state of its new fragments; return (bytes received, lossless)."""
-        me = engine.ntp_groups.rank
-        held = {}  # owner old global rank -> (step, {name: Fragment}) this rank can serve
-        if snapshot.fragments:
-            held[snapshot.rank] = (snapshot.optimizer_step, snapshot.fragments)
-        for owner, copy in snapshot.held.items():
-            held[owner] = (copy.step, copy.fragments)
-        offer = {"keys": snapshot.keys, "held": {o: {n: (f.start, f.numel) for n, f in frags.items()}
-                                                  for o, (_, frags) in held.items()},
-                 "steps": {o: step for o, (step, _) in held.items()}}
-        need = {}
-        if engine.is_anchor:
-            need = S.fragment_addresses(engine)
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, {"offer": offer, "need": need, "old_rank": snapshot.rank})
-        keys = next((g["offer"]["keys"] for g in gathered if g["offer"]["keys"]), ())
-        steps = [s for g in gathered for s in g["offer"]["steps"].values()]
-        step = max(steps) if steps else 0
-        old, new = snapshot.topology, engine.ntp_groups.topology
-        sync = engine.ntp_groups.plan
-        old_anchor_layout = old.layouts[_anchors_of(old)[0]]
-        same_layout = new.layouts[sync.anchors[0]] == old_anchor_layout
-        plan, lossless = _plan_state_moves(gathered, old, new, sync, old_anchor_layout, same_layout)
-        received = self._move_state(engine, plan, held, keys, step, gathered)
-        return received, lossless
-
-    def _move_state(self, engine, plan, held, keys, step, gathered) -> int:
-        me = engine.ntp_groups.rank
-        timeout = _timeout(self.job.ntp.timeout_s)
-        width = 1 + len(keys)
-        works, incoming = [], []
-
-        def pack(items) -> torch.Tensor:
-            parts = []
-            for _, _, owner, name, lo, hi in items:
-                frag = held[owner][1][name]
-                tensors = [frag.tensors["fp32"]] + [frag.tensors.get(k, frag.tensors.get(f"key{i}"))
-                                                     for i, k in enumerate(keys)]
-                parts += [t.reshape(-1)[lo - frag.start:hi - frag.start].float().cpu() for t in tensors]
-            return torch.cat(parts)
-
-        for dst in sorted({p[1] for p in plan if p[0] == me and p[1] != me}):
-            works.append(dist.isend(pack([p for p in plan if p[0] == me and p[1] == dst]), dst, tag=STATE_TAG))
-        values = {}
-        if engine.is_anchor:
-            for name, p in engine.module.named_parameters():
-                base = p.detach().float().reshape(-1).clone()
-                values[name] = {"fp32": base, **{k: torch.zeros_like(base) for k in keys}}
-        received = 0
-        for src in sorted({p[0] for p in plan if p[1] == me}):
-            items = [p for p in plan if p[0] == src and p[1] == me]
-            if src == me:
-                incoming.append((None, pack(items), items))
-                continue
-            buf = torch.empty(sum(hi - lo for *_, lo, hi in items) * width)
-            incoming.append((dist.irecv(buf, src, tag=STATE_TAG), buf, items))
-        for work, buf, items in incoming:
-            if work is not None:
-                work.wait(timeout)
-                received += buf.numel() * 4
-            pos = 0
-            for *_, name, lo, hi in items:
-                for k in ("fp32",) + tuple(keys):
-                    values[name][k][lo:hi] = buf[pos:pos + hi - lo]
-                    pos += hi - lo
-        for w in works:
-            w.wait(timeout)
-        if engine.is_anchor:
-            shaped = {n: {k: v.view_as(p) for k, v in values[n].items()}
-                      for n, p in engine.module.named_parameters()}
-            S.install_state(engine, shaped, step, tuple(keys))
-        return received
-
-
-def _plan_state_moves(gathered, old: Topology, new: Topology, sync, old_anchor_layout, same_layout):
-    """(src new rank, dst new rank, owner old rank, name, lo, hi) for every needed element range, and lossless.
-
-    A new anchor rank at TP index j needs, for each parameter, its new fragment of TP shard j; when the anchors keep
-    their layout those elements lie in the old fragments of the old anchors at TP index j, served by the owner if
-    alive or by a buddy's copy. A range nobody holds falls back to the parameter value with zero moments.
-    """
-    plan, lossless = [], True
-    offers = {}  # owner old rank -> list of (new rank serving it)
-    for new_rank, g in enumerate(gathered):
-        for owner in g["offer"]["held"]:
-            offers.setdefault(int(owner), []).append(new_rank)
-    old_anchors = _anchors_of(old)
-    for dst, g in enumerate(gathered):
-        if not g["need"]:
-            continue
-        if not same_layout:
-            lossless = False
-            continue
-        _, tp = new.locate(dst)
-        owners = [old.ranks_of(a)[tp] for a in old_anchors]
-        for name, (start, numel) in g["need"].items():
-            covered = []
-            for owner in owners:
-                servers = sorted(offers.get(owner, []), key=lambda s: (s != dst, s))
-                if not servers:
-                    continue
-                src = servers[0]
-                ostart, onumel = gathered[src]["offer"]["held"][owner][name] if name in \
-                    gathered[src]["offer"]["held"][owner] else (0, 0)
-                lo, hi = max(start, ostart), min(start + numel, ostart + onumel)
-                if lo < hi:
-                    plan.append((src, dst, owner, name, lo, hi))
-                    covered.append((lo, hi))
-            if sum(hi - lo for lo, hi in covered) < numel:
-                lossless = False
-    return plan, lossless
-
-
-def _anchors_of(topology: Topology) -> tuple[int, ...]:
-    from ntp_ds.layout import plan_gradient_sync
-
-    return plan_gradient_sync(topology).anchors
 
 
 def _intersect_owned(old_layout, old_tp, new_layout, new_tp, kind):

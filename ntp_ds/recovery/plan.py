@@ -66,3 +66,26 @@ def plan_unit_moves(old: Topology, new: Topology, old_rank_of: dict[int, int]) -
                 load[src] += 1
                 moves[(src, new_rank, kind)].append(u)
     return [UnitMove(s, d, k, U.from_units(us)) for (s, d, k), us in sorted(moves.items())]
+
+
+def rereplicated_moves(old: Topology, new: Topology, old_rank_of: dict[int, int],
+                       moves: list[UnitMove]) -> list[UnitMove]:
+    """The KV-head moves that copy a head some survivor of the same replica already held.
+
+    A degraded replica's new layout can hand a query head to a rank that lacks its KV head although a sibling holds
+    it; fetching that KV head is not rebuilding lost state but replicating it once more (GQA), so recovery reports
+    those bytes apart from the lost shard's.
+    """
+    out = []
+    for m in moves:
+        if m.kind != "kv":
+            continue
+        replica = new.locate(m.dst)[0]
+        siblings = [old.locate(old_rank_of[r]) for r in range(new.world_size) if new.locate(r)[0] == replica]
+        held = set()
+        for old_replica, tp in siblings:
+            held |= set(U.units_of(old.layouts[old_replica].owned("kv", tp)))
+        units = [u for u in U.units_of(m.units) if u in held]
+        if units:
+            out.append(UnitMove(m.src, m.dst, m.kind, U.from_units(units)))
+    return out
