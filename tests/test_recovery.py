@@ -27,10 +27,10 @@ def fault(rank, step, phase, kind="crash"):
     return {"rank": rank, "step": step, "phase": phase, "kind": kind}
 
 
-def run(degrees, stage, faults, redundancy=1, min_tp=1, timeout=200):
+def run(degrees, stage, faults, redundancy=1, min_tp=1, timeout=200, last_good_dir=None):
     ntp = {"tp": max(degrees), "replicas": len(degrees), "min_tp": min_tp}
     return run_ranks(train_with_recovery, sum(degrees), ntp, "adamw", stage, GLOBAL_BATCH, MICRO, STEPS, faults,
-                     2.0, redundancy, timeout=timeout, store=True)
+                     2.0, redundancy, last_good_dir, timeout=timeout, store=True)
 
 
 def assert_equivalent(results):
@@ -125,11 +125,27 @@ def test_without_redundancy_recovery_says_it_is_not_lossless():
     assert not any(e["lossless"] for copies in events_of(results) for e in copies)
 
 
-def test_no_replica_left_stops_with_a_clear_message():
-    results = run((2, 2), 1, [fault(1, 2, "forward"), fault(3, 2, "forward")], min_tp=2)
+def test_no_replica_left_stops_and_writes_the_last_good_state(tmp_path):
+    # Both replicas lose TP rank 1 at step 2; the survivors (TP rank 0 of each) cannot train at min_tp=2. Between
+    # them they hold only TP rank 0's units, so no full state can be written: the message must say so.
+    results = run((2, 2), 1, [fault(1, 2, "forward"), fault(3, 2, "forward")], min_tp=2,
+                  last_good_dir=str(tmp_path / "lost"))
     assert set(results) == {0, 2}
     for res in results.values():
         assert "every replica is below min_tp=2" in res["stopped"]
+        assert "no last good state was written" in res["stopped"]
+    # Losing TP rank 0 of one replica and TP rank 1 of the other leaves every unit on some survivor: the last
+    # completed step's weights are written and equal the failure-free run after one step.
+    results = run((2, 2), 1, [fault(0, 2, "forward"), fault(3, 2, "forward")], min_tp=2,
+                  last_good_dir=str(tmp_path / "good"))
+    assert set(results) == {1, 2}
+    assert all("the last good state is in" in r["stopped"] for r in results.values())
+    import transformers
+
+    saved = dict(transformers.LlamaForCausalLM.from_pretrained(tmp_path / "good").named_parameters())
+    reference = dict(train_reference("adamw", GLOBAL_BATCH, 1).named_parameters())
+    for name, tensor in reference.items():
+        assert (saved[name].detach() - tensor.detach()).abs().max().item() <= 1e-4, name
 
 
 MATRIX = list(itertools.product([(3, 3), (2, 2, 2)], [0, 1, 2], ["crash", "hang"],

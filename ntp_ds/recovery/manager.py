@@ -24,7 +24,9 @@ from ntp_ds.control.membership import Membership, barrier, replica_membership
 from ntp_ds.engine.initialize import JobSpec, build_engine, join_world
 from ntp_ds.layout import Topology
 from ntp_ds.models import Llama
-from ntp_ds.models.sharding import gather_units, packed_numel, scatter_units
+from ntp_ds.engine.engine import write_hf_dir
+from ntp_ds.layout import units as U
+from ntp_ds.models.sharding import gather_units, packed_numel, scatter_units, unshard_into
 from ntp_ds.recovery.plan import plan_unit_moves, rereplicated_moves
 from ntp_ds.recovery.reslice import reslice
 
@@ -54,8 +56,10 @@ class Recovery:
     """One rank's live recovery. `rank` is its launch rank, which never changes; the global rank does."""
 
     def __init__(self, engine, store, rank: int, *, heartbeat_interval_s: float = 0.5,
-                 heartbeat_timeout_s: float = 3.0, settle_s: float = 0.3):
+                 heartbeat_timeout_s: float = 3.0, settle_s: float = 0.3, last_good_dir=None):
         self.engine, self.store, self.rank = engine, store, rank
+        self.last_good_dir = last_good_dir
+        """Where the survivors write the last good weights (HF form) when no replica can go on."""
         self.members = tuple(range(engine.ntp_groups.topology.world_size))
         self.membership = Membership(store, rank, self.members, settle_s=settle_s)
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -118,8 +122,9 @@ class Recovery:
         drop = plan.below(self.job.ntp.min_tp)
         new_members = plan.ranks(drop)
         if not new_members:
+            saved = self._save_last_good(snapshot, change)
             raise NoReplicaLeft(f"every replica is below min_tp={self.job.ntp.min_tp} after losing ranks "
-                                f"{sorted(gone)}")
+                                f"{sorted(gone)}; {saved}")
         if self.rank not in new_members:
             log.warning("rank %d: replica dropped (below min_tp=%d); leaving", self.rank, self.job.ntp.min_tp)
             self.leave(f"replica below min_tp={self.job.ntp.min_tp}")
@@ -168,6 +173,37 @@ class Recovery:
         log.warning("rank %d: recovered to generation %d, TP degrees %s -> %s", self.rank, change.generation,
                     event["degrees_before"], event["degrees_after"])
         return RecoveryOutcome(engine, event)
+
+    def _save_last_good(self, snapshot, change) -> str:
+        """Assemble the survivors' shards of the last completed step on the lowest survivor and write them."""
+        if self.last_good_dir is None:
+            return "no last_good_dir to write the last good state to"
+        survivors = change.survivors
+        join_world(self.job.ntp, self.store, change.generation, survivors.index(self.rank), len(survivors))
+        payload = {"rank": snapshot.rank, "params": {n: t.float().cpu() for n, t in snapshot.params.items()}}
+        gathered = [None] * len(survivors) if survivors.index(self.rank) == 0 else None
+        dist.gather_object(payload, gathered, dst=0)
+        message = f"the last good state is in {self.last_good_dir}"
+        if gathered is not None:
+            specs = Llama(self.job.model_config, init=False, device="meta").param_specs()
+            full = {n: torch.empty(shape) for n, (_, shape) in specs.items()}
+            seen = {n: set() for n in specs}
+            for item in gathered:
+                replica, tp = snapshot.topology.locate(item["rank"])
+                layout = snapshot.topology.layouts[replica]
+                for name, (spec, _) in specs.items():
+                    unshard_into(full[name], item["params"][name], spec, layout, tp)
+                    seen[name] |= set(U.units_of(layout.owned(spec.kind, tp)))
+            missing = [n for n, (spec, _) in specs.items()
+                       if len(seen[n]) < self.job.model_config.units().count(spec.kind)]
+            if missing:
+                message = f"the survivors no longer hold all of {missing[0]}, so no last good state was written"
+            else:
+                write_hf_dir(self.last_good_dir, self.job.model_config, full)
+        told = [message]
+        dist.broadcast_object_list(told, src=0)
+        ds_comm.destroy_process_group()
+        return told[0]
 
     # -- detection ----------------------------------------------------------------------------------------------
     def _detect(self, error: BaseException) -> tuple[frozenset[int], str]:
@@ -234,15 +270,11 @@ class Recovery:
 
 
 def _intersect_owned(old_layout, old_tp, new_layout, new_tp, kind):
-    from ntp_ds.layout import units as U
-
     return U.intersect(old_layout.owned(kind, old_tp), new_layout.owned(kind, new_tp))
 
 
 def _lost_shard_bytes(topology: Topology, members, gone, rebuilt, engine) -> int:
     """Parameter bytes the dead ranks of the rebuilt replicas held that no survivor of their replica holds."""
-    from ntp_ds.layout import units as U
-
     total = 0
     width = next(engine.module.parameters()).element_size()
     for g in gone:
