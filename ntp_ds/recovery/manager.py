@@ -28,7 +28,6 @@ from ntp_ds.models import Llama
 from ntp_ds.engine.engine import write_hf_dir
 from ntp_ds.layout import units as U
 from ntp_ds.models.sharding import gather_units, packed_numel, scatter_units, unshard_into
-from ntp_ds.recovery import state as S
 from ntp_ds.recovery.plan import plan_unit_moves, rereplicated_moves
 from ntp_ds.recovery.reslice import reslice
 
@@ -59,9 +58,10 @@ class Recovery:
 
     def __init__(self, engine, store, rank: int, *, heartbeat_interval_s: float = 0.5,
                  heartbeat_timeout_s: float = 3.0, settle_s: float = 0.3, last_good_dir=None):
-        if engine.is_anchor and not S.supports_live_state(engine):
-            raise ConfigError("live recovery cannot read this optimizer's state: with bf16 use "
-                              "zero_optimization.stage=1 or 2")
+        ds = engine.job.ds_config
+        if ds.get("bf16", {}).get("enabled") and not ds.get("zero_optimization", {}).get("stage", 0):
+            raise ConfigError("zero_optimization.stage=0 with bf16.enabled=true: live recovery cannot read that "
+                              "optimizer's fp32 masters; use stage 1 or 2")
         self.engine, self.store, self.rank = engine, store, rank
         self.last_good_dir = last_good_dir
         """Where the survivors write the last good weights (HF form) when no replica can go on."""

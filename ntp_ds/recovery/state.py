@@ -35,11 +35,6 @@ def uses_hp_mapping(engine) -> bool:
     return any(hasattr(p, "_hp_mapping") for p in engine.module.parameters())
 
 
-def supports_live_state(engine) -> bool:
-    """Whether this engine's optimizer state can be read and installed by fragments (ZeRO 1/2, or fp32 stage 0)."""
-    return uses_hp_mapping(engine) or _inner_optimizer(engine) is engine.optimizer
-
-
 def optimizer_step(engine) -> int:
     """The optimizer's step count (0 before the first step)."""
     for state in _inner_optimizer(engine).state.values():
