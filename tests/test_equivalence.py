@@ -55,7 +55,7 @@ def test_tp3_tp2_sgd(stage):
     run_case((3, 2), stage, "sgd")
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2])
 def test_tp3_tp2_adamw(stage):
     run_case((3, 2), stage, "adamw")
 

@@ -1,0 +1,57 @@
+"""Batch planning and the deterministic loader (pure and single-process)."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ntp_ds.batch import BatchError, max_micro_batch, plan_batch
+from ntp_ds.batch.loader import GlobalBatchSampler, SyntheticTokens, replica_micro_batches
+
+
+@given(st.lists(st.integers(1, 8), min_size=1, max_size=6), st.integers(1, 6), st.integers(1, 4))
+def test_preserve_global_batch_keeps_every_sample_once(degrees, share, micro):
+    tp = max(degrees)
+    global_batch = share * tp * len(degrees)
+    plan = plan_batch(tuple(degrees), tp, global_batch, micro, "preserve_global_batch")
+    assert plan.global_samples == global_batch
+    offsets = [(r.offset, r.offset + r.samples) for r in plan.replicas]
+    assert offsets[0][0] == 0 and all(a[1] == b[0] for a, b in zip(offsets, offsets[1:]))
+    for r, part in enumerate(plan.replicas):
+        assert max(part.micro_sizes) <= micro and min(part.micro_sizes) >= 1
+        if degrees[r] < tp:  # a degraded replica takes about t'/t of a healthy share
+            assert part.samples == round(share * tp * degrees[r] / tp)
+
+
+def test_proportional_shrinks_the_global_batch():
+    plan = plan_batch((4, 3, 4), 4, 24, 2, "proportional")
+    assert [r.samples for r in plan.replicas] == [8, 6, 8]
+
+
+def test_anchor_replicas_share_one_micro_batch_count():
+    plan = plan_batch((2, 2, 1), 2, 15, 2, "preserve_global_batch", anchors=(0, 1))
+    assert [r.samples for r in plan.replicas] == [7, 6, 2]
+    assert plan.replicas[0].micro_steps == plan.replicas[1].micro_steps == 4
+
+
+def test_memory_budget_lowers_the_micro_batch_and_keeps_the_samples():
+    limit = max_micro_batch(static_bytes=6 * 2**30, per_sample_bytes=2**30, budget_bytes=8 * 2**30, configured=4)
+    assert limit == 2
+    plan = plan_batch((2, 1), 2, 16, 4, "preserve_global_batch", micro_limits=(4, limit))
+    assert plan.replicas[1].samples == 4 and max(plan.replicas[1].micro_sizes) == 2
+    assert plan.replicas[1].micro_steps == 2
+    with pytest.raises(BatchError, match="memory_budget_gb=4.00 cannot hold one sample"):
+        max_micro_batch(6 * 2**30, 2**30, 4 * 2**30, 4)
+
+
+def test_loader_slices_are_disjoint_deterministic_and_cover_the_global_batch():
+    data = SyntheticTokens(vocab_size=50, seq_len=8, size=40, seed=1)
+    plan = plan_batch((3, 2), 3, 10, 2, "preserve_global_batch")
+    seen = []
+    for replica in range(2):
+        batches = list(replica_micro_batches(data, GlobalBatchSampler(40, seed=2), plan, replica, step=3))
+        again = list(replica_micro_batches(data, GlobalBatchSampler(40, seed=2), plan, replica, step=3))
+        assert all((a["input_ids"] == b["input_ids"]).all() for a, b in zip(batches, again))
+        seen += [tuple(row.tolist()) for b in batches for row in b["input_ids"]]
+        assert all(b["global_tokens"] == 10 * 7 for b in batches)
+    expected = [tuple(data[i]["input_ids"].tolist()) for i in GlobalBatchSampler(40, seed=2).indices(3, 10)]
+    assert sorted(seen) == sorted(expected)
