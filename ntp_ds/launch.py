@@ -5,6 +5,9 @@ all), this launcher lets the other workers go on, so a job can train through the
 job's TCPStore in its own process (node 0's launcher), never in a training rank, so losing rank 0 does not lose the
 store; workers find it in `NTP_STORE=HOST:PORT`.
 
+Every exit is recorded in the store (`mark_exited`), so the survivors learn of a death at once. A worker stopped by
+SIGSTOP (a hang) never exits: once every other worker has, it is killed.
+
 Each worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (the node), NTP_STORE, MASTER_ADDR and
 MASTER_PORT (for the default env:// rendezvous), and NTP_RUN_DIR when a run directory is given.
 
@@ -193,6 +196,13 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1) -> int:
                     mark_exited(store, rank, reason)
                 except Exception as e:  # the store is ours; a failed write must not take the survivors down
                     _say(f"could not record rank {rank}'s exit in the store: {e}")
+            left = {r: p for r, p in procs.items() if r not in codes}
+            if codes and left and all(_stopped(p) for p in left.values()):
+                # A worker stopped by SIGSTOP (a hang) never exits; once every other worker has, it is dead weight.
+                _say(f"rank{'s' if len(left) > 1 else ''} {', '.join(map(str, sorted(left)))} stopped (SIGSTOP) while "
+                     f"the others are done; killing {'them' if len(left) > 1 else 'it'}")
+                for p in left.values():
+                    p.kill()
             time.sleep(poll_s)
     except KeyboardInterrupt:
         _say("stopping: SIGTERM to the workers")
@@ -210,6 +220,15 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1) -> int:
         return 0
     code = failed[min(failed)]
     return 128 - code if code < 0 else code
+
+
+def _stopped(proc) -> bool:
+    """Whether a worker is stopped (state T in /proc; False where /proc is missing)."""
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] == "T"
+    except OSError:
+        return False
 
 
 def _terminate(procs: list, grace_s: float) -> None:

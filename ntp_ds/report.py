@@ -1,7 +1,7 @@
 """`ntp-ds report RUN_DIR`: a goodput timeline PNG and a summary table of a training run.
 
 The timeline has three panels over the training step: throughput against the failure-free rate, the TP degree of
-every replica, and goodput with the active GPU fraction; failures, recoveries and skipped faults are marked.
+every replica, and goodput with the active GPU fraction; failures and recoveries are marked.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from ntp_ds.run.records import read_run
 PROG = "ntp-ds report"
 TIMELINE = "goodput_timeline.png"
 # Step s covers the x interval (s - 1, s]: a failure and its recovery happen inside the step they interrupt.
-MARKERS = {"failure": ("tab:red", "-", "failure", 0.6), "recovery": ("tab:green", "--", "recovery", 0.3),
-           "fault_skipped": ("tab:gray", ":", "fault scheduled, not injected", 0.5)}
+MARKERS = {"failure": ("tab:red", "-", "failure", 0.6), "recovery": ("tab:green", "--", "recovery", 0.3)}
 
 
 def _replica_keys(metrics: list[dict]) -> list[str]:
@@ -52,14 +51,31 @@ def summary_table(metrics: list[dict], events: list[dict], summary: dict, run_di
              ("recoveries", str(counts.get("recovery", 0)))]
     if any(f"time/{b}_s" in s for b in BUCKETS):
         rows.append(("time split", "  ".join(f"{b} {100 * s.get(f'share/{b}', 0.0):.1f}%" for b in BUCKETS)))
-    if counts.get("fault_skipped"):
-        rows.append(("faults", f"{counts['fault_skipped']} scheduled, not injected (live recovery not available)"))
+    for e in events:
+        if e.get("event") == "recovery":
+            rows.append((f"  at step {e.get('step')}", _recovery_row(e)))
+        elif e.get("event") == "run_stopped":
+            rows.append(("stopped", f"at step {e.get('step')}: {e.get('reason', '')}"))
     if "final_loss" in s:
         rows.append(("final loss", f"{s['final_loss']:.4f}"))
     if s.get("final_weights"):
         rows.append(("final weights", str(s["final_weights"])))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _recovery_row(e: dict) -> str:
+    """One recovery: degrees, time to the next completed step, bytes moved against the lost shard, lossless."""
+    parts = [f"{e.get('degrees_before')} -> {e.get('degrees_after')}"]
+    if "failure_to_step_s" in e:
+        parts.append(f"{e['failure_to_step_s']:.2f} s from the failure to the next step")
+    else:
+        parts.append(f"{e.get('detection_s', 0.0) + e.get('recovery_s', 0.0):.2f} s detection + recovery")
+    if "bytes_moved" in e:
+        parts.append(f"{e['bytes_moved']} B moved (lost shard {e.get('lost_shard_bytes', 0)} B)")
+    if "lossless" in e:
+        parts.append("lossless" if e["lossless"] else "not lossless")
+    return ", ".join(parts)
 
 
 def plot_timeline(metrics: list[dict], events: list[dict], path: Path, title: str = "") -> Path:

@@ -44,6 +44,8 @@ ntp_ds.train ..., torchrun --nproc-per-node N -m ntp_ds.train ... (see docs/usag
 """
 
 log = logging.getLogger("ntp_ds.train")
+WANDB_ID_KEY = "run/wandb_id"
+"""Store key of the writer's W&B run id, which a rank taking over the records resumes."""
 
 
 def usage() -> str:
@@ -65,8 +67,9 @@ class _TqdmHandler(logging.StreamHandler):
             self.handleError(record)
 
 
-def setup_logging(rank: int, level: str, other_ranks_level: str) -> logging.Logger:
-    """Console logging of this rank: `level` on rank 0, `other_ranks_level` elsewhere."""
+def setup_logging(rank: int, level: str, other_ranks_level: str) -> logging.Handler:
+    """Console logging of this rank: `level` on rank 0 (the writer), `other_ranks_level` elsewhere; return the console
+    handler, whose level follows the writer's role."""
     root = logging.getLogger("ntp_ds")
     root.setLevel(logging.DEBUG)
     root.propagate = False
@@ -74,7 +77,7 @@ def setup_logging(rank: int, level: str, other_ranks_level: str) -> logging.Logg
     handler.setLevel(level if rank == 0 else other_ranks_level)
     handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", "%H:%M:%S"))
     root.handlers = [handler]
-    return root
+    return handler
 
 
 def add_file_log(run_dir: Path, rank: int, level: str) -> None:
@@ -96,48 +99,122 @@ def agree_run_dir(run_dir: str) -> Path:
     return Path(box[0])
 
 
+def job_store(timeout_s: float):
+    """Return (store, hosted here): the launcher's store (NTP_STORE), else one rank 0 hosts for the job.
+
+    `ntp-ds launch` (and `ntp-ds train`) host the store outside every rank. Under another launcher (deepspeed,
+    torchrun) rank 0 hosts it at MASTER_ADDR:MASTER_PORT+1, so recovery works there too, as long as rank 0 lives.
+    """
+    from ntp_ds.control.store import connect_from_env, connect_store, format_address, host_store
+
+    if os.environ.get("NTP_STORE"):
+        return connect_from_env(timeout_s), False
+    if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        return None, False
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
+    if int(os.environ["RANK"]) == 0:
+        store, _ = host_store(port, host, timeout_s)
+        log.info("no NTP_STORE from the launcher: rank 0 hosts the job's store at %s (losing rank 0 ends the job)",
+                 format_address(host, port))
+        return store, True
+    return connect_store(format_address(host, port), timeout_s), False
+
+
+def outlive_peers(store, rank: int, world_size: int, heartbeat_timeout_s: float) -> None:
+    """Keep hosting the store until every other rank has finished, exited or gone silent."""
+    from ntp_ds.control.heartbeat import LivenessMonitor, poll_liveness
+
+    others = [r for r in range(world_size) if r != rank]
+    monitor = LivenessMonitor(others, heartbeat_timeout_s)
+    log.info("rank %d hosts the job's store: waiting for the other ranks to finish before exiting", rank)
+    while poll_liveness(store, monitor) != set(others):
+        time.sleep(heartbeat_timeout_s / 4)
+
+
+def open_records(cfg, run_dir: Path, store, resume: bool):
+    """The writer's records: metrics, events and summary files and the W&B run (resumed after a takeover)."""
+    from ntp_ds.goodput.wandb_log import WandbLogger
+    from ntp_ds.run.records import RunRecorder
+
+    w = cfg.logging.wandb
+    run_id = store.get(WANDB_ID_KEY).decode() if resume and store is not None and store.check([WANDB_ID_KEY]) else None
+    wandb = WandbLogger(mode=w.mode, project=w.project, entity=w.entity, name=w.name or run_dir.name, tags=w.tags,
+                        run_dir=run_dir, config=cfg.to_dict(), run_id=run_id or None)
+    if store is not None and wandb.run_id and not resume:
+        store.set(WANDB_ID_KEY, wandb.run_id)
+    return RunRecorder(run_dir, wandb, resume=resume)
+
+
 def run_worker(cfg, started: float) -> int:
-    """Be one rank: build the engine, run the Trainer, write the records and the final weights."""
+    """Be one rank: build the engine, run the Trainer with live recovery, write the records and the final weights."""
     import torch.distributed as dist
     from tqdm import tqdm
 
     import ntp_ds
-    from ntp_ds.goodput.wandb_log import WandbLogger
+    from ntp_ds.control.heartbeat import mark_exited
+    from ntp_ds.recovery.manager import QuiescedExit, RecoveryImpossible
     from ntp_ds.run.records import RunRecorder
-    from ntp_ds.run.trainer import Trainer, seed_everything
+    from ntp_ds.run.recovery import LiveRecovery
+    from ntp_ds.run.trainer import Trainer, is_writer, seed_everything
 
     rank = int(os.environ["RANK"])
-    setup_logging(rank, cfg.logging.level, cfg.logging.other_ranks_level)
+    console = setup_logging(rank, cfg.logging.level, cfg.logging.other_ranks_level)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     seed_everything(cfg.seed)
+    store, hosts_store = job_store(cfg.parallel.timeout_s)
     engine = ntp_ds.initialize(model=cfg.model.llama_config(), config=cfg.ds_config(), ntp=cfg.parallel.ntp(),
-                               seq_len=cfg.data.seq_len)
+                               seq_len=cfg.data.seq_len, store=store)
     run_dir = agree_run_dir(os.environ.get("NTP_RUN_DIR") or cfg.run_dir)
     add_file_log(run_dir, rank, cfg.logging.level)
     g = engine.ntp_groups
+    console.setLevel(cfg.logging.level if is_writer(engine) else cfg.logging.other_ranks_level)
     log.info("replica %d, TP rank %d of %d (%s)", g.replica, g.tp_rank, len(g.tp_ranks),
              "anchor" if g.is_anchor else "contributor")
+    live = LiveRecovery.start(cfg, engine, rank, run_dir) if store is not None else None
+    if live is None:
+        log.warning("no store to coordinate through: a failure ends the run")
     recorder, progress = RunRecorder(None), None
-    if rank == 0:
-        w = cfg.logging.wandb
-        wandb = WandbLogger(mode=w.mode, project=w.project, entity=w.entity, name=w.name or run_dir.name,
-                            tags=w.tags, run_dir=run_dir, config=cfg.to_dict())
-        recorder = RunRecorder(run_dir, wandb)
+    if is_writer(engine):
+        recorder = open_records(cfg, run_dir, store, resume=False)
         log.info("run directory %s; TP degrees %s (%d ranks, %d GPUs allocated); W&B %s", run_dir,
-                 list(g.topology.degrees), cfg.world_size, cfg.allocated_gpus, w.mode)
+                 list(g.topology.degrees), cfg.world_size, cfg.allocated_gpus, cfg.logging.wandb.mode)
         progress = tqdm(total=cfg.train.steps, desc=f"train {cfg.model.name}", unit="step", dynamic_ncols=True,
                         file=sys.stderr, disable=None if cfg.logging.progress else True)
         if progress.disable:
             progress = None
-    trainer = Trainer(cfg, engine, recorder, run_dir=run_dir, progress=progress,
+
+    def switch_writer(writer: bool) -> RunRecorder:
+        console.setLevel(cfg.logging.level if writer else cfg.logging.other_ranks_level)
+        return open_records(cfg, run_dir, store, resume=True) if writer else RunRecorder(None)
+
+    trainer = Trainer(cfg, engine, recorder, run_dir=run_dir, recovery=live,
+                      injector=live.injector if live else None, switch_writer=switch_writer, progress=progress,
                       startup_s=time.perf_counter() - started)
+    del engine, g  # only the trainer may hold the engine: a recovery releases it, closing its connections
     try:
         trainer.train()
-    except BaseException:
-        recorder.abort()
+    except QuiescedExit:
+        trainer.recorder.hand_over()
+        if hosts_store:
+            outlive_peers(store, rank, cfg.world_size, cfg.parallel.heartbeat_timeout_s)
         raise
+    except RecoveryImpossible as stop:
+        log.error("training stops at step %d: %s", trainer.step + 1, " ".join(str(stop).split()))
+        trainer.recorder.event("run_stopped", trainer.step, reason=str(stop))
+        trainer.recorder.abort()
+        return 1
+    except BaseException:
+        trainer.recorder.abort()
+        raise
+    finally:
+        if live is not None:
+            live.close()
     dist.barrier()
     dist.destroy_process_group()
+    if store is not None:
+        mark_exited(store, rank, "finished")
+        if hosts_store:
+            outlive_peers(store, rank, cfg.world_size, cfg.parallel.heartbeat_timeout_s)
     return 0
 
 

@@ -71,6 +71,9 @@ def test_unknown_command_and_missing_module(capsys, monkeypatch):
     (["parallel.tp=2", "parallel.replicas=2"], {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0"},
      "WORLD_SIZE=3"),
     (["fault=one_crash", "parallel.replicas=1"], None, "fault.faults[0].rank=3"),
+    (["parallel.heartbeat_interval_s=5"], None, "parallel.heartbeat_interval_s=5.0 must be smaller"),
+    (["parallel.timeout_s=0"], None, "parallel.timeout_s=0.0 must be positive"),
+    (["train.precision=bf16", "parallel.zero_stage=0"], None, "parallel.zero_stage=0 with train.precision=bf16"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, env, field):
     result = ntp_ds("train", *args, env=env)
@@ -159,3 +162,12 @@ def test_launcher_usage_errors(capsys):
     assert "--store is required" in capsys.readouterr().err
     assert cli(["launch", "--store", "nohost", "-m", "ntp_ds.train"]) == 2
     assert "--store:" in capsys.readouterr().err
+
+
+def test_launcher_kills_a_stopped_worker_once_the_others_are_done(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text("import os, signal\nif os.environ['RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGSTOP)\n")
+    result = ntp_ds("launch", "--nproc-per-node", "2", str(script), timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "rank 1 stopped (SIGSTOP) while the others are done; killing it" in result.stderr
+    assert "rank 1 killed by SIGKILL" in result.stderr

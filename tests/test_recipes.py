@@ -49,6 +49,8 @@ def test_cpu_demo_is_two_replicas_of_tp2_with_one_crash():
     assert fault.kind == "crash" and 0 <= fault.rank < cfg.world_size and 1 <= fault.step <= cfg.train.steps
     assert cfg.logging.wandb.mode == "offline"
     assert cfg.model.name == "tiny"
+    assert cfg.parallel.timeout_s == 20.0 and cfg.parallel.ntp().timeout_s == 20.0
+    assert cfg.parallel.heartbeat_interval_s < cfg.parallel.heartbeat_timeout_s
 
 
 def test_readme_overrides_apply(tmp_path):

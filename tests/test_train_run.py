@@ -1,7 +1,8 @@
-"""One end-to-end run: `ntp-ds train` -> launcher -> 3 workers at TP degrees (2, 1), 3 steps, a fault scheduled.
+"""End to end: `ntp-ds train` -> launcher -> 4 workers at TP degrees (2, 2); rank 3 crashes in step 2 (SIGKILL).
 
-Live recovery is not built yet, so the scheduled fault must be reported as not injected and the static topology
-must train to the end. The run directory must hold every record, the W&B offline run and loadable final weights.
+The survivors must recover in memory (replica 1 goes on at TP 1, its lost shard pulled from replica 0, nothing
+lost), re-run the interrupted step and finish. The run directory must hold every record, with the recovery event,
+the W&B offline run and final weights that load in transformers.
 """
 
 import json
@@ -14,43 +15,63 @@ from ntp_ds.models import Llama
 from tests.test_cli import ntp_ds
 from tests.test_wandb_offline import GOODPUT_KEYS, read_history
 
-STEPS = 3
+STEPS = 4
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run") / "r"
-    result = ntp_ds("train", "parallel.tp=2", "parallel.replicas=2", "parallel.degrees=[2,1]", f"train.steps={STEPS}",
-                    "train.global_batch=6", "train.micro_batch=2", "data.seq_len=16", "logging.progress=false",
-                    "fault.faults=[{rank:2,step:2,phase:backward,kind:crash}]", f"hydra.run.dir={run_dir}",
+    result = ntp_ds("train", "parallel.tp=2", "parallel.replicas=2", "parallel.timeout_s=20", f"train.steps={STEPS}",
+                    "train.global_batch=8", "train.micro_batch=2", "data.seq_len=16", "logging.progress=false",
+                    "fault.faults=[{rank:3,step:2,phase:backward,kind:crash}]", f"hydra.run.dir={run_dir}",
                     timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return run_dir, result
 
 
+def test_a_crashed_rank_is_recovered_in_memory(trained):
+    run_dir, result = trained
+    assert "injecting crash on rank 3 at step 2, phase backward" in result.stderr
+    assert "rank 3 killed by SIGKILL" in result.stderr
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["run_start", "recovery", "run_end"]
+    recovery = events[1]
+    assert recovery["step"] == 2 and recovery["dead"] == [3]
+    assert recovery["degrees_before"] == [2, 2] and recovery["degrees_after"] == [2, 1]
+    assert recovery["lossless"] is True
+    assert 0 < recovery["bytes_moved"] == recovery["lost_shard_bytes"]
+    assert recovery["faults"] == ["crash on rank 3 at step 2 (backward)"]
+    for key in ("detection_s", "recovery_s", "redone_s", "agreement_s", "regroup_s", "reshard_s"):
+        assert recovery[key] >= 0
+    assert 0 < recovery["failure_to_step_s"] < 20
+    assert "recovered at step 2 from the loss of rank 3; TP degrees [2, 2] -> [2, 1]" in result.stderr
+
+
 def test_run_directory_holds_every_record(trained):
     run_dir, result = trained
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2, 3]
-    assert all(m["tp_degree/replica_0"] == 2 and m["tp_degree/replica_1"] == 1 for m in metrics)
-    assert all(m["active_gpu_fraction"] == 0.75 and 0 < m["goodput"] <= 1 for m in metrics)
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    assert [e["event"] for e in events] == ["run_start", "fault_skipped", "run_end"]
-    assert events[1]["rank"] == 2 and events[1]["step"] == 2
-    assert "recovery" not in {e["event"] for e in events}
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert [m["tp_degree/replica_1"] for m in metrics] == [2, 1, 1, 1]
+    assert [m["active_gpu_fraction"] for m in metrics] == [1.0, 0.75, 0.75, 0.75]
+    assert all(0 < m["goodput"] <= 1 for m in metrics)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == STEPS and summary["recoveries"] == 0 and summary["faults_scheduled"] == 1
+    assert summary["steps"] == STEPS and summary["recoveries"] == 1 and summary["faults_scheduled"] == 1
     assert 0 < summary["goodput"] <= 1 and summary["degrees_end"] == [2, 1]
-    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["rank0.log", "rank1.log", "rank2.log"]
-    assert "live recovery is not available" in result.stderr
-    assert "done: 3 steps, goodput" in result.stderr
+    assert summary["time/detection_s"] + summary["time/recovery_s"] > 0
+    assert sum(summary[f"time/{b}_s"] for b in BUCKETS) == pytest.approx(summary["wall_s"])
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == [f"rank{r}.log" for r in range(4)]
+    assert f"done: {STEPS} steps, goodput" in result.stderr
+    assert "3 of 4 workers finished successfully" in result.stderr
 
 
-def test_wandb_offline_run_holds_goodput_keys(trained):
+def test_wandb_offline_run_holds_goodput_keys_and_the_recovery(trained):
     run_dir, _ = trained
-    rows = [r for r in read_history(run_dir) if "goodput" in r]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert GOODPUT_KEYS <= set(rows[-1]) and "loss" in rows[-1]
+    rows = read_history(run_dir)
+    steps = [r for r in rows if "goodput" in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert GOODPUT_KEYS <= set(steps[-1]) and "loss" in steps[-1]
+    (event,) = [r for r in rows if "event/bytes_moved" in r]
+    assert event["step"] == 2 and event["event/bytes_moved"] > 0
 
 
 def test_final_weights_load_in_transformers(trained):
@@ -73,7 +94,8 @@ def test_report_of_the_run(trained, capsys):
     run_dir, _ = trained
     assert report([str(run_dir)]) == 0
     assert (run_dir / TIMELINE).read_bytes()[:4] == b"\x89PNG"
-    assert "1 scheduled, not injected" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "[2, 2] -> [2, 1]" in out and "lossless" in out
 
 
 # -- the Trainer's recovery seam, with fakes (no process group) ---------------------------------------------------
@@ -86,15 +108,17 @@ class FakeEngine:
         from ntp_ds.batch import plan_batch
 
         topology = SimpleNamespace(degrees=tuple(degrees))
-        self.ntp_groups = SimpleNamespace(topology=topology, replica=0)
+        self.ntp_groups = SimpleNamespace(topology=topology, replica=0, tp_rank=0, plan=SimpleNamespace(anchors=(0,)))
         self.batch_plan = plan_batch(tuple(degrees), 2, 4, 2, "preserve_global_batch")
-        self.fail_at_step, self.steps, self.saved = fail_at_step, 0, None
+        self.fail_at_step, self.global_steps, self.saved = fail_at_step, 0, None
+        self.on_phase = lambda step, phase: None
 
     def __call__(self, batch):
-        return torch.tensor(float(self.steps))
+        self.on_phase(self.global_steps + 1, "forward")
+        return torch.tensor(float(self.global_steps))
 
     def backward(self, loss):
-        if self.fail_at_step == self.steps + 1:
+        if self.fail_at_step == self.global_steps + 1:
             self.fail_at_step = None
             raise RuntimeError("Connection closed by peer")
 
@@ -102,7 +126,7 @@ class FakeEngine:
         return True
 
     def step(self):
-        self.steps += 1
+        self.global_steps += 1
 
     def save_pretrained(self, path):
         self.saved = path
@@ -117,11 +141,11 @@ class FakeRecovery:
 
         self.calls.append((step, str(error)))
         engine = FakeEngine((2, 1))
-        engine.steps = trainer.engine.steps
+        engine.global_steps = trainer.engine.global_steps
         return RecoveryReport(engine=engine, detection_s=0.05, recovery_s=0.2, fields={"lossless": True})
 
 
-def fake_trainer(tmp_path, recovery, faults=()):
+def fake_trainer(tmp_path, recovery, faults=(), injector=None):
     from ntp_ds.run.config import RunConfig
     from ntp_ds.run.records import RunRecorder
     from ntp_ds.run.trainer import Trainer
@@ -132,7 +156,7 @@ def fake_trainer(tmp_path, recovery, faults=()):
                                "data": {"seq_len": 8, "size": 64}, "fault": {"faults": list(faults)}})
     ticks = iter(range(10_000))
     return Trainer(cfg, FakeEngine((2, 2), fail_at_step=2), RunRecorder(tmp_path), run_dir=tmp_path,
-                   recovery=recovery, clock=lambda: next(ticks) * 0.1)
+                   recovery=recovery, injector=injector, clock=lambda: next(ticks) * 0.1)
 
 
 def test_recovery_seam_swaps_the_engine_accounts_the_time_and_records_the_event(tmp_path):
@@ -154,9 +178,76 @@ def test_recovery_seam_swaps_the_engine_accounts_the_time_and_records_the_event(
     assert trainer.engine.saved == tmp_path / "final"
 
 
-def test_without_recovery_faults_are_skipped_and_an_error_ends_the_run(tmp_path):
+def test_the_recovery_event_waits_for_the_rerun_step_and_the_injector_follows_the_engine(tmp_path):
+    class Injector:
+        def __init__(self):
+            self.seen = []
+
+        def check(self, step, phase):
+            self.seen.append((step, phase))
+
+    injector = Injector()
+    trainer = fake_trainer(tmp_path, FakeRecovery(), injector=injector)
+    trainer.train()
+    assert trainer.engine.on_phase == injector.check, "the recovered engine reports its phases too"
+    assert injector.seen and all(phase == "forward" for _, phase in injector.seen)
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    (event,) = [e for e in events if e["event"] == "recovery"]
+    assert event["failure_to_step_s"] > 0
+    steps = [json.loads(line)["time"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps[1] <= event["time"] <= steps[2], "recorded once the interrupted step has completed"
+
+
+def test_without_recovery_an_error_ends_the_run(tmp_path):
     trainer = fake_trainer(tmp_path, None, faults=[{"rank": 1, "step": 2, "phase": "forward", "kind": "crash"}])
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         trainer.train()
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-    assert [e["event"] for e in events] == ["run_start", "fault_skipped"]
+    assert [e["event"] for e in events] == ["run_start"]
+    assert events[0]["faults"] == [{"rank": 1, "step": 2, "phase": "forward", "kind": "crash"}]
+
+
+def test_a_rank_that_becomes_the_writer_takes_over_the_records(tmp_path):
+    from ntp_ds.run.records import RunRecorder
+
+    switches = []
+
+    def switch_writer(writer):
+        switches.append(writer)
+        return RunRecorder(tmp_path, resume=True) if writer else RunRecorder(None)
+
+    trainer = fake_trainer(tmp_path, FakeRecovery())
+    trainer.engine.ntp_groups.replica = 1  # starts in a replica that is not the first anchor: not the writer
+    trainer.recorder = RunRecorder(None)
+    trainer.switch_writer = switch_writer
+    trainer.train()
+    assert switches == [True]
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [2, 3], "the new writer appends from the step it re-ran"
+    events = [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert events == ["recovery", "run_end"] and (tmp_path / "summary.json").is_file()
+
+
+def test_a_writer_that_loses_the_role_hands_its_records_over(tmp_path):
+    from ntp_ds.run.records import RunRecorder
+
+    class Recorder(RunRecorder):
+        handed_over = False
+
+        def hand_over(self):
+            type(self).handed_over = True
+            super().hand_over()
+
+    class Demoting(FakeRecovery):
+        def recover(self, trainer, step, error):
+            report = super().recover(trainer, step, error)
+            report.engine.ntp_groups.replica = 1
+            return report
+
+    trainer = fake_trainer(tmp_path, Demoting())
+    trainer.recorder = Recorder(tmp_path)
+    trainer.switch_writer = lambda writer: RunRecorder(None)
+    trainer.train()
+    assert Recorder.handed_over and not trainer.recorder.active
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1]

@@ -17,10 +17,11 @@ EVENT_PREFIX = "event/"
 
 
 class WandbLogger:
-    """Rank 0's W&B run."""
+    """The writer's W&B run."""
 
     def __init__(self, *, mode: str, project: str, entity: str | None, name: str, tags: list, run_dir: Path,
-                 config: dict):
+                 config: dict, run_id: str | None = None):
+        """`run_id`: resume that run (a rank taking over from a writer that died), else start a new one."""
         self.run = None
         self._events: list[dict] = []
         if mode == "disabled":
@@ -31,11 +32,16 @@ class WandbLogger:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(project=project, entity=entity, name=name, tags=list(tags), config=config,
                               dir=str(run_dir), mode=mode, reinit="finish_previous",
+                              id=run_id, resume="allow" if run_id else None,
                               settings=wandb.Settings(console="off", silent=True, disable_git=True,
                                                       x_disable_stats=True))
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
         log.info("W&B run %s (%s) in %s", self.run.id, mode, Path(run_dir) / "wandb")
+
+    @property
+    def run_id(self) -> str | None:
+        return self.run.id if self.run is not None else None
 
     @property
     def enabled(self) -> bool:
@@ -70,6 +76,11 @@ class WandbLogger:
         self.run.finish()
         self.run = None
 
+    def close(self) -> None:
+        """Close the run without a summary (its writer leaves; another rank resumes the run)."""
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
 
     def abort(self) -> None:
         """Close the run of a failed job (exit code 1) so its files are complete."""

@@ -17,6 +17,8 @@ from ntp_ds.layout import LayoutError, Topology
 from ntp_ds.models import LlamaConfig
 
 WANDB_MODES = ("online", "offline", "disabled")
+_NOT_NTP = ("zero_stage", "heartbeat_interval_s", "heartbeat_timeout_s")
+"""`parallel` fields read by DeepSpeed and the liveness checks rather than by `NTPConfig`."""
 OPTIMIZERS = ("adamw", "sgd")
 PRECISIONS = ("fp32", "bf16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -40,7 +42,7 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """Replicas, their TP degrees and the ZeRO stage; everything but `zero_stage` is an `NTPConfig` field."""
+    """Replicas, their TP degrees, the ZeRO stage and the failure bounds; most fields are `NTPConfig` fields."""
 
     tp: int = 2
     """Healthy tensor-parallel degree of a replica (its scale-up domain)."""
@@ -59,10 +61,14 @@ class ParallelConfig:
     memory_budget_gb: float | None = None
     """Per-GPU memory budget; a degraded replica lowers its micro-batch to fit it; null: no limit."""
     timeout_s: float = 300.0
-    """Bound on every wait for a peer, in seconds."""
+    """Bound on every wait for a peer (collectives, the transfers of a recovery), in seconds."""
+    heartbeat_interval_s: float = 0.5
+    """Seconds between two liveness beats of a worker to the job's store."""
+    heartbeat_timeout_s: float = 3.0
+    """A worker whose beats stop for this long counts as dead (how a hang is detected)."""
 
     def ntp(self) -> NTPConfig:
-        kw = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "zero_stage"}
+        kw = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_NTP}
         return NTPConfig(**kw)
 
     @property
@@ -275,6 +281,13 @@ class RunConfig:
             _check_positive(f"parallel.{name}", getattr(p, name))
         if p.degrees is not None and not isinstance(p.degrees, list):
             raise ConfigError(f"parallel.degrees={p.degrees!r} must be a list of TP degrees or null")
+        for name in ("timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
+            if not getattr(p, name) > 0:
+                raise ConfigError(f"parallel.{name}={getattr(p, name)} must be positive")
+        if p.heartbeat_interval_s >= p.heartbeat_timeout_s:
+            raise ConfigError(f"parallel.heartbeat_interval_s={p.heartbeat_interval_s} must be smaller than "
+                              f"parallel.heartbeat_timeout_s={p.heartbeat_timeout_s} (a live worker beats several "
+                              f"times per timeout)")
         ntp = p.ntp()
         try:
             ntp.validate(None)
@@ -286,6 +299,9 @@ class RunConfig:
             except LayoutError as e:
                 field_name = f"parallel.degrees[{r}]" if p.degrees is not None else "parallel.tp"
                 raise ConfigError(f"{field_name}={degree} does not fit model {self.model.name}: {e}") from None
+        if self.train.precision == "bf16" and p.zero_stage == 0:
+            raise ConfigError("parallel.zero_stage=0 with train.precision=bf16: live recovery cannot read that "
+                              "optimizer's fp32 masters; use parallel.zero_stage=1 or 2")
         topology = Topology.from_degrees(llama.units(), p.replica_degrees)
         if self.optim.grad_clip and any(lay.shares_kv() for lay in topology.layouts):
             raise ConfigError(f"optim.grad_clip={self.optim.grad_clip} is not supported yet when a replica's layout "

@@ -1,6 +1,7 @@
 """A run's records on disk: metrics.jsonl (one line per step), events.jsonl (one line per event), summary.json.
 
-Rank 0 writes them and forwards the same records to W&B; the other ranks get a recorder that writes nothing.
+Rank 0 writes them and forwards the same records to W&B; the other ranks get a recorder that writes nothing. A rank
+that takes over from a writer that died appends to the same files (`resume=True`) and replays them into its W&B run.
 `ntp-ds report` reads them back with `read_run`.
 """
 
@@ -19,13 +20,21 @@ FINAL_WEIGHTS = "final"
 class RunRecorder:
     """Append step metrics and events as JSON lines, write the summary at the end; mirror them to W&B."""
 
-    def __init__(self, run_dir: Path | None, wandb=None, wall=time.time):
+    def __init__(self, run_dir: Path | None, wandb=None, wall=time.time, *, resume: bool = False):
         self.run_dir, self.wandb, self._wall = run_dir, wandb, wall
         self._metrics = self._events = None
-        if run_dir is not None:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            self._metrics = open(run_dir / METRICS, "a", buffering=1)
-            self._events = open(run_dir / EVENTS, "a", buffering=1)
+        if run_dir is None:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if resume and wandb is not None:
+            metrics, events, _ = read_run(run_dir)
+            for record in sorted(metrics + events, key=lambda r: r.get("time", 0.0)):
+                if "event" in record:
+                    wandb.log_event(record)
+                else:
+                    wandb.log_step({k: v for k, v in record.items() if k != "time"})
+        self._metrics = _open_append(run_dir / METRICS)
+        self._events = _open_append(run_dir / EVENTS)
 
     @property
     def active(self) -> bool:
@@ -55,6 +64,12 @@ class RunRecorder:
             self.wandb.finish(summary)
         self.close()
 
+    def hand_over(self) -> None:
+        """Close the records of a writer that leaves the job; the rank taking its place resumes them."""
+        if self.wandb is not None:
+            self.wandb.close()
+        self.close()
+
     def abort(self) -> None:
         """Close the records of a run that failed, marking its W&B run as failed."""
         if self.wandb is not None:
@@ -65,6 +80,15 @@ class RunRecorder:
         for f in (self._metrics, self._events):
             if f is not None and not f.closed:
                 f.close()
+
+
+def _open_append(path: Path):
+    """Open a JSON-lines file for appending, ending a line torn by a writer that was killed mid-write."""
+    torn = path.is_file() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
+    f = open(path, "a", buffering=1)
+    if torn:
+        f.write("\n")
+    return f
 
 
 def read_jsonl(path: Path) -> list[dict]:

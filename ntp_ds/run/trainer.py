@@ -1,12 +1,18 @@
 """The training loop of one rank: data, steps, goodput accounting, records, the final weights.
 
 Everything the loop needs comes in through the constructor (engine, recorder, recovery, injector, clock), so tests
-can hand it fakes. The injector, wired only together with a recovery, is attached to the engine's `on_phase` hook
-(forward, backward, grad_sync and optimizer boundaries). Recovery seam: when a step raises and a `recovery` is
-given, `_recover` calls `recovery.recover(trainer, step, error)`, which returns a `RecoveryReport` carrying the
-rebuilt engine and its timings; the trainer accounts them (detection, recovery, redone work), records a `recovery`
-event in events.jsonl and W&B, and runs the step again. Without a recovery an error ends the run, and scheduled
-faults are not injected (they would only kill the job): each is recorded as a `fault_skipped` event instead.
+can hand it fakes. The injector is attached to the engine's `on_phase` hook (forward, backward, grad_sync and
+optimizer boundaries), again on every engine a recovery returns. Recovery seam: when a step raises and a `recovery`
+is given, `_recover` calls `recovery.recover(trainer, step, error)`, which returns a `RecoveryReport` carrying the
+rebuilt engine and its timings; the trainer accounts them (detection, recovery, redone work), runs the interrupted
+step again and records a `recovery` event in events.jsonl and W&B once that step has completed (with the time from
+the failure to it). Without a recovery an error ends the run.
+
+One rank writes the run's records (`is_writer`): TP rank 0 of the first anchor replica, the rank that also
+consolidates the final weights. Its step timings stand for the job's (an anchor runs the full DeepSpeed step; a
+contributor waits on its anchor). A recovery can move that role (the writer died, or its replica became a
+contributor): the old writer, if alive, hands its records over, and the new one resumes them through
+`switch_writer(True)`, appending to the same files and W&B run.
 """
 
 from __future__ import annotations
@@ -61,11 +67,14 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, engine, recorder: RunRecorder, *, run_dir: Path,
                  recovery: Recovery | None = None, injector: Injector | None = None,
+                 switch_writer: Callable[[bool], RunRecorder] | None = None,
                  clock: Callable[[], float] = time.perf_counter, progress=None, startup_s: float = 0.0):
         self.cfg, self.engine, self.recorder, self.run_dir = cfg, engine, recorder, Path(run_dir)
         self.startup_s = startup_s
         self.recovery, self.injector, self.clock, self.progress = recovery, injector, clock, progress
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.switch_writer = switch_writer
+        """After a recovery, called with True when this rank becomes the writer (returns the resumed records) and
+        with False when it stops being the writer (returns the recorder of a rank that writes nothing)."""
         self.dataset = SyntheticTokens(cfg.model.llama_config().vocab_size, cfg.data.seq_len, cfg.data.size,
                                        cfg.data.seed)
         self.sampler = GlobalBatchSampler(cfg.data.size, cfg.data.seed)
@@ -74,6 +83,17 @@ class Trainer:
         self.recoveries = 0
         self.last_loss = math.nan
         self._last_end = clock()
+        self._unfinished: dict | None = None
+        """The latest recovery's event, recorded once the step it interrupted has completed."""
+
+    @property
+    def rank(self) -> int:
+        """Global rank in the current generation's process group."""
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def writer(self) -> bool:
+        return is_writer(self.engine)
 
     # -- topology ----------------------------------------------------------------------------------------------
     @property
@@ -86,8 +106,7 @@ class Trainer:
     def train(self) -> dict:
         """Run every step, write the final weights and return the summary."""
         self._announce()
-        if self.recovery is not None:
-            self._attach_injector()
+        self._attach_injector()
         if dist.is_initialized():
             dist.barrier()  # start the clocks together, after rank 0's W&B and file set-up
         self._last_end = self.clock()
@@ -97,11 +116,12 @@ class Trainer:
             try:
                 timing, loss = self.train_step(step)
             except Exception as error:  # a peer or device failure; without recovery it ends the run
-                self._recover(step, error)
+                step = self._recover(step, error)
                 continue
             self.step, self.last_loss = step, loss
             metrics = {**self.meter.record_step(timing), "loss": loss}
             self.recorder.step(metrics)
+            self._record_recovery(step)
             self._report_step(metrics, verbose=step % log_every == 0 or step == self.cfg.train.steps)
             step += 1
         if self.cfg.train.save_final:
@@ -131,49 +151,79 @@ class Trainer:
         self._last_end = end
         return timing, loss_sum / max(samples, 1)
 
+    # -- failures ----------------------------------------------------------------------------------------------
+    def _recover(self, step: int, error: BaseException) -> int:
+        """Hand a failed step to live recovery, account its time; return the step to run next.
+
+        Without a recovery the error is raised again.
+        """
+        if self.recovery is None:
+            raise error
+        failed_at = self.clock()
+        before = self.degrees
+        log.info("step %d failed (%s); recovering", step, _first_line(error))
+        report = self.recovery.recover(self, step, error)
+        self.engine = report.engine
+        self._move_records()
+        self._record_recovery(None)  # a failure while re-running a step: record the previous recovery as it is
+        resumed_at = self.clock()
+        lost_in_step = failed_at - self._last_end
+        detection, recovery, redone = split_failure_time(lost_in_step, resumed_at - failed_at, report.detection_s)
+        for bucket, seconds in (("detection", detection), ("recovery", recovery), ("redone", redone)):
+            self.meter.record_lost(bucket, seconds, active_gpus=sum(self.degrees))
+        self._attach_injector()
+        self.recoveries += 1
+        rerun = getattr(self.engine, "global_steps", step - 1) + 1
+        event = {"detection_s": detection, "recovery_s": recovery, "redone_s": redone,
+                 "degrees_before": list(before), "degrees_after": list(self.degrees), "error": _first_line(error),
+                 **report.fields}
+        self._unfinished = {"step": step, "failed_at": failed_at - min(detection, lost_in_step), "event": event}
+        if self.writer:
+            log.warning(describe_recovery(step, event))
+        if rerun != step:
+            log.warning("the recovered state has completed %d steps: going on with step %d", rerun - 1, rerun)
+        self._last_end = resumed_at
+        return rerun
+
+    def _move_records(self) -> None:
+        """Hand the records over, or take them over, when a recovery moved the writer's role."""
+        if self.switch_writer is None or self.writer == self.recorder.active:
+            return
+        if self.writer:
+            log.warning("this rank takes over the run's records in %s (the writer died or its replica degraded)",
+                        self.run_dir)
+        else:
+            self.recorder.hand_over()
+            if self.progress is not None:
+                self.progress.close()
+                self.progress = None
+        self.recorder = self.switch_writer(self.writer)
+
+    def _record_recovery(self, completed_step: int | None) -> None:
+        """Record the pending recovery event; `completed_step` is the first step completed after the failure."""
+        pending, self._unfinished = self._unfinished, None
+        if pending is None:
+            return
+        event = pending["event"]
+        if completed_step is not None:
+            event["failure_to_step_s"] = self.clock() - pending["failed_at"]
+            if self.writer:
+                log.warning("step %d completed %.2f s after the failure", completed_step, event["failure_to_step_s"])
+        self.recorder.event("recovery", pending["step"], **event)
+
     def _attach_injector(self) -> None:
         """Let the engine report its phase boundaries to the injector (`engine.on_phase(step, phase)`)."""
         if self.injector is not None:
             self.engine.on_phase = self.injector.check
 
-    # -- failures ----------------------------------------------------------------------------------------------
-    def _recover(self, step: int, error: BaseException) -> None:
-        """Hand a failed step to live recovery, account its time and record the event; re-raise without one."""
-        if self.recovery is None:
-            raise error
-        failed_at = self.clock()
-        before = self.degrees
-        log.warning("step %d failed: %s; recovering", step, error)
-        report = self.recovery.recover(self, step, error)
-        resumed_at = self.clock()
-        self.engine = report.engine
-        detection, recovery, redone = split_failure_time(failed_at - self._last_end, resumed_at - failed_at,
-                                                         report.detection_s)
-        for bucket, seconds in (("detection", detection), ("recovery", recovery), ("redone", redone)):
-            self.meter.record_lost(bucket, seconds, active_gpus=sum(self.degrees))
-        self._attach_injector()
-        self.recoveries += 1
-        self.recorder.event("recovery", step, detection_s=detection, recovery_s=recovery, redone_s=redone,
-                            degrees_before=list(before), degrees_after=list(self.degrees), error=str(error),
-                            **report.fields)
-        log.warning("recovered at step %d in %.2f s: TP degrees %s -> %s", step, detection + recovery,
-                    list(before), list(self.degrees))
-        self._last_end = resumed_at
-
     def _announce(self) -> None:
         cfg = self.cfg
-        self.recorder.event("run_start", self.step, degrees=list(self.degrees), world_size=cfg.world_size,
-                            allocated_gpus=cfg.allocated_gpus, recovery_available=self.recovery is not None)
         faults = cfg.fault_schedule().faults
-        if not faults or self.recovery is not None:
-            return
-        if self.rank == 0:
-            log.warning("fault injection is scheduled (%s) but live recovery is not available in this build: no "
-                        "fault is injected, the run keeps the static topology %s", _describe(faults),
-                        list(self.degrees))
-        for f in faults:
-            self.recorder.event("fault_skipped", f.step, rank=f.rank, phase=f.phase, kind=f.kind,
-                                reason="live recovery is not available")
+        self.recorder.event("run_start", self.step, degrees=list(self.degrees), world_size=cfg.world_size,
+                            allocated_gpus=cfg.allocated_gpus, live_recovery=self.recovery is not None,
+                            faults=[dict(rank=f.rank, step=f.step, phase=f.phase, kind=f.kind) for f in faults])
+        if faults and self.writer:
+            log.info("faults scheduled: %s", _describe(faults))
 
     # -- end of run --------------------------------------------------------------------------------------------
     def save_final(self) -> Path:
@@ -184,21 +234,23 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
         self.meter.record_lost("checkpoint", self.clock() - t, active_gpus=sum(self.degrees))
-        if self.rank == 0:
+        if self.writer:
             log.info("final weights: %s", path)
         return path
 
     def finish(self) -> dict:
+        self._record_recovery(None)
         summary = {**self.meter.summary(), "final_loss": self.last_loss, "degrees_end": list(self.degrees),
                    "world_size": self.cfg.world_size, "model": self.cfg.model.name, "recipe": self.cfg.recipe,
-                   "startup_s": self.startup_s, "recoveries": self.recoveries, "recovery_available": self.recovery is not None,
+                   "startup_s": self.startup_s, "recoveries": self.recoveries,
+                   "live_recovery": self.recovery is not None,
                    "faults_scheduled": len(self.cfg.fault_schedule().faults), "run_dir": str(self.run_dir),
                    "final_weights": str(self.run_dir / FINAL_WEIGHTS) if self.cfg.train.save_final else None}
         self.recorder.event("run_end", self.step, degrees=list(self.degrees))
         self.recorder.finish(summary)
         if self.progress is not None:
             self.progress.close()
-        if self.rank == 0:
+        if self.writer:
             log.info("done: %d steps, goodput %.3f, %.0f tokens/s (%.2f of failure-free), active GPUs %.0f%%, "
                      "final loss %.4f", summary["steps"], summary["goodput"], summary["tokens_per_s"],
                      summary["throughput_ratio"], 100 * summary["active_gpu_fraction"], self.last_loss)
@@ -215,8 +267,49 @@ class Trainer:
         log.log(logging.INFO if verbose and self.progress is None else logging.DEBUG, text)
 
 
+def is_writer(engine) -> bool:
+    """Whether this rank writes the run's records: TP rank 0 of the first anchor replica."""
+    g = engine.ntp_groups
+    return g.replica == g.plan.anchors[0] and g.tp_rank == 0
+
+
 def _describe(faults) -> str:
     return "; ".join(f"{f.kind} on rank {f.rank} at step {f.step} ({f.phase})" for f in faults)
+
+
+def _first_line(error: BaseException) -> str:
+    """The error's type and first sentence, without a source-location prefix such as `[.../pair.cc:553] `."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return f"{type(error).__name__}: {text.split('. ')[0]}"[:200]
+
+
+def describe_recovery(step: int, event: dict) -> str:
+    """One line for the log: who died, the degrees, where the time went, the bytes moved, whether it was lossless."""
+    dead = event.get("dead") or []
+    lost = f" from the loss of rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))}" if dead else ""
+    phases = "".join(f", {k.removesuffix('_s')} {event[k]:.2f} s" for k in ("agreement_s", "regroup_s", "reshard_s")
+                     if k in event)
+    parts = [f"recovered at step {step}{lost}", f"TP degrees {event['degrees_before']} -> {event['degrees_after']}",
+             f"detection {event['detection_s']:.2f} s, recovery {event['recovery_s']:.2f} s{phases}, redone "
+             f"{event['redone_s']:.2f} s"]
+    if "bytes_moved" in event:
+        parts.append(f"moved {_bytes(event['bytes_moved'])} of parameters (lost shard "
+                     f"{_bytes(event.get('lost_shard_bytes', 0))}) and {_bytes(event.get('optimizer_bytes_moved', 0))} "
+                     f"of optimizer state")
+    if "lossless" in event:
+        parts.append("lossless" if event["lossless"] else "NOT lossless: some state had no surviving copy")
+    return "; ".join(parts)
+
+
+def _bytes(n: float) -> str:
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
 
 
 def seed_everything(seed: int) -> None:

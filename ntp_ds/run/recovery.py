@@ -1,0 +1,85 @@
+"""Live recovery behind the Trainer's seam: `ntp_ds.recovery.Recovery` and the fault injector, wired for one rank.
+
+The Trainer asks `recover(trainer, step, error)` for the engine to go on with; this adapter turns the error into
+what the recovery needs to hear:
+- `DeviceError` (this rank's own device failed): the rank leaves the job (`QuiescedExit`, exit status 0) and the
+  others recover without it;
+- a peer or collective failure (`RuntimeError`, `TimeoutError`, `ConnectionError`): the survivors agree on the dead,
+  regroup and reshard in memory, and the Trainer goes on with the returned engine;
+- anything else is a bug and is raised as is.
+`RecoveryImpossible` (no replica left, or some state has no copy on any survivor) propagates to the worker, which
+stops the run with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from ntp_ds.control.faults import DeviceError, FaultInjector, fired_key
+from ntp_ds.recovery.manager import Recovery
+from ntp_ds.run.config import RunConfig
+from ntp_ds.run.trainer import RecoveryReport
+
+log = logging.getLogger("ntp_ds.train")
+
+PEER_FAILURES = (RuntimeError, TimeoutError, ConnectionError)
+"""What a survivor sees when a peer dies or hangs: a failed or timed-out collective, a closed connection."""
+LAST_GOOD = "last_good"
+"""Directory of the run where the survivors write the last good weights when training cannot go on in memory."""
+TRAINER_FIELDS = ("detection_s", "degrees_before", "degrees_after")
+"""Fields of the recovery's event that the Trainer measures itself (on its own clock) and records."""
+
+
+class LiveRecovery:
+    """One rank's live recovery and fault injector, as the Trainer calls them."""
+
+    def __init__(self, recovery: Recovery, injector: FaultInjector | None = None):
+        self.recovery, self.injector = recovery, injector
+        if injector is not None:
+            recovery.on_phase = injector.check
+
+    @classmethod
+    def start(cls, cfg: RunConfig, engine, rank: int, run_dir: Path) -> LiveRecovery:
+        """Start beating to the job's store and arm this rank's scheduled faults (and those sent to the job)."""
+        p = cfg.parallel
+        recovery = Recovery(engine, engine.store, rank, heartbeat_interval_s=p.heartbeat_interval_s,
+                            heartbeat_timeout_s=p.heartbeat_timeout_s, last_good_dir=Path(run_dir) / LAST_GOOD)
+        return cls(recovery, FaultInjector(cfg.fault_schedule(), rank, engine.store))
+
+    @property
+    def events(self) -> list[dict]:
+        return self.recovery.events
+
+    def recover(self, trainer, step: int, error: BaseException) -> RecoveryReport:
+        """Leave on this rank's own device error; otherwise recover and return the new engine with its event."""
+        if isinstance(error, DeviceError):
+            log.warning("rank %d: %s; leaving the job (exit 0), the others go on without this rank",
+                        self.recovery.rank, error)
+            self.recovery.leave(f"device error at step {step}")
+        if not isinstance(error, PEER_FAILURES):
+            raise error
+        noticed = time.time()
+        outcome = self.recovery.recover(error)
+        event = outcome.event
+        fields = {k: v for k, v in event.items() if k not in TRAINER_FIELDS}
+        detection_s = event.get("detection_s", 0.0)
+        fired = self._fired(event.get("dead", ()))
+        if fired:
+            # An injected fault says when the failure happened: detection ends when this rank's step failed.
+            detection_s = max(0.0, noticed - min(f["wall"] for f in fired))
+            fields["faults"] = [f"{f['kind']} on rank {f['rank']} at step {f['at_step']} ({f['phase']})" for f in fired]
+        recovery_s = sum(event.get(k, 0.0) for k in ("agreement_s", "regroup_s", "reshard_s"))
+        return RecoveryReport(outcome.engine, detection_s=detection_s, recovery_s=recovery_s, fields=fields)
+
+    def _fired(self, dead) -> list[dict]:
+        """The injected faults the dead ranks fired (with the wall time they fired at), if any."""
+        store = self.recovery.store
+        keys = [fired_key(r) for r in dead]
+        return [json.loads(store.get(k)) for k in keys if store.check([k])]
+
+    def close(self) -> None:
+        """Stop beating (at the end of the run, or when it stops)."""
+        self.recovery.close()
