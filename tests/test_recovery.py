@@ -13,7 +13,6 @@ import itertools
 import os
 
 import pytest
-import torch
 
 from ntp_ds.models.sharding import shard_tensor
 from tests.mp import run_ranks

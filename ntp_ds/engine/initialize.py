@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.config import DeepSpeedConfig
 
-from ntp_ds.batch import BatchPlan, max_micro_batch, plan_batch
+from ntp_ds.batch import max_micro_batch, plan_batch
 from ntp_ds.comm.groups import NTPMpu, ReplicaGroups, backend_for_device, build_groups
 from ntp_ds.engine.config import ConfigError, NTPConfig, check_batch, env_world_size, load_deepspeed_config
 from ntp_ds.engine.engine import NTPEngine
