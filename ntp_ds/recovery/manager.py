@@ -107,6 +107,9 @@ class Recovery:
     def _attempt(self, snapshot, old_members, error, failed_at) -> RecoveryOutcome:
         t0 = time.time()
         if dist.is_initialized():
+            if dist.get_backend() == "nccl":
+                # NCCL communicators with a dead peer can block their own teardown; abort them first.
+                dist.distributed_c10d._abort_process_group()
             # Closing our connections fails every collective a live peer still waits on with us, so it joins the
             # recovery at once instead of at its process-group timeout (gloo closes them once unreferenced).
             ds_comm.destroy_process_group()
