@@ -45,7 +45,6 @@ class Snapshot:
     global_steps: int
     global_samples: int
     mid_step: bool
-    zero_stage: int
 
 
 class NTPEngine(DeepSpeedEngine):
@@ -64,7 +63,6 @@ class NTPEngine(DeepSpeedEngine):
         self.on_phase = lambda step, phase: None
         """Called at every phase boundary (forward, backward, grad_sync, optimizer): the fault-injection seam."""
         self.in_optimizer_step = False
-        self.job_zero_stage = zero_stage
         self.copies = StateCopies(rank, plan_buddies(topo, plan, zero_stage, ntp.zero_redundancy), list(specs),
                                   ntp.timeout_s)
         if not self.is_anchor:
@@ -211,7 +209,7 @@ class NTPEngine(DeepSpeedEngine):
             fragments=state.local_fragments(self, keys) if self.is_anchor else {},
             keys=keys, optimizer_step=state.optimizer_step(self) if self.is_anchor else 0,
             held=dict(self.copies.held), global_steps=self.global_steps, global_samples=self.global_samples,
-            mid_step=self.in_optimizer_step, zero_stage=self.job_zero_stage)
+            mid_step=self.in_optimizer_step)
 
     # -- DeepSpeed checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):

@@ -157,7 +157,8 @@ class Recovery:
         engine.global_steps, engine.global_samples = snapshot.global_steps, snapshot.global_samples
         engine.job, engine.store = self.job, self.store
         engine.refresh_copies()
-        totals = torch.tensor([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), opt_moved, int(lossless)],
+        whole = lossless and not snapshot.mid_step  # a rank that died inside the optimizer left the step half done
+        totals = torch.tensor([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), opt_moved, int(whole)],
                               dtype=torch.float64)
         dist.all_reduce(totals)
         barrier(self.store, f"recovery/{change.generation}/done", self.rank, new_members, self.job.ntp.timeout_s)
@@ -173,7 +174,7 @@ class Recovery:
             "bytes_moved": int(totals[0]), "lost_shard_bytes": lost_bytes,
             "kv_rereplicated_bytes": int(totals[1]), "rank_bytes_received": moved.get("bytes", 0),
             "optimizer_bytes_moved": int(totals[2]),
-            "lossless": int(totals[3]) == len(new_members) and not snapshot.mid_step,
+            "lossless": int(totals[3]) == len(new_members),
             "reason": change.reason,
         }
         self.engine = engine
