@@ -13,11 +13,10 @@ import sys
 
 from ntp_ds.engine.config import ConfigError
 from ntp_ds.run.config import RunConfig
-from ntp_ds.sim.cli import UsageError, _flatten, _hydra_value, _parse, config_dir, recipes_dir
+from ntp_ds.sim.cli import UsageError, _flatten, _hydra_value, _parse, config_dir, read_recipe, recipes_dir
 
 PRIMARY = "config"
 GROUPS = ("model", "parallel", "data", "optim", "fault", "logging", "launcher")
-_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
 def available_recipes() -> list[str]:
@@ -47,19 +46,7 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
 
 def recipe_overrides(name: str) -> list[str]:
     """Turn recipes/NAME.yaml into Hydra overrides: group options first, then fields."""
-    from omegaconf import OmegaConf
-
-    if not _NAME.match(name):
-        raise UsageError(f"recipe={name!r} is not a recipe name")
-    path = recipes_dir() / f"{name}.yaml"
-    if not path.is_file():
-        raise UsageError(f"recipe={name!r}: no such recipe (available: {', '.join(available_recipes())})")
-    try:
-        data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-    except Exception as e:
-        raise UsageError(f"recipe={name!r}: cannot read {path}: {str(e).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"recipe={name!r}: {path.name} is not a mapping")
+    data = read_recipe(recipes_dir(), name, resolve=False)
     choices, values = [], []
     for key, value in data.items():
         if key in GROUPS and isinstance(value, str):

@@ -118,22 +118,27 @@ def _parse(argv: list[str]) -> list:
     return parsed
 
 
-def _recipe_overrides(name: str) -> list[str]:
+def read_recipe(folder: Path, name: str, resolve: bool = True) -> dict:
+    """Read recipe `name` from `folder` as a plain mapping; a bad name, file or content is a UsageError."""
     from omegaconf import OmegaConf
 
     if not _NAME.match(name):
         raise UsageError(f"recipe={name!r}: not a recipe name")
-    path = recipes_dir() / "sim" / f"{name}.yaml"
+    path = folder / f"{name}.yaml"
     if not path.is_file():
-        known = ", ".join(available_recipes()) or "none"
+        known = ", ".join(sorted(p.stem for p in folder.glob("*.yaml"))) or "none"
         raise UsageError(f"recipe={name!r}: no such recipe (available: {known})")
     try:
-        data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=resolve)
     except Exception as exc:
-        raise UsageError(f"recipe={name!r}: cannot read {path.name}: {exc}") from None
+        raise UsageError(f"recipe={name!r}: cannot read {path.name}: {str(exc).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise UsageError(f"recipe={name!r}: {path.name} is not a mapping")
-    return _flatten(data, "sim.")
+    return data
+
+
+def _recipe_overrides(name: str) -> list[str]:
+    return _flatten(read_recipe(recipes_dir() / "sim", name), "sim.")
 
 
 def _check_keys(overrides: list, base, source: str = "") -> None:
