@@ -52,7 +52,8 @@ def _worker(rank, world_size, args):
     torch.manual_seed(0)
     full = Llama(config)
     ntp_engine = ntp_ds.initialize(model=full, config=_ds_config(args),
-                                   ntp={"tp": args.tp, "replicas": args.replicas})
+                                   ntp={"tp": args.tp, "replicas": args.replicas,
+                                        "zero_redundancy": args.zero_redundancy})
     groups = ntp_engine.ntp_groups
     # The plain engine: same shard, same groups, DeepSpeed's own gradient averaging and accumulation.
     shard = Llama(config, layout=groups.layout, tp_rank=groups.tp_rank, tp_group=groups.tp_group)
@@ -96,6 +97,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--zero-stage", type=int, default=1)
+    parser.add_argument("--zero-redundancy", type=int, default=1,
+                        help="in-memory copies of each ZeRO partition kept for live recovery (the NTP default is 1)")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
@@ -109,7 +112,8 @@ def main(argv=None) -> int:
     ntp = [max(r["ntp"][i] for r in results) for i in range(args.steps)]
     plain = [max(r["plain"][i] for r in results) for i in range(args.steps)]
     ntp_s, plain_s = statistics.median(ntp), statistics.median(plain)
-    print(f"topology: {args.replicas} replicas x TP {args.tp}, ZeRO {args.zero_stage}, {args.steps} steps each")
+    print(f"topology: {args.replicas} replicas x TP {args.tp}, ZeRO {args.zero_stage}, "
+          f"zero_redundancy {args.zero_redundancy}, {args.steps} steps each")
     print(f"deepspeed_step_s={plain_s:.4f} ntp_step_s={ntp_s:.4f}")
     print(f"overhead_ratio={ntp_s / plain_s:.4f}")
     return 0

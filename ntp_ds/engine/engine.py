@@ -51,9 +51,11 @@ class NTPEngine(DeepSpeedEngine):
     """DeepSpeedEngine API (`engine(batch)`, `backward`, `step`, checkpoints) over a nonuniform topology."""
 
     def __init__(self, *, ntp_groups: ReplicaGroups, batch_plan: BatchPlan, specs: dict[str, ParamSpec],
-                 full_shapes: dict[str, tuple[int, ...]], ntp, zero_stage: int, **deepspeed_kwargs):
+                 full_shapes: dict[str, tuple[int, ...]], job, store, **deepspeed_kwargs):
         super().__init__(**deepspeed_kwargs)
-        self.ntp_groups, self.batch_plan, self.ntp = ntp_groups, batch_plan, ntp
+        self.ntp_groups, self.batch_plan, self.job, self.store = ntp_groups, batch_plan, job, store
+        """`job`: the validated JobSpec this engine was built from; `store`: the coordination store, if any."""
+        ntp = job.ntp
         self.param_specs, self.full_shapes = specs, full_shapes
         plan, rank, topo = ntp_groups.plan, ntp_groups.rank, ntp_groups.topology
         self._grads = UnitExchange(plan.grad_transfers, rank, topo, specs, ntp.timeout_s)
@@ -63,6 +65,7 @@ class NTPEngine(DeepSpeedEngine):
         self.on_phase = lambda step, phase: None
         """Called at every phase boundary (forward, backward, grad_sync, optimizer): the fault-injection seam."""
         self.in_optimizer_step = False
+        zero_stage = int(job.ds_config.get("zero_optimization", {}).get("stage", 0))  # the job's, on every rank
         self.copies = StateCopies(rank, plan_buddies(topo, plan, zero_stage, ntp.zero_redundancy), list(specs),
                                   ntp.timeout_s)
         if not self.is_anchor:

@@ -142,7 +142,8 @@ def join_world(ntp: NTPConfig, store=None, generation: int = 0, rank: int | None
     deepspeed.init_distributed(dist_backend=backend_for_device(), timeout=timeout)
 
 
-def build_engine(spec: JobSpec, topology: Topology, module_for: Callable[[ReplicaGroups], Llama]) -> NTPEngine:
+def build_engine(spec: JobSpec, topology: Topology, module_for: Callable[[ReplicaGroups], Llama],
+                 store=None) -> NTPEngine:
     """Build this rank's groups, shard and NTPEngine for `topology` (the process group must exist)."""
     sync, batch_plan = spec.plan(topology)
     groups = build_groups(topology, sync, dist.get_rank(), spec.ntp.timeout_s)
@@ -154,8 +155,7 @@ def build_engine(spec: JobSpec, topology: Topology, module_for: Callable[[Replic
     mpu = NTPMpu(groups)
     anchor = groups.is_anchor
     return NTPEngine(ntp_groups=groups, batch_plan=batch_plan, specs={n: s for n, (s, _) in specs.items()},
-                     full_shapes={n: shape for n, (_, shape) in specs.items()}, ntp=spec.ntp,
-                     zero_stage=int(spec.ds_config.get("zero_optimization", {}).get("stage", 0)),
+                     full_shapes={n: shape for n, (_, shape) in specs.items()}, job=spec, store=store,
                      args=None, model=module, optimizer=spec.optimizer if anchor else None,
                      model_parameters=list(module.parameters()),
                      lr_scheduler=spec.lr_scheduler if anchor else None, mpu=mpu, dist_init_required=False,
@@ -178,6 +178,4 @@ def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_l
         store = connect_from_env(spec.ntp.timeout_s)
     if not dist.is_initialized():
         join_world(spec.ntp, store)
-    engine = build_engine(spec, topology, lambda groups: shard_module(model, spec.model_config, groups))
-    engine.job, engine.store = spec, store
-    return engine
+    return build_engine(spec, topology, lambda groups: shard_module(model, spec.model_config, groups), store)

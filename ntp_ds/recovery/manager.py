@@ -152,10 +152,9 @@ class Recovery:
         moved = {}
         rereplicated = rereplicated_moves(snapshot.topology, new_topology, old_rank_of, moves)
         engine = build_engine(self.job, new_topology,
-                              lambda groups: self._reshard(groups, snapshot, moves, moved, rereplicated))
+                              lambda groups: self._reshard(groups, snapshot, moves, moved, rereplicated), self.store)
         opt_moved, lossless = reslice(engine, snapshot, self.job.ntp.timeout_s)
         engine.global_steps, engine.global_samples = snapshot.global_steps, snapshot.global_samples
-        engine.job, engine.store = self.job, self.store
         engine.refresh_copies()
         whole = lossless and not snapshot.mid_step  # a rank that died inside the optimizer left the step half done
         totals = torch.tensor([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), opt_moved, int(whole)],
