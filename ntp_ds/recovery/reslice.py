@@ -51,8 +51,9 @@ def _local_to_full(spec, full_shape, layout: ShardLayout, tp: int) -> torch.Tens
     return shard_tensor(torch.arange(math.prod(full_shape)).view(full_shape), spec, layout, tp).reshape(-1)
 
 
-def plan_state_moves(gathered: list[dict], old: Topology, new: Topology, specs, full_shapes) -> tuple[list, bool]:
-    """Every StateMove the new anchors need, and whether every needed element has a live source."""
+def plan_state_moves(gathered: list[dict], old: Topology, new: Topology, specs, full_shapes,
+                     step: int) -> tuple[list, bool]:
+    """Every StateMove the new anchors need, and whether every needed element has a source as of `step`."""
     offers: dict[int, list[int]] = {}
     for server, g in enumerate(gathered):
         for owner in g["offer"]["held"]:
@@ -76,6 +77,8 @@ def plan_state_moves(gathered: list[dict], old: Topology, new: Topology, specs, 
                 frag = gathered[servers[0]]["offer"]["held"][owner].get(name) if servers else None
                 if not frag:
                     continue
+                # A copy older than the last step (its refresh was cut by the failure) cannot restore it exactly.
+                lossless &= gathered[servers[0]]["offer"]["steps"][owner] == step
                 ostart, onumel = frag
                 if same:
                     lo, hi = max(start, ostart), min(start + numel, ostart + onumel)
@@ -164,5 +167,5 @@ def reslice(engine, snapshot, timeout_s: float) -> tuple[int, bool]:
     keys = next((g["offer"]["keys"] for g in gathered if g["offer"]["keys"]), ())
     step = max((s for g in gathered for s in g["offer"]["steps"].values()), default=0)
     moves, lossless = plan_state_moves(gathered, snapshot.topology, engine.ntp_groups.topology,
-                                       engine.param_specs, engine.full_shapes)
+                                       engine.param_specs, engine.full_shapes, step)
     return move_state(engine, moves, held, keys, step, timeout_s), lossless
