@@ -144,13 +144,3 @@ class ShardLayout:
             owned[by_load[0]] += orphans
             new[kind] = tuple(U.from_units(o) for o in owned)
         return ShardLayout(self.units, new["heads"], new["ffn"], new["vocab"])
-
-    def shard_bytes(self, specs: dict[str, tuple[ParamSpec, tuple[int, ...]]], rank: int, itemsize: int) -> int:
-        """Bytes of the parameters `rank` holds, given {name: (spec, full_shape)}."""
-        total = 0
-        for spec, shape in specs.values():
-            n = 1
-            for d in self.shard_shape(spec, shape, rank):
-                n *= d
-            total += n * itemsize
-        return total

@@ -13,6 +13,7 @@ import gc
 import logging
 import time
 import traceback
+from datetime import timedelta
 from dataclasses import dataclass, field
 
 import deepspeed.comm as ds_comm
@@ -237,7 +238,7 @@ class Recovery:
         old_layout = snapshot.topology.layouts[old_replica]
         with torch.no_grad():
             for name, spec in specs.items():
-                keep = _intersect_owned(old_layout, old_tp, groups.layout, groups.tp_rank, spec.kind)
+                keep = U.intersect(old_layout.owned(spec.kind, old_tp), groups.layout.owned(spec.kind, groups.tp_rank))
                 if keep:
                     buf = gather_units(snapshot.params[name].float(), spec, old_layout, old_tp, keep)
                     scatter_units(new_params[name].data, buf, spec, groups.layout, groups.tp_rank, keep)
@@ -250,7 +251,7 @@ class Recovery:
 
     def _exchange_units(self, moves, groups, snapshot, old_layout, old_tp, specs, new_params) -> int:
         me, works, incoming = groups.rank, [], []
-        timeout = _timeout(self.job.ntp.timeout_s)
+        timeout = timedelta(seconds=self.job.ntp.timeout_s)
         width = next(iter(snapshot.params.values())).element_size()
         for dst in sorted({m.dst for m in moves if m.src == me}):
             parts = [gather_units(snapshot.params[n], specs[n], old_layout, old_tp, m.units)
@@ -277,10 +278,6 @@ class Recovery:
         return received
 
 
-def _intersect_owned(old_layout, old_tp, new_layout, new_tp, kind):
-    return U.intersect(old_layout.owned(kind, old_tp), new_layout.owned(kind, new_tp))
-
-
 def _lost_shard_bytes(topology: Topology, members, gone, rebuilt, engine) -> int:
     """Parameter bytes the dead ranks of the rebuilt replicas held that no survivor of their replica holds."""
     total = 0
@@ -298,9 +295,3 @@ def _lost_shard_bytes(topology: Topology, members, gone, rebuilt, engine) -> int
             if units:
                 total += packed_numel(spec, engine.full_shapes[name], units) * width
     return total
-
-
-def _timeout(seconds: float):
-    from datetime import timedelta
-
-    return timedelta(seconds=seconds)

@@ -26,9 +26,6 @@ class HeldCopy:
     step: int
     fragments: dict[str, Fragment]
 
-    def nbytes(self) -> int:
-        return sum(f.nbytes() for f in self.fragments.values())
-
 
 class StateCopies:
     """Send this rank's fragments to its buddies and keep the fragments other ranks send here."""

@@ -23,9 +23,6 @@ class Fragment:
     numel: int
     tensors: dict[str, torch.Tensor]
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
 
 def _inner_optimizer(engine):
     return getattr(engine.optimizer, "optimizer", engine.optimizer)
