@@ -25,14 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.mp import run_ranks  # noqa: E402
+from ntp_ds.testing.spawn import run_ranks
 
 WORLD, TP, REPLICAS, CRASH_RANK = 4, 2, 2, 3
 

@@ -1,9 +1,18 @@
 """Steady-state overhead: NTPEngine vs a plain DeepSpeedEngine on the same uniform topology, no failure.
 
-Both engines train the same TP-sharded Llama in the same processes; their steps are interleaved in blocks so that
-machine noise hits both alike. The last line reads `overhead_ratio=<NTP step time / DeepSpeed step time>`.
+Every engine trains the same TP-sharded Llama in the same processes. Their steps are interleaved (the order
+alternating from step to step) so that machine noise hits all alike; each step's time is its slowest rank's, and a
+ratio is the median over steps of (NTP step time / DeepSpeed step time of the same round). The last line reads
+`overhead_ratio=<ratio>` (target <= 1.01 with zero_redundancy=1; `--redundancy-overlap` lets the copies travel
+during the next step).
+
+With `--contributor`, replica 1 runs a different layout of the same degree (its TP ranks' units swapped), so it
+syncs as a contributor of replica 0 (gradients streamed into the anchor's backward, parameters copied back), and
+the line before the last reads `contributor_overhead_ratio=<ratio>` against the same plain DeepSpeed run (target
+<= 1.10 on CPU, where compute and communication share two cores). It needs `--tp 2` or more.
 
     python benchmarks/steady_state.py --tp 1 --replicas 2 --steps 20
+    python benchmarks/steady_state.py --tp 2 --replicas 2 --contributor
 """
 
 from __future__ import annotations
@@ -12,16 +21,13 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.mp import run_ranks  # noqa: E402
+from ntp_ds.testing.spawn import run_ranks
 
 
-def _config(args) -> dict:
+def _config(args):
     from ntp_ds.models import LlamaConfig
 
     return LlamaConfig(vocab_size=1024, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
@@ -38,39 +44,57 @@ def _ds_config(args) -> dict:
             "steps_per_print": 10**9}
 
 
+def _swapped(layout):
+    """The same units in reverse rank order: a different layout of the same degree."""
+    from ntp_ds.layout import ShardLayout
+
+    return ShardLayout(layout.units, layout.heads[::-1], layout.ffn[::-1], layout.vocab[::-1])
+
+
 def _worker(rank, world_size, args):
     import deepspeed
-    import torch.distributed as dist
 
     import ntp_ds
     from ntp_ds.batch.loader import GlobalBatchSampler, SyntheticTokens, replica_micro_batches
-    from ntp_ds.comm.groups import NTPMpu
+    from ntp_ds.comm import wire
+    from ntp_ds.comm.groups import NTPMpu, build_groups
+    from ntp_ds.engine.initialize import build_engine, prepare, shard_module
+    from ntp_ds.layout import Topology, plan_gradient_sync
+    from ntp_ds.layout.sharding import shard_tensor
     from ntp_ds.models import Llama
-    from ntp_ds.models.sharding import shard_tensor
 
     config = _config(args)
     torch.manual_seed(0)
     full = Llama(config)
-    ntp_engine = ntp_ds.initialize(model=full, config=_ds_config(args),
-                                   ntp={"tp": args.tp, "replicas": args.replicas,
-                                        "zero_redundancy": args.zero_redundancy})
-    groups = ntp_engine.ntp_groups
-    # The plain engine: same shard, same groups, DeepSpeed's own gradient averaging and accumulation.
+    ntp = {"tp": args.tp, "replicas": args.replicas, "zero_redundancy": args.zero_redundancy,
+           "redundancy_overlap": args.redundancy_overlap, "bucket_size": args.bucket_size}
+    engines = {"ntp": ntp_ds.initialize(model=full, config=_ds_config(args), ntp=ntp)}
+    uniform = engines["ntp"].ntp_groups
+    if args.contributor:
+        spec, topology = prepare(full, _ds_config(args), ntp)
+        layouts = list(topology.layouts)
+        layouts[1] = _swapped(layouts[1])
+        engines["contributor"] = build_engine(spec, Topology(tuple(layouts)),
+                                              lambda groups: shard_module(full, config, groups))
+    # The plain engine: same shard, DeepSpeed's own groups over the uniform topology, its own averaging.
+    groups = build_groups(uniform.topology, plan_gradient_sync(uniform.topology), rank, 300.0)
     shard = Llama(config, layout=groups.layout, tp_rank=groups.tp_rank, tp_group=groups.tp_group)
     specs = shard.param_specs()
     with torch.no_grad():
         for name, p in shard.named_parameters():
             p.copy_(shard_tensor(dict(full.named_parameters())[name].detach(), specs[name][0], groups.layout,
                                  groups.tp_rank))
-    plain, *_ = deepspeed.initialize(model=shard, model_parameters=list(shard.parameters()),
-                                     config=_ds_config(args), mpu=NTPMpu(groups))
+    engines["plain"], *_ = deepspeed.initialize(model=shard, model_parameters=list(shard.parameters()),
+                                                config=_ds_config(args), mpu=NTPMpu(groups))
     data = SyntheticTokens(config.vocab_size, args.seq, size=4096, seed=0)
     sampler = GlobalBatchSampler(len(data), seed=0)
-    plan = ntp_engine.batch_plan
 
-    def run(engine, step, plain_engine):
-        for batch in replica_micro_batches(data, sampler, plan, groups.replica, step):
-            if plain_engine:
+    def run(name, step):
+        engine = engines[name]
+        plan = uniform if name == "plain" else engine.ntp_groups
+        batch_plan = engines["ntp"].batch_plan if name == "plain" else engine.batch_plan
+        for batch in replica_micro_batches(data, sampler, batch_plan, plan.replica, step):
+            if name == "plain":
                 batch.pop("global_tokens")
                 loss = engine(input_ids=batch["input_ids"], labels=batch["labels"])
             else:
@@ -79,17 +103,25 @@ def _worker(rank, world_size, args):
             engine.step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        dist.barrier()
+        wire.barrier()
 
-    times = {"ntp": [], "plain": []}
+    names = list(engines)
+    times = {name: [] for name in names}
     for step in range(args.warmup + args.steps):
-        for name, engine in (("plain", plain), ("ntp", ntp_engine)) if step % 2 else (("ntp", ntp_engine),
-                                                                                       ("plain", plain)):
+        order = names[step % len(names):] + names[:step % len(names)]
+        for name in order:
             start = time.perf_counter()
-            run(engine, step, name == "plain")
+            run(name, step)
             if step >= args.warmup:
                 times[name].append(time.perf_counter() - start)
     return times
+
+
+def paired_ratio(results: list[dict], name: str, steps: int) -> float:
+    """Median over steps of (engine step time / plain step time), each the slowest rank's."""
+    side = [max(r[name][i] for r in results) for i in range(steps)]
+    plain = [max(r["plain"][i] for r in results) for i in range(steps)]
+    return statistics.median(s / p for s, p in zip(side, plain))
 
 
 def main(argv=None) -> int:
@@ -99,6 +131,12 @@ def main(argv=None) -> int:
     parser.add_argument("--zero-stage", type=int, default=1)
     parser.add_argument("--zero-redundancy", type=int, default=1,
                         help="in-memory copies of each ZeRO partition kept for live recovery (the NTP default is 1)")
+    parser.add_argument("--redundancy-overlap", action="store_true",
+                        help="let the redundant copies travel during the next step (ntp.redundancy_overlap)")
+    parser.add_argument("--bucket-size", type=int, default=500_000_000,
+                        help="elements per gradient/parameter message between replicas")
+    parser.add_argument("--contributor", action="store_true",
+                        help="also run replica 1 with a different layout of the same degree (a contributor)")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
@@ -107,15 +145,21 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args(argv)
-    results = run_ranks(_worker, args.tp * args.replicas, args, timeout=1800)
-    # A step ends when its slowest rank ends: take the per-step maximum over ranks.
-    ntp = [max(r["ntp"][i] for r in results) for i in range(args.steps)]
-    plain = [max(r["plain"][i] for r in results) for i in range(args.steps)]
-    ntp_s, plain_s = statistics.median(ntp), statistics.median(plain)
+    if args.contributor and (args.tp < 2 or args.replicas < 2):
+        parser.error("--contributor needs --tp 2 or more and --replicas 2 or more (a layout of the same degree "
+                     "that differs)")
+    results = run_ranks(_worker, args.tp * args.replicas, args, timeout=3600)
+    plain_s = statistics.median(max(r["plain"][i] for r in results) for i in range(args.steps))
+    ntp_s = statistics.median(max(r["ntp"][i] for r in results) for i in range(args.steps))
     print(f"topology: {args.replicas} replicas x TP {args.tp}, ZeRO {args.zero_stage}, "
-          f"zero_redundancy {args.zero_redundancy}, {args.steps} steps each")
+          f"zero_redundancy {args.zero_redundancy} (overlap {args.redundancy_overlap}), {args.steps} interleaved "
+          f"steps each")
     print(f"deepspeed_step_s={plain_s:.4f} ntp_step_s={ntp_s:.4f}")
-    print(f"overhead_ratio={ntp_s / plain_s:.4f}")
+    if args.contributor:
+        contributor_s = statistics.median(max(r["contributor"][i] for r in results) for i in range(args.steps))
+        print(f"contributor_step_s={contributor_s:.4f}")
+        print(f"contributor_overhead_ratio={paired_ratio(results, 'contributor', args.steps):.4f}")
+    print(f"overhead_ratio={paired_ratio(results, 'ntp', args.steps):.4f}")
     return 0
 
 

@@ -197,6 +197,7 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1) -> int:
                 except Exception as e:  # the store is ours; a failed write must not take the survivors down
                     _say(f"could not record rank {rank}'s exit in the store: {e}")
             left = {r: p for r, p in procs.items() if r not in codes}
+            _fence(store, left)
             if codes and left and all(_stopped(p) for p in left.values()):
                 # A worker stopped by SIGSTOP (a hang) never exits; once every other worker has, it is dead weight.
                 _say(f"rank{'s' if len(left) > 1 else ''} {', '.join(map(str, sorted(left)))} stopped (SIGSTOP) while "
@@ -220,6 +221,21 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1) -> int:
         return 0
     code = failed[min(failed)]
     return 128 - code if code < 0 else code
+
+
+def _fence(store, running: dict) -> None:
+    """Kill this node's workers that their peers declared dead (hung): a fenced worker never rejoins, and its
+    closed connections end every wait on it at once."""
+    from ntp_ds.control.heartbeat import read_fences
+
+    try:
+        fences = read_fences(store)
+    except Exception as e:  # the store is ours; a failed read is retried at the next poll
+        _say(f"could not read the fence requests: {e}")
+        return
+    for rank in sorted(set(fences) & set(running)):
+        _say(f"rank {rank} declared dead by its peers ({fences[rank]}); killing it")
+        running[rank].kill()
 
 
 def _stopped(proc) -> bool:

@@ -92,11 +92,9 @@ def add_file_log(run_dir: Path, rank: int, level: str) -> None:
 
 def agree_run_dir(run_dir: str) -> Path:
     """Every rank takes rank 0's run directory (launchers that start ranks separately may compose different ones)."""
-    import torch.distributed as dist
+    from ntp_ds.comm import wire
 
-    box = [str(Path(run_dir).resolve())]
-    dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
+    return Path(wire.broadcast_object(str(Path(run_dir).resolve()), 0))
 
 
 def job_store(timeout_s: float):
@@ -147,10 +145,10 @@ def open_records(cfg, run_dir: Path, store, resume: bool):
 
 def run_worker(cfg, started: float) -> int:
     """Be one rank: build the engine, run the Trainer with live recovery, write the records and the final weights."""
-    import torch.distributed as dist
     from tqdm import tqdm
 
     import ntp_ds
+    from ntp_ds.comm import wire
     from ntp_ds.control.heartbeat import mark_exited
     from ntp_ds.recovery.manager import QuiescedExit, RecoveryImpossible
     from ntp_ds.run.records import RunRecorder
@@ -202,15 +200,20 @@ def run_worker(cfg, started: float) -> int:
         log.error("training stops at step %d: %s", trainer.step + 1, " ".join(str(stop).split()))
         trainer.recorder.event("run_stopped", trainer.step, reason=str(stop))
         trainer.recorder.abort()
+        if live is not None:
+            live.close()
         return 1
     except BaseException:
         trainer.recorder.abort()
-        raise
-    finally:
         if live is not None:
             live.close()
-    dist.barrier()
-    dist.destroy_process_group()
+        raise
+    # Keep beating until every rank is done with the job's collectives: a rank silent while a peer still works
+    # would be declared dead by that peer.
+    wire.barrier()
+    if live is not None:
+        live.close()
+    wire.teardown()
     if store is not None:
         mark_exited(store, rank, "finished")
         if hosts_store:

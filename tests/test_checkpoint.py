@@ -4,9 +4,9 @@ import torch
 import transformers
 
 from ntp_ds.models import Llama
-from ntp_ds.models.sharding import shard_tensor
+from ntp_ds.layout.sharding import shard_tensor
 
-from tests.mp import run_ranks
+from ntp_ds.testing.spawn import run_ranks
 from tests.training import tiny_config, train_ntp, train_with_checkpoint
 
 NTP = {"tp": 3, "replicas": 2, "degrees": (3, 2)}

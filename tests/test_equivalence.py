@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from ntp_ds.models import Llama
-from ntp_ds.models.sharding import shard_tensor
-from tests.mp import run_ranks
+from ntp_ds.layout.sharding import shard_tensor
+from ntp_ds.testing.spawn import run_ranks
 from tests.training import train_ntp, train_reference
 
 STEPS = 10
@@ -37,12 +37,12 @@ def assert_matches_reference(results, reference: Llama, optim: str):
 reference_init = {}
 
 
-def run_case(degrees, stage, optim, policy="preserve_global_batch", global_batch=12, micro=2, tp=None):
+def run_case(degrees, stage, optim, policy="preserve_global_batch", global_batch=12, micro=2, tp=None, **ntp):
     from tests.training import full_model, tiny_config
 
     reference_init.clear()
     reference_init.update({n: p.detach().clone() for n, p in full_model(tiny_config()).named_parameters()})
-    ntp = {"tp": tp or max(degrees), "replicas": len(degrees), "degrees": degrees, "batch_policy": policy}
+    ntp = {"tp": tp or max(degrees), "replicas": len(degrees), "degrees": degrees, "batch_policy": policy, **ntp}
     results = run_ranks(train_ntp, sum(degrees), ntp, optim, stage, global_batch, micro, STEPS, timeout=240)
     assert all(r["global_steps"] == STEPS for r in results)
     reference = train_reference(optim, results[0]["global_samples"], STEPS)
@@ -58,6 +58,10 @@ def test_tp3_tp2_sgd(stage):
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_tp3_tp2_adamw(stage):
     run_case((3, 2), stage, "adamw")
+
+
+def test_tp2_tp1_adamw_streamed_in_small_buckets():
+    run_case((2, 1), 2, "adamw", global_batch=6, micro=1, bucket_size=1500)
 
 
 def test_three_replicas_tp2_tp2_tp1():

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from ntp_ds.layout import units as U
 from ntp_ds.layout.shard_layout import LayoutError, ModelUnits, ParamSpec, ShardLayout
 from ntp_ds.models import Llama, LlamaConfig
-from ntp_ds.models.sharding import gather_units, shard_tensor, unshard_into
-from tests.mp import run_ranks
+from ntp_ds.layout.sharding import gather_units, shard_tensor, unshard_into
+from ntp_ds.testing.spawn import run_ranks
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=2)

@@ -14,8 +14,8 @@ import os
 
 import pytest
 
-from ntp_ds.models.sharding import shard_tensor
-from tests.mp import run_ranks
+from ntp_ds.layout.sharding import shard_tensor
+from ntp_ds.testing.spawn import run_ranks
 from tests.training import train_reference, train_with_recovery
 
 STEPS = 5
@@ -80,6 +80,7 @@ CASES = [  # (degrees, ZeRO stage, fault kind, phase, victim rank, degrees after
     ((3, 3), 2, "crash", "grad_sync", 1, (2, 3)),
     ((2, 2, 2), 2, "crash", "optimizer", 5, (2, 2, 1)),
     ((3, 3), 1, "device_error", "forward", 2, (2, 3)),
+    ((2, 2), 2, "crash", "backward", 3, (2, 1)),
 ]
 
 
@@ -90,6 +91,23 @@ def test_failure_at_each_phase_ends_equal_to_failure_free_run(degrees, stage, ki
     assert victim not in results
     assert_equivalent(results)
     assert_lossless_and_minimal(results, after)
+
+
+def test_hung_worker_is_detected_within_heartbeat_timeout_plus_a_second():
+    # The CPU recipes' bounds: heartbeat_timeout_s 3, timeout_s 20. Rank 3 stops (SIGSTOP) before its last
+    # backward: its TP peer waits on it in a TP all-reduce, its DP peers inside DeepSpeed's own reduction, which only
+    # the fence (the launcher killing the declared-dead rank) can end before timeout_s.
+    heartbeat_timeout_s = 3.0
+    ntp = {"tp": 2, "replicas": 3, "min_tp": 1}
+    results = run_ranks(train_with_recovery, 6, ntp, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS,
+                        [fault(3, 3, "grad_sync", "hang")], heartbeat_timeout_s, 1, None, 20.0, timeout=200,
+                        store=True)
+    assert set(results) == {0, 1, 2, 4, 5}
+    assert_equivalent(results)
+    assert_lossless_and_minimal(results, (2, 1, 2))
+    for rank, res in results.items():
+        detected = res["noticed"][0] - res["fired"][3]
+        assert detected <= heartbeat_timeout_s + 1.0, f"rank {rank} saw the hang after {detected:.2f} s"
 
 
 def test_second_failure_in_the_same_replica():

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from ntp_ds.layout import units as U
 from ntp_ds.layout.shard_layout import ModelUnits, ParamSpec, ShardLayout
-from ntp_ds.models.sharding import gather_units, packed_numel, scatter_units, shard_tensor, unshard_into
+from ntp_ds.layout.sharding import gather_units, packed_numel, scatter_units, shard_tensor, unshard_into
 
 HIDDEN = 3
 

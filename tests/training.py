@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import time
+
 import torch
 
 from ntp_ds.batch.loader import GlobalBatchSampler, SyntheticTokens, replica_micro_batches
@@ -109,14 +112,15 @@ def train_with_checkpoint(rank, world_size, ntp: dict, stage: int, steps: int, c
 
 def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, global_batch: int, micro: int,
                         steps: int, faults: list, heartbeat_timeout_s: float = 2.0, zero_redundancy: int = 1,
-                        last_good_dir: str | None = None):
+                        last_good_dir: str | None = None, timeout_s: float = 12.0):
     """One rank of a run with injected faults and live recovery; returns its final state and recovery events."""
     import ntp_ds
-    from ntp_ds.control.faults import DeviceError, FaultInjector, FaultSchedule
+    from ntp_ds.comm import wire
+    from ntp_ds.control.faults import DeviceError, FaultInjector, FaultSchedule, fired_key
     from ntp_ds.recovery.manager import Recovery, RecoveryImpossible
 
     config = tiny_config()
-    ntp = dict(ntp, timeout_s=ntp.get("timeout_s", 12.0), zero_redundancy=zero_redundancy)
+    ntp = dict(ntp, timeout_s=timeout_s, zero_redundancy=zero_redundancy)
     engine = ntp_ds.initialize(model=full_model(config), config=deepspeed_config(optim, stage, global_batch, micro),
                                ntp=ntp)
     recovery = Recovery(engine, engine.store, rank, heartbeat_timeout_s=heartbeat_timeout_s,
@@ -124,6 +128,7 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
     injector = FaultInjector(FaultSchedule.from_config(faults, world_size), rank, engine.store)
     engine.on_phase = recovery.on_phase = injector.check
     data, sampler = dataset(config), GlobalBatchSampler(256, seed=1)
+    noticed = []
     while engine.global_steps < steps:
         step = engine.global_steps
         try:
@@ -133,6 +138,7 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
         except DeviceError:
             recovery.leave("device error")
         except (RuntimeError, TimeoutError, ConnectionError) as error:
+            noticed.append(time.time())
             try:
                 engine = recovery.recover(error).engine
             except RecoveryImpossible as stop:
@@ -140,9 +146,12 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
                 return {"stopped": str(stop), "events": recovery.events}
             engine.on_phase = injector.check
     full = engine.consolidated_state_dict()
+    fired = {r: json.loads(engine.store.get(fired_key(r)))["wall"] for r in range(world_size)
+             if engine.store.check([fired_key(r)])}
+    wire.barrier()  # beat until every rank is done: a silent rank would be declared dead by a busy peer
     recovery.close()
     return {"replica": engine.ntp_groups.replica, "tp_rank": engine.ntp_groups.tp_rank,
             "layout": engine.ntp_groups.layout, "shards": {n: p.detach().float().clone()
                                                            for n, p in engine.module.named_parameters()},
             "full": full, "events": recovery.events, "global_steps": engine.global_steps,
-            "degrees": engine.ntp_groups.topology.degrees}
+            "degrees": engine.ntp_groups.topology.degrees, "noticed": noticed, "fired": fired}

@@ -1,4 +1,5 @@
-"""One-GPU check: bf16 training steps of a ~130M-parameter Llama through NTPEngine; fails loudly on any problem."""
+"""One-GPU check: bf16 training steps of a ~1B-parameter Llama through NTPEngine in one rank; prints the step time
+and the peak GPU memory, and fails loudly on any problem."""
 
 import os
 import sys
@@ -19,8 +20,8 @@ from ntp_ds.models import Llama, LlamaConfig  # noqa: E402
 
 def main() -> int:
     assert torch.cuda.is_available(), "no CUDA device visible"
-    config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                         num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024)
+    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=18,
+                         num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=1024)
     torch.manual_seed(0)
     model = Llama(config)
     n_params = sum(p.numel() for p in model.parameters())
@@ -31,20 +32,25 @@ def main() -> int:
     data = SyntheticTokens(config.vocab_size, 512, size=64, seed=0)
     sampler = GlobalBatchSampler(len(data), seed=0)
     before = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-    for step in range(3):
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for step in range(4):
         start = time.perf_counter()
         for batch in replica_micro_batches(data, sampler, engine.batch_plan, 0, step):
             loss = engine(batch)
             engine.backward(loss)
             engine.step()
         torch.cuda.synchronize()
-        print(f"step {step}: loss {loss.item():.4f} time {time.perf_counter() - start:.3f}s")
+        times.append(time.perf_counter() - start)
+        print(f"step {step}: loss {loss.item():.4f} time {times[-1]:.3f}s")
         assert torch.isfinite(loss), "loss is not finite"
     dtypes = {p.dtype for p in engine.module.parameters()}
     assert dtypes == {torch.bfloat16}, f"parameters are {dtypes}, expected bf16"
     moved = max((p.detach().float() - before[n]).abs().max().item() for n, p in engine.module.named_parameters())
     assert moved > 0, "the optimizer did not change the weights"
-    print(f"gpu_step ok: {n_params / 1e6:.0f}M parameters, bf16, max weight change {moved:.3g}")
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    print(f"gpu_step ok: {n_params / 1e9:.2f}B parameters, bf16, step_s={min(times[1:]):.3f} "
+          f"peak_memory_gib={peak:.1f}, max weight change {moved:.3g}")
     return 0
 
 

@@ -1,63 +1,143 @@
-"""Point-to-point exchange of unit ranges between ranks of different layouts, one message per peer per call."""
+"""Point-to-point exchange of unit ranges between ranks of different layouts, in buckets of bounded size.
+
+A transfer plan (the gradient-sync plan, or recovery's unit moves) says which units of which kind go from rank to
+rank. `UnitExchange` is one rank's side of it: the sender packs units out of its shards in its own layout, the
+receiver unpacks them into its shards in its layout (the two may differ: recovery reads the old layout and writes
+the new one). Items are ordered as backward produces gradients (parameters in reverse order) and cut into buckets
+of at most `bucket_numel` elements per message, so both sides agree on every message without a header, a streaming
+sender can send a bucket as soon as its gradients exist, and no buffer exceeds a bucket.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from datetime import timedelta
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from ntp_ds.layout import ParamSpec, Topology, Transfer
+from ntp_ds.comm import wire
+from ntp_ds.layout import ParamSpec, ShardLayout
 from ntp_ds.layout import units as U
-from ntp_ds.models.sharding import gather_units, packed_numel, scatter_units
+from ntp_ds.layout.sharding import gather_units, packed_numel, scatter_units
 
-GRAD_TAG, PARAM_TAG = 17, 29
+
+@dataclass(frozen=True)
+class Bucket:
+    """One message between this rank and `peer`: units of several parameters, packed in item order."""
+
+    peer: int
+    items: tuple[tuple[str, U.Ranges], ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(name for name, _ in self.items)
+
+
+def plan_buckets(items_by_peer: dict[int, list[tuple[str, U.Ranges]]], specs: dict[str, ParamSpec],
+                 full_shapes: dict[str, tuple[int, ...]], bucket_numel: int | None) -> dict[int, list[Bucket]]:
+    """Cut each peer's items into buckets (in reverse parameter order, at most `bucket_numel` elements unless one
+    item alone is larger); pure, so sender and receiver compute the same buckets."""
+    order = {name: i for i, name in enumerate(reversed(list(specs)))}
+    out = {}
+    for peer, items in items_by_peer.items():
+        items = sorted(items, key=lambda it: (order[it[0]], it[1]))
+        buckets, current, sizes = [], [], []
+        for name, units in items:
+            n = packed_numel(specs[name], full_shapes[name], units)
+            if current and bucket_numel and sum(sizes) + n > bucket_numel:
+                buckets.append(Bucket(peer, tuple(current), tuple(sizes)))
+                current, sizes = [], []
+            current.append((name, units))
+            sizes.append(n)
+        if current:
+            buckets.append(Bucket(peer, tuple(current), tuple(sizes)))
+        out[peer] = buckets
+    return out
+
+
+@dataclass(frozen=True)
+class Side:
+    """A rank's layout and TP index: how its local shards hold units."""
+
+    layout: ShardLayout
+    tp_rank: int
 
 
 class UnitExchange:
-    """Moves this rank's part of a set of planned transfers, for all parameters whose kind a transfer names."""
+    """This rank's part of planned unit transfers (objects with src, dst, kind, units), for every parameter whose
+    kind a transfer names."""
 
-    def __init__(self, transfers: tuple[Transfer, ...], rank: int, topology: Topology,
-                 specs: dict[str, ParamSpec], timeout_s: float):
-        self.rank, self.topology, self.specs = rank, topology, specs
-        self.timeout = timedelta(seconds=timeout_s)
-        self.outgoing: dict[int, list[tuple[str, U.Ranges]]] = defaultdict(list)
-        self.incoming: dict[int, list[tuple[str, U.Ranges]]] = defaultdict(list)
+    def __init__(self, transfers, rank: int, specs: dict[str, ParamSpec], full_shapes: dict[str, tuple[int, ...]],
+                 send_side: Side, recv_side: Side, bucket_numel: int | None = None):
+        self.rank, self.specs, self.full_shapes = rank, specs, full_shapes
+        self.send_side, self.recv_side = send_side, recv_side
+        outgoing, incoming = defaultdict(list), defaultdict(list)
         for t in transfers:
-            side = self.outgoing[t.dst] if t.src == rank else self.incoming[t.src] if t.dst == rank else None
-            if side is not None:
+            side = outgoing[t.dst] if t.src == rank else incoming[t.src] if t.dst == rank else None
+            if side is not None and t.src != t.dst:
                 side += [(name, t.units) for name, spec in specs.items() if spec.kind == t.kind]
-        _, self.tp_rank = topology.locate(rank)
-        self.layout = topology.layouts[topology.locate(rank)[0]]
-
-    def send(self, tensors: dict[str, torch.Tensor], tag: int) -> list:
-        """Start sending; return the pending works."""
-        works = []
-        for dst, items in sorted(self.outgoing.items()):
-            buf = torch.cat([gather_units(tensors[n], self.specs[n], self.layout, self.tp_rank, u) for n, u in items])
-            works.append(dist.isend(buf.contiguous(), dst, tag=tag))
-        return works
-
-    def receive_into(self, tensors: dict[str, torch.Tensor], tag: int) -> None:
-        """Receive every incoming message and write its units into `tensors` (shaped like the local params)."""
-        pending = []
-        for src, items in sorted(self.incoming.items()):
-            like = tensors[items[0][0]]
-            n = sum(packed_numel(self.specs[name], tuple(tensors[name].shape), u) for name, u in items)
-            buf = torch.empty(n, dtype=like.dtype, device=like.device)
-            pending.append((dist.irecv(buf, src, tag=tag), buf, items))
-        for work, buf, items in pending:
-            self.wait([work])
-            pos = 0
-            for name, units in items:
-                n = packed_numel(self.specs[name], tuple(tensors[name].shape), units)
-                scatter_units(tensors[name], buf[pos:pos + n], self.specs[name], self.layout, self.tp_rank, units)
-                pos += n
+        self.outgoing = plan_buckets(dict(outgoing), specs, full_shapes, bucket_numel)
+        self.incoming = plan_buckets(dict(incoming), specs, full_shapes, bucket_numel)
 
     def receiving(self) -> set[str]:
-        return {name for items in self.incoming.values() for name, _ in items}
+        return {name for buckets in self.incoming.values() for b in buckets for name in b.names}
 
-    def wait(self, works: list) -> None:
-        for w in works:
-            w.wait(self.timeout)
+    def peers(self) -> set[int]:
+        return set(self.outgoing) | set(self.incoming)
+
+    # -- packing -------------------------------------------------------------------------------------------------
+    def pack(self, bucket: Bucket, tensors: dict[str, torch.Tensor], dtype=None) -> torch.Tensor:
+        """One bucket's units out of `tensors` (this rank's shards in its send layout), as one flat buffer."""
+        side = self.send_side
+        parts = [gather_units(tensors[name], self.specs[name], side.layout, side.tp_rank, units)
+                 for name, units in bucket.items]
+        buf = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return buf if dtype is None else buf.to(dtype)
+
+    def unpack(self, bucket: Bucket, buf: torch.Tensor, tensors: dict[str, torch.Tensor], add: bool = False,
+               only: str | None = None) -> None:
+        """Write (or add) a received bucket's units into `tensors` (this rank's shards in its receive layout)."""
+        side, pos = self.recv_side, 0
+        for (name, units), n in zip(bucket.items, bucket.sizes):
+            if only is None or name == only:
+                piece = buf[pos:pos + n]
+                target = tensors[name]
+                if add:
+                    scratch = torch.zeros_like(target)
+                    scatter_units(scratch, piece, self.specs[name], side.layout, side.tp_rank, units)
+                    target.add_(scratch)
+                else:
+                    scatter_units(target, piece, self.specs[name], side.layout, side.tp_rank, units)
+            pos += n
+
+    # -- whole exchanges -------------------------------------------------------------------------------------------
+    def run(self, send: dict[str, torch.Tensor] | None, receive: dict[str, torch.Tensor] | None,
+            dtype=None, device=None) -> int:
+        """Send every outgoing bucket out of `send` and receive every incoming one into `receive`, bucket round by
+        bucket round (each round posts both directions together); return the bytes received."""
+        rounds = max([len(b) for b in self.outgoing.values()] + [len(b) for b in self.incoming.values()] + [0])
+        received = 0
+        for k in range(rounds):
+            sends = {p: self.pack(bs[k], send, dtype) for p, bs in self.outgoing.items() if k < len(bs)}
+            recvs = {}
+            for p, bs in self.incoming.items():
+                if k < len(bs):
+                    like = receive[bs[k].items[0][0]]
+                    recvs[p] = torch.empty(bs[k].numel, dtype=dtype or like.dtype, device=device or like.device)
+            wire.exchange(sends, recvs).wait()
+            for p, buf in recvs.items():
+                self.unpack(self.incoming[p][k], buf, receive)
+                received += buf.numel() * buf.element_size()
+        return received
+
+
+def same_layout(transfers, rank: int, topology, specs, full_shapes, bucket_numel=None) -> UnitExchange:
+    """A UnitExchange between ranks that keep their layout (steady-state gradient and parameter sync)."""
+    replica, tp_rank = topology.locate(rank)
+    side = Side(topology.layouts[replica], tp_rank)
+    return UnitExchange(transfers, rank, specs, full_shapes, side, side, bucket_numel)

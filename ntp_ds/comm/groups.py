@@ -1,19 +1,40 @@
-"""Process groups of a nonuniform topology and the `mpu` object DeepSpeed reads them from."""
+"""Process groups of a nonuniform topology, the generation's control group, and the `mpu` DeepSpeed reads."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
 
+import os
+
 import torch
 import torch.distributed as dist
 
+from ntp_ds.comm import wire
 from ntp_ds.layout import SyncPlan, Topology
 
 
 def backend_for_device() -> str:
     """NCCL where CUDA is present, gloo on CPU: one code path for both."""
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def prepare_backend() -> None:
+    """Set what the backend needs before the first process group: under NCCL, the abort that ends a kernel
+    blocked on a dead peer is documented for TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (the default, 3, would tear the
+    surviving process down instead)."""
+    if backend_for_device() == "nccl":
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+
+
+def start_generation(timeout_s: float) -> None:
+    """After the default group of a generation exists: build its gloo control group and arm the wire."""
+    timeout = timedelta(seconds=timeout_s)
+    control = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    wire.configure(timeout_s, control)
+    if dist.get_backend() == "nccl":
+        # NCCL requires a group's first call to be a collective of all its ranks before any batched P2P on it.
+        wire.all_reduce(torch.zeros(1, device=wire.device_of()), None)
 
 
 @dataclass
@@ -33,6 +54,8 @@ class ReplicaGroups:
     dp_ranks: list[int]
     tp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
+    tp_control: dist.ProcessGroup
+    """The TP group's gloo twin, for host-side objects (the TP group itself under gloo)."""
 
     @property
     def is_anchor(self) -> bool:
@@ -55,9 +78,12 @@ def build_groups(topology: Topology, plan: SyncPlan, rank: int, timeout_s: float
     else:
         dp_ranks = [rank]
     timeout = timedelta(seconds=timeout_s)
-    return ReplicaGroups(topology, plan, rank, replica, tp_rank, tp_ranks, dp_ranks,
-                         dist.new_group(tp_ranks, timeout=timeout, use_local_synchronization=True),
-                         dist.new_group(dp_ranks, timeout=timeout, use_local_synchronization=True))
+    tp_group = dist.new_group(tp_ranks, timeout=timeout, use_local_synchronization=True)
+    dp_group = dist.new_group(dp_ranks, timeout=timeout, use_local_synchronization=True)
+    tp_control = tp_group
+    if dist.get_backend() != "gloo":
+        tp_control = dist.new_group(tp_ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
+    return ReplicaGroups(topology, plan, rank, replica, tp_rank, tp_ranks, dp_ranks, tp_group, dp_group, tp_control)
 
 
 class NTPMpu:

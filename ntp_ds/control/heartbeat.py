@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 EXITED_KEY = "exited"
 """Store key to which `mark_exited` appends one `RANK REASON` line per worker known to have exited."""
+FENCE_KEY = "fence"
+"""Store key to which `request_fence` appends one `RANK REASON` line per worker its peers declared dead."""
 
 
 def heartbeat_key(rank: int) -> str:
@@ -62,13 +64,29 @@ def mark_exited(store, rank: int, reason: str) -> None:
 
 def read_exits(store) -> dict[int, str]:
     """Return {rank: reason} of every worker marked as exited."""
-    if not store.check([EXITED_KEY]):
+    return _read_lines(store, EXITED_KEY)
+
+
+def request_fence(store, ranks: Iterable[int], reason: str) -> None:
+    """Ask the launchers to stop workers `ranks` for good: their peers declared them dead (a hung worker must never
+    come back into the job, and stopping it closes its connections, which ends every wait on it)."""
+    for rank in ranks:
+        store.append(FENCE_KEY, f"{rank} {' '.join(reason.split())}\n")
+
+
+def read_fences(store) -> dict[int, str]:
+    """Return {rank: reason} of every worker some peer asked to be stopped."""
+    return _read_lines(store, FENCE_KEY)
+
+
+def _read_lines(store, key: str) -> dict[int, str]:
+    if not store.check([key]):
         return {}
-    exits = {}
-    for line in store.get(EXITED_KEY).decode().splitlines():
+    out = {}
+    for line in store.get(key).decode().splitlines():
         rank, _, reason = line.partition(" ")
-        exits.setdefault(int(rank), reason)
-    return exits
+        out.setdefault(int(rank), reason)
+    return out
 
 
 class LivenessMonitor:
@@ -197,6 +215,14 @@ class Heartbeat:
             self._reported |= new
         if new:
             self.on_dead(frozenset(new), self._wall())
+
+    def watch(self, ranks: Iterable[int]) -> None:
+        """Watch exactly `ranks` from now on, each counted alive as of now (a new generation's peers)."""
+        if self.monitor is None:
+            raise RuntimeError("this heartbeat watches no peers (it has no monitor)")
+        with self._lock:
+            self.monitor = LivenessMonitor(ranks, self.monitor.heartbeat_timeout_s, self.monitor._clock)
+            self._reported = set()
 
     def retain(self, ranks: Iterable[int]) -> None:
         """Watch only `ranks` from now on (call after adopting a membership change)."""

@@ -31,10 +31,17 @@ class NTPConfig:
     """Smallest TP degree a replica may train at; below it the replica is dropped."""
     zero_redundancy: int = 1
     """In-memory copies of each ZeRO partition kept on other replicas."""
+    redundancy_overlap: bool = False
+    """Let the per-step copies travel during the next step (awaited before its optimizer step) instead of completing
+    them at the step's end. Faster, but an owner that dies before its copy arrived leaves that step's partition
+    nowhere: recovery then reports `lossless: false`."""
     memory_budget_gb: float | None = None
     """Per-rank memory budget; a degraded replica lowers its micro-batch to fit it."""
     timeout_s: float = 300.0
     """Bound on every wait for a peer."""
+    bucket_size: int = 500_000_000
+    """Elements per message of the gradient and parameter exchange between replicas (as DeepSpeed's
+    `reduce_bucket_size`): bounds the exchange buffers, and smaller buckets start streaming sooner in backward."""
 
     def __post_init__(self):
         if self.degrees is not None:
@@ -66,6 +73,8 @@ class NTPConfig:
             raise ConfigError(f"ntp.batch_policy={self.batch_policy!r} must be one of {POLICIES}")
         if not 1 <= self.min_tp <= self.tp:
             raise ConfigError(f"ntp.min_tp={self.min_tp} must lie in 1..tp={self.tp}")
+        if self.bucket_size < 1:
+            raise ConfigError(f"ntp.bucket_size={self.bucket_size} must be a positive number of elements")
         if self.zero_redundancy < 0:
             raise ConfigError(f"ntp.zero_redundancy={self.zero_redundancy} must be 0 or more")
         degrees = self.replica_degrees

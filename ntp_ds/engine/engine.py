@@ -9,26 +9,28 @@ weighted by its share of the global batch's tokens, so the update is the token-w
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from safetensors.torch import save_file
 
 from ntp_ds.batch import BatchPlan
 from ntp_ds.batch.loader import counted_tokens
-from ntp_ds.comm.exchange import GRAD_TAG, PARAM_TAG, UnitExchange
+from ntp_ds.comm import wire
+from ntp_ds.comm.exchange import same_layout
 from ntp_ds.comm.groups import ReplicaGroups
-from ntp_ds.layout import ParamSpec
-from ntp_ds.models.sharding import unshard_into
-from ntp_ds.recovery import state
-from ntp_ds.recovery.plan import plan_buddies
-from ntp_ds.recovery.redundancy import StateCopies
+from ntp_ds.comm.streams import IncomingGradients, OutgoingGradients
+from ntp_ds.engine import fragments as state
+from ntp_ds.engine.copies import StateCopies
+from ntp_ds.layout import ParamSpec, plan_buddies
+from ntp_ds.layout.sharding import unshard_into
 
 
 TOPOLOGY_FILE = "ntp_topology.json"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,16 +60,15 @@ class NTPEngine(DeepSpeedEngine):
         ntp = job.ntp
         self.param_specs, self.full_shapes = specs, full_shapes
         plan, rank, topo = ntp_groups.plan, ntp_groups.rank, ntp_groups.topology
-        self._grads = UnitExchange(plan.grad_transfers, rank, topo, specs, ntp.timeout_s)
-        self._params = UnitExchange(plan.param_transfers, rank, topo, specs, ntp.timeout_s)
+        self._grads = same_layout(plan.grad_transfers, rank, topo, specs, full_shapes, ntp.bucket_size)
+        self._params = same_layout(plan.param_transfers, rank, topo, specs, full_shapes, ntp.bucket_size)
+        self._outgoing, self._incoming = OutgoingGradients(self._grads), IncomingGradients(self._grads)
         self._loss_weight = None
-        self._pending_sends: list = []
         self.on_phase = lambda step, phase: None
         """Called at every phase boundary (forward, backward, grad_sync, optimizer): the fault-injection seam."""
         self.in_optimizer_step = False
         zero_stage = int(job.ds_config.get("zero_optimization", {}).get("stage", 0))  # the job's, on every rank
-        self.copies = StateCopies(rank, plan_buddies(topo, plan, zero_stage, ntp.zero_redundancy), list(specs),
-                                  ntp.timeout_s)
+        self.copies = StateCopies(rank, plan_buddies(topo, plan, zero_stage, ntp.zero_redundancy), list(specs))
         if not self.is_anchor:
             self.enable_backward_allreduce = False
         self.sync_parameters()
@@ -84,10 +85,13 @@ class NTPEngine(DeepSpeedEngine):
     def sync_parameters(self) -> None:
         """Copy the anchors' parameters onto the contributor replicas (at start and after every step)."""
         params = {n: p.data for n, p in self.named_shards().items()}
-        if self.is_anchor:
-            self._params.wait(self._params.send(params, PARAM_TAG))
-        else:
-            self._params.receive_into(params, PARAM_TAG)
+        self._params.run(params, params)
+
+    def peers(self) -> set[int]:
+        """Global ranks this rank exchanges data with directly (its groups, sync partners and buddies)."""
+        g = self.ntp_groups
+        return (set(g.tp_ranks) | set(g.dp_ranks) | self._grads.peers() | self._params.peers()
+                | self.copies.peers()) - {g.rank}
 
     # -- forward / backward / step -----------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -117,17 +121,25 @@ class NTPEngine(DeepSpeedEngine):
         if boundary:
             self.on_phase(self.global_steps + 1, "grad_sync")
         if not self.is_anchor:
-            self._contributor_backward(scaled, retain_graph)
-            if boundary:
-                grads = {n: p.grad for n, p in self.named_shards().items()}
-                self._pending_sends = self._grads.send(grads, GRAD_TAG)
+            hooks = self._outgoing.arm(self.named_shards()) if boundary and self._grads.outgoing else []
+            try:
+                self._contributor_backward(scaled, retain_graph)
+            finally:
+                for h in hooks:
+                    h.remove()
+            if hooks:
+                self._outgoing.flush()
             return loss
-        hooks = self._add_contributions() if boundary and self._grads.incoming else []
+        # The contributors' buckets are added as this backward produces each gradient: receives are posted now,
+        # nothing waits for a contributor before the backward starts.
+        hooks = self._incoming.arm(self.named_shards()) if boundary and self._grads.incoming else []
         try:
             super().backward(scaled, retain_graph=retain_graph, scale_wrt_gas=False)
         finally:
             for h in hooks:
                 h.remove()
+        if hooks:
+            self._incoming.finish()
         return loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -148,28 +160,21 @@ class NTPEngine(DeepSpeedEngine):
                 self._running_engine_backward_count -= 1
                 self._running_engine_backward = self._running_engine_backward_count > 0
 
-    def _add_contributions(self) -> list:
-        """Receive the contributors' gradients and add them to this backward's gradients before DeepSpeed reduces."""
-        params = self.named_shards()
-        names = self._grads.receiving()
-        extra = {n: torch.zeros_like(p) for n, p in params.items() if n in names}
-        self._grads.receive_into(extra, GRAD_TAG)
-        return [params[n].register_hook(lambda g, e=e: g + e) for n, e in extra.items()]
-
     def step(self, lr_kwargs=None):
         """DeepSpeed's step; at a boundary every rank first confirms it is ready, so a step applies everywhere or
-        nowhere unless a rank dies inside the optimizer itself."""
+        nowhere unless a rank dies inside the optimizer itself. The vote runs over the gloo control group, so it is
+        synchronous on every backend (an NCCL all-reduce would only be enqueued)."""
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self.on_phase(self.global_steps + 1, "optimizer")
-            ready = torch.ones(1, device=self.device)
-            dist.all_reduce(ready)
+            if not self.is_anchor:
+                self._outgoing.wait()  # every bucket has reached its anchor before anyone steps
+            self.copies.finish()  # the previous step's copies, which travelled during this step
+            wire.vote(True)
             self.in_optimizer_step = True
         if self.is_anchor:
             super().step(lr_kwargs)
         elif boundary:
-            self._grads.wait(self._pending_sends)
-            self._pending_sends = []
             for p in self.module.parameters():
                 p.grad = None
             self.global_steps += 1
@@ -187,12 +192,18 @@ class NTPEngine(DeepSpeedEngine):
         return state.state_keys(self) if self.is_anchor else ()
 
     def refresh_copies(self) -> None:
-        """Send this rank's optimizer fragments to its buddies and take in the copies it keeps for others."""
+        """Send this rank's optimizer state to its buddies and take in the copies it keeps for others.
+
+        By default the exchange completes here, so every completed step is recoverable. With `redundancy_overlap`
+        it travels during the next step and is adopted before that step's optimizer runs (or at a failure).
+        """
         if not (self.copies.targets or self.copies.owners):
             return
         keys = self.optimizer_keys()
-        frags = state.local_fragments(self, keys) if self.is_anchor else {}
-        self.copies.refresh(frags, keys, state.optimizer_step(self) if self.is_anchor else 0)
+        sources = state.flat_sources(self, keys) if self.is_anchor else None
+        self.copies.start(keys, state.optimizer_step(self) if self.is_anchor else 0, wire.device_of(), sources)
+        if not self.job.ntp.redundancy_overlap:
+            self.copies.finish()
 
     def release(self) -> None:
         """Drop every reference this engine holds (model, optimizer, process groups).
@@ -205,6 +216,10 @@ class NTPEngine(DeepSpeedEngine):
 
     def snapshot(self) -> "Snapshot":
         """Everything a survivor carries into recovery (views of live tensors: keep this engine until done)."""
+        try:
+            self.copies.finish(salvage=True)
+        except Exception as err:  # the copy in flight did not arrive whole: the older one stays, and says its step
+            log.warning("a redundant copy in flight was lost (%s); keeping the older copy", err)
         keys = self.optimizer_keys()
         return Snapshot(
             topology=self.ntp_groups.topology, rank=self.ntp_groups.rank,
@@ -226,7 +241,7 @@ class NTPEngine(DeepSpeedEngine):
             meta = {"degrees": list(self.ntp_groups.topology.degrees), "global_steps": self.global_steps,
                     "global_samples": self.global_samples}
             (Path(save_dir) / tag / TOPOLOGY_FILE).write_text(json.dumps(meta))
-        dist.barrier()
+        wire.barrier()
         return ok
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
@@ -258,8 +273,7 @@ class NTPEngine(DeepSpeedEngine):
             return None
         layout = g.layout
         local = {n: p.detach().to("cpu", torch.float32) for n, p in self.named_shards().items()}
-        gathered = [None] * len(g.tp_ranks) if g.tp_rank == 0 else None
-        dist.gather_object(local, gathered, dst=g.tp_ranks[0], group=g.tp_group)
+        gathered = wire.gather_object(local, g.tp_ranks[0], g.tp_control)
         if g.tp_rank != 0:
             return None
         full = {}
@@ -275,7 +289,7 @@ class NTPEngine(DeepSpeedEngine):
         state = self.consolidated_state_dict()
         if state is not None:
             write_hf_dir(path, self.module.config, state)
-        dist.barrier(group=self.ntp_groups.tp_group)
+        wire.barrier(self.ntp_groups.tp_control)
 
 
 def write_hf_dir(path, config, state: dict[str, torch.Tensor]) -> None:

@@ -19,12 +19,14 @@ import torch.distributed as dist
 from deepspeed.runtime.config import DeepSpeedConfig
 
 from ntp_ds.batch import max_micro_batch, plan_batch
-from ntp_ds.comm.groups import NTPMpu, ReplicaGroups, backend_for_device, build_groups
+from ntp_ds.comm import wire
+from ntp_ds.comm.groups import (NTPMpu, ReplicaGroups, backend_for_device, build_groups, prepare_backend,
+                                start_generation)
 from ntp_ds.engine.config import ConfigError, NTPConfig, check_batch, env_world_size, load_deepspeed_config
 from ntp_ds.engine.engine import NTPEngine
 from ntp_ds.layout import LayoutError, Topology, plan_gradient_sync
 from ntp_ds.models import Llama, LlamaConfig
-from ntp_ds.models.sharding import shard_tensor
+from ntp_ds.layout.sharding import shard_tensor
 
 
 @dataclass
@@ -126,12 +128,15 @@ def prepare(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_len=
 
 def join_world(ntp: NTPConfig, store=None, generation: int = 0, rank: int | None = None,
                world_size: int | None = None) -> None:
-    """Join generation `generation`'s process group: on the launcher's store when there is one."""
+    """Join generation `generation`'s process group (on the launcher's store when there is one) and its control
+    group."""
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    prepare_backend()
     timeout = timedelta(seconds=ntp.timeout_s)
     if store is None:
         deepspeed.init_distributed(dist_backend=backend_for_device(), timeout=timeout)
+        start_generation(ntp.timeout_s)
         return
     from ntp_ds.control.store import generation_store
 
@@ -140,6 +145,7 @@ def join_world(ntp: NTPConfig, store=None, generation: int = 0, rank: int | None
     dist.init_process_group(backend_for_device(), store=generation_store(store, generation), rank=rank,
                             world_size=world_size, timeout=timeout)
     deepspeed.init_distributed(dist_backend=backend_for_device(), timeout=timeout)
+    start_generation(ntp.timeout_s)
 
 
 def build_engine(spec: JobSpec, topology: Topology, module_for: Callable[[ReplicaGroups], Llama],
@@ -178,4 +184,7 @@ def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_l
         store = connect_from_env(spec.ntp.timeout_s)
     if not dist.is_initialized():
         join_world(spec.ntp, store)
+    elif not wire.has_control():
+        start_generation(spec.ntp.timeout_s)  # the caller built the default group itself
     return build_engine(spec, topology, lambda groups: shard_module(model, spec.model_config, groups), store)
+

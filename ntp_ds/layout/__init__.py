@@ -1,7 +1,7 @@
 """Pure layout logic: who owns which units, and the plans that move units between layouts."""
 
-from ntp_ds.layout.plan import SyncPlan, Topology, Transfer, plan_gradient_sync, plan_transfer
+from ntp_ds.layout.plan import SyncPlan, Topology, Transfer, plan_buddies, plan_gradient_sync, plan_transfer
 from ntp_ds.layout.shard_layout import KINDS, LayoutError, ModelUnits, ParamSpec, ShardLayout
 
 __all__ = ["KINDS", "LayoutError", "ModelUnits", "ParamSpec", "ShardLayout", "SyncPlan", "Topology", "Transfer",
-           "plan_gradient_sync", "plan_transfer"]
+           "plan_buddies", "plan_gradient_sync", "plan_transfer"]

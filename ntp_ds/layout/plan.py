@@ -128,3 +128,21 @@ def plan_gradient_sync(topology: Topology) -> SyncPlan:
         grads += plan_transfer(lc, rc, la, ra)
         params += plan_transfer(la, ra, lc, rc)
     return SyncPlan(tuple(anchor_class), anchor_of, tuple(grads), tuple(params))
+
+
+def plan_buddies(topology: Topology, plan: SyncPlan, zero_stage: int, copies: int) -> dict[int, tuple[int, ...]]:
+    """For every anchor rank, the ranks of other replicas that keep a copy of its optimizer fragments.
+
+    Without ZeRO and with two or more anchors every anchor already holds the full state of its TP index, so no copy
+    is kept. Otherwise copy number k of anchor replica a goes to the k-th next replica (anchors first, then
+    contributors), at the same TP index where that replica is wide enough.
+    """
+    if copies <= 0 or (zero_stage == 0 and len(plan.anchors) >= 2):
+        return {}
+    order = list(plan.anchors) + sorted(plan.anchor_of)
+    out = {}
+    for a in plan.anchors:
+        others = order[order.index(a) + 1:] + order[:order.index(a)]
+        for tp_rank, rank in enumerate(topology.ranks_of(a)):
+            out[rank] = tuple(topology.ranks_of(r)[tp_rank % topology.degrees[r]] for r in others[:copies])
+    return out

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from ntp_ds.layout import units as U
 from ntp_ds.layout.shard_layout import LayoutError, ParamSpec, ShardLayout
 from ntp_ds.models.config import LlamaConfig
-from ntp_ds.models.sharding import shard_tensor
+from ntp_ds.layout.sharding import shard_tensor
 from ntp_ds.models.tp_layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
                                      index_table, vocab_parallel_cross_entropy)
 

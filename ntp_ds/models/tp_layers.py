@@ -12,8 +12,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ntp_ds.comm import wire
 from ntp_ds.layout.shard_layout import ParamSpec, ShardLayout
-from ntp_ds.models.sharding import shard_tensor, unshard_into
+from ntp_ds.layout.sharding import shard_tensor, unshard_into
 
 
 def _active(group) -> bool:
@@ -30,9 +31,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return wire.all_reduce(grad.contiguous().clone(), ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -40,9 +39,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
+        return wire.all_reduce(x.contiguous().clone(), group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -72,7 +69,7 @@ class _SumSharedGrad(torch.autograd.Function):
         spec, full_shape, layout, rank, group = ctx.args
         full = grad.new_zeros(full_shape)
         unshard_into(full, grad, spec, layout, rank)
-        dist.all_reduce(full, group=group)
+        wire.all_reduce(full, group)
         return shard_tensor(full, spec, layout, rank), None, None, None, None, None
 
 
@@ -150,7 +147,7 @@ class _VocabParallelCE(torch.autograd.Function):
         x = logits.float()
         top = x.max(dim=-1).values
         if _active(group):
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            wire.all_reduce(top, group, op="max")
         x = x - top.unsqueeze(-1)
         valid = labels != ignore_index
         local = torch.where(valid, table[labels.clamp(min=0)], -1)
@@ -159,7 +156,7 @@ class _VocabParallelCE(torch.autograd.Function):
         x.exp_()
         stats = torch.stack([x.sum(dim=-1), target])
         if _active(group):
-            dist.all_reduce(stats, group=group)
+            wire.all_reduce(stats, group)
         loss = (stats[0].log() - stats[1]) * valid
         x.div_(stats[0].unsqueeze(-1))
         ctx.save_for_backward(x, local, here, valid)

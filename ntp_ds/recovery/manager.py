@@ -13,27 +13,25 @@ import gc
 import logging
 import time
 import traceback
-from datetime import timedelta
 from dataclasses import dataclass, field
 
-import deepspeed.comm as ds_comm
 import torch
-import torch.distributed as dist
 
-from ntp_ds.control.heartbeat import Heartbeat, LivenessMonitor, mark_exited, poll_liveness
+from ntp_ds.comm import wire
+from ntp_ds.comm.exchange import Side, UnitExchange
+from ntp_ds.control.heartbeat import Heartbeat, LivenessMonitor, mark_exited, poll_liveness, request_fence
 from ntp_ds.control.membership import Membership, barrier, replica_membership
 from ntp_ds.engine.config import ConfigError
+from ntp_ds.engine.engine import write_hf_dir
 from ntp_ds.engine.initialize import JobSpec, build_engine, join_world
 from ntp_ds.layout import Topology
-from ntp_ds.models import Llama
-from ntp_ds.engine.engine import write_hf_dir
 from ntp_ds.layout import units as U
-from ntp_ds.models.sharding import gather_units, packed_numel, scatter_units, unshard_into
+from ntp_ds.layout.sharding import gather_units, packed_numel, scatter_units, unshard_into
+from ntp_ds.models import Llama
 from ntp_ds.recovery.plan import plan_unit_moves, rereplicated_moves
 from ntp_ds.recovery.reslice import reslice
 
 log = logging.getLogger("ntp_ds.recovery")
-MOVE_TAG = 53
 
 
 class RecoveryImpossible(RuntimeError):
@@ -70,7 +68,9 @@ class Recovery:
         self.membership = Membership(store, rank, self.members, settle_s=settle_s)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.monitor = LivenessMonitor(self.members, heartbeat_timeout_s)
-        self.heartbeat = Heartbeat(store.clone(), rank, heartbeat_interval_s).start()
+        self.heartbeat = Heartbeat(store.clone(), rank, heartbeat_interval_s,
+                                   monitor=LivenessMonitor(self._peers(engine), heartbeat_timeout_s),
+                                   on_dead=self._peers_dead).start()
         self.events: list[dict] = []
         self.job: JobSpec = engine.job
         self.on_phase = lambda step, phase: None
@@ -78,6 +78,21 @@ class Recovery:
 
     def close(self) -> None:
         self.heartbeat.stop()
+
+    def _peers(self, engine) -> list[int]:
+        """Launch ranks of the workers this rank exchanges data with: the ones whose hang would block it."""
+        return sorted(self.members[r] for r in engine.peers())
+
+    def _peers_dead(self, ranks: frozenset[int], wall: float) -> None:
+        """From the heartbeat thread: a peer went silent or exited. Ask its launcher to stop it for good (its
+        connections then close, which ends every gloo wait on it) and end this rank's waits on the wire (under
+        NCCL this aborts the communicators)."""
+        reason = "; ".join(self.heartbeat.monitor.reason(r) for r in sorted(ranks))
+        log.warning("rank %d: %s", self.rank, reason)
+        try:
+            request_fence(self.heartbeat.store, ranks, reason)
+        finally:
+            wire.peer_failed(reason)
 
     def leave(self, reason: str) -> None:
         """Quiesce: tell the others this rank is gone, stop beating and exit cleanly (code 0)."""
@@ -107,15 +122,14 @@ class Recovery:
 
     def _attempt(self, snapshot, old_members, error, failed_at) -> RecoveryOutcome:
         t0 = time.time()
-        if dist.is_initialized():
-            if dist.get_backend() == "nccl":
-                # NCCL communicators with a dead peer can block their own teardown; abort them first.
-                dist.distributed_c10d._abort_process_group()
-            # Closing our connections fails every collective a live peer still waits on with us, so it joins the
-            # recovery at once instead of at its process-group timeout (gloo closes them once unreferenced).
-            ds_comm.destroy_process_group()
-            gc.collect()
+        self.heartbeat.watch([])  # the old generation's peers are judged by the detection below, not the watcher
+        # Closing our connections fails every collective a live peer still waits on with us, so it joins the
+        # recovery at once instead of at its process-group timeout (gloo closes them once unreferenced; NCCL
+        # communicators are aborted first).
+        wire.teardown()
+        gc.collect()
         dead, reason = self._detect(error)
+        request_fence(self.store, dead, reason)  # a hung rank is stopped by its launcher before it can come back
         generation = self.membership.generation
         self.membership.report_failure(generation, dead, time.time(), reason,
                                        {r: self.monitor.last_seen(r) for r in dead})
@@ -142,6 +156,7 @@ class Recovery:
         join_world(self.job.ntp, self.store, change.generation, new_members.index(self.rank), len(new_members))
         self.members = new_members
         self.monitor.retain(new_members)
+        self.heartbeat.watch([])  # peers are known once the new engine is built
         t_regrouped = time.time()
 
         old_rank_of = {i: old_members.index(m) for i, m in enumerate(new_members)}
@@ -154,13 +169,12 @@ class Recovery:
         rereplicated = rereplicated_moves(snapshot.topology, new_topology, old_rank_of, moves)
         engine = build_engine(self.job, new_topology,
                               lambda groups: self._reshard(groups, snapshot, moves, moved, rereplicated), self.store)
-        opt_moved, lossless = reslice(engine, snapshot, self.job.ntp.timeout_s)
+        opt_moved, lossless = reslice(engine, snapshot)
         engine.global_steps, engine.global_samples = snapshot.global_steps, snapshot.global_samples
         engine.refresh_copies()
         whole = lossless and not snapshot.mid_step  # a rank that died inside the optimizer left the step half done
-        totals = torch.tensor([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), opt_moved, int(whole)],
-                              dtype=torch.float64)
-        dist.all_reduce(totals)
+        totals = wire.sum_counts([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), opt_moved, int(whole)])
+        self.heartbeat.watch(self._peers(engine))
         barrier(self.store, f"recovery/{change.generation}/done", self.rank, new_members, self.job.ntp.timeout_s)
         t_done = time.time()
 
@@ -190,8 +204,7 @@ class Recovery:
         survivors = change.survivors
         join_world(self.job.ntp, self.store, change.generation, survivors.index(self.rank), len(survivors))
         payload = {"rank": snapshot.rank, "params": {n: t.float().cpu() for n, t in snapshot.params.items()}}
-        gathered = [None] * len(survivors) if survivors.index(self.rank) == 0 else None
-        dist.gather_object(payload, gathered, dst=0)
+        gathered = wire.gather_object(payload, 0)
         message = f"the last good state is in {self.last_good_dir}"
         if gathered is not None:
             specs = Llama(self.job.model_config, init=False, device="meta").param_specs()
@@ -209,10 +222,9 @@ class Recovery:
                 message = f"the survivors no longer hold all of {missing[0]}, so no last good state was written"
             else:
                 write_hf_dir(self.last_good_dir, self.job.model_config, full)
-        told = [message]
-        dist.broadcast_object_list(told, src=0)
-        ds_comm.destroy_process_group()
-        return told[0]
+        told = wire.broadcast_object(message, 0)
+        wire.teardown()
+        return told
 
     # -- detection ----------------------------------------------------------------------------------------------
     def _detect(self, error: BaseException) -> tuple[frozenset[int], str]:
@@ -233,6 +245,7 @@ class Recovery:
         module = Llama(self.job.model_config, layout=groups.layout, tp_rank=groups.tp_rank,
                        tp_group=groups.tp_group, init=False)
         specs = {n: s for n, (s, _) in module.param_specs().items()}
+        full_shapes = {n: shape for n, (_, shape) in module.param_specs().items()}
         new_params = dict(module.named_parameters())
         old_replica, old_tp = snapshot.topology.locate(snapshot.rank)
         old_layout = snapshot.topology.layouts[old_replica]
@@ -242,40 +255,21 @@ class Recovery:
                 if keep:
                     buf = gather_units(snapshot.params[name].float(), spec, old_layout, old_tp, keep)
                     scatter_units(new_params[name].data, buf, spec, groups.layout, groups.tp_rank, keep)
-            moved["bytes"] = self._exchange_units(moves, groups, snapshot, old_layout, old_tp, specs, new_params)
+            moved["bytes"] = self._exchange_units(moves, groups, snapshot, old_layout, old_tp, specs, full_shapes,
+                                                  new_params)
         width = next(iter(snapshot.params.values())).element_size()
         moved["kv_rereplicated"] = sum(packed_numel(specs[n], tuple(new_params[n].shape), m.units) * width
                                        for m in rereplicated if m.dst == groups.rank
                                        for n in specs if specs[n].kind == m.kind)
         return module
 
-    def _exchange_units(self, moves, groups, snapshot, old_layout, old_tp, specs, new_params) -> int:
-        me, works, incoming = groups.rank, [], []
-        timeout = timedelta(seconds=self.job.ntp.timeout_s)
-        width = next(iter(snapshot.params.values())).element_size()
-        for dst in sorted({m.dst for m in moves if m.src == me}):
-            parts = [gather_units(snapshot.params[n], specs[n], old_layout, old_tp, m.units)
-                     for m in moves if m.src == me and m.dst == dst for n in specs if specs[n].kind == m.kind]
-            works.append(dist.isend(torch.cat(parts).contiguous(), dst, tag=MOVE_TAG))
-        received = 0
-        for src in sorted({m.src for m in moves if m.dst == me}):
-            items = [(n, m.units) for m in moves if m.src == src and m.dst == me for n in specs
-                     if specs[n].kind == m.kind]
-            n = sum(packed_numel(specs[name], tuple(new_params[name].shape), u) for name, u in items)
-            buf = torch.empty(n, dtype=next(iter(snapshot.params.values())).dtype)
-            incoming.append((dist.irecv(buf, src, tag=MOVE_TAG), buf, items))
-        for work, buf, items in incoming:
-            work.wait(timeout)
-            pos = 0
-            for name, units in items:
-                n = packed_numel(specs[name], tuple(new_params[name].shape), units)
-                scatter_units(new_params[name].data, buf[pos:pos + n].float(), specs[name], groups.layout,
-                              groups.tp_rank, units)
-                pos += n
-            received += buf.numel() * width
-        for w in works:
-            w.wait(timeout)
-        return received
+    def _exchange_units(self, moves, groups, snapshot, old_layout, old_tp, specs, full_shapes, new_params) -> int:
+        """Pull the missing units: senders pack them out of their old layout, receivers unpack into the new one."""
+        exchange = UnitExchange(moves, groups.rank, specs, full_shapes, Side(old_layout, old_tp),
+                                Side(groups.layout, groups.tp_rank), self.job.ntp.bucket_size)
+        dtype = next(iter(snapshot.params.values())).dtype
+        return exchange.run(snapshot.params, {n: p.data for n, p in new_params.items()}, dtype=dtype,
+                            device=wire.device_of())
 
 
 def _lost_shard_bytes(topology: Topology, members, gone, rebuilt, engine) -> int:

@@ -1,30 +1,12 @@
-"""Pure recovery planning: where redundant optimizer copies live, and which units a new layout must fetch."""
+"""Pure recovery planning: which units a new layout must fetch, and from whom."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ntp_ds.layout import KINDS, SyncPlan, Topology
+from ntp_ds.layout import KINDS, Topology
 from ntp_ds.layout import units as U
-
-
-def plan_buddies(topology: Topology, plan: SyncPlan, zero_stage: int, copies: int) -> dict[int, tuple[int, ...]]:
-    """For every anchor rank, the ranks of other replicas that keep a copy of its optimizer fragments.
-
-    Without ZeRO and with two or more anchors every anchor already holds the full state of its TP index, so no copy
-    is kept. Otherwise copy number k of anchor replica a goes to the k-th next replica (anchors first, then
-    contributors), at the same TP index where that replica is wide enough.
-    """
-    if copies <= 0 or (zero_stage == 0 and len(plan.anchors) >= 2):
-        return {}
-    order = list(plan.anchors) + sorted(plan.anchor_of)
-    out = {}
-    for a in plan.anchors:
-        others = order[order.index(a) + 1:] + order[:order.index(a)]
-        for tp_rank, rank in enumerate(topology.ranks_of(a)):
-            out[rank] = tuple(topology.ranks_of(r)[tp_rank % topology.degrees[r]] for r in others[:copies])
-    return out
 
 
 @dataclass(frozen=True)

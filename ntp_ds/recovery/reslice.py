@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
+from ntp_ds.comm import wire
+from ntp_ds.engine import fragments as S
 from ntp_ds.layout import ShardLayout, Topology, plan_gradient_sync
-from ntp_ds.models.sharding import shard_tensor
-from ntp_ds.recovery import state as S
-
-STATE_TAG = 59
+from ntp_ds.layout.sharding import shard_tensor
 
 
 @dataclass(frozen=True)
@@ -73,7 +70,9 @@ def plan_state_moves(gathered: list[dict], old: Topology, new: Topology, specs, 
                 owners = [r for a in old_anchors for r in old.ranks_of(a)]
                 need_full = _local_to_full(specs[name], full_shapes[name], new_layout, tp)[start:start + numel]
             for owner in owners:
-                servers = sorted(offers.get(owner, []), key=lambda s: (s != dst, s))
+                # The freshest copy first (the owner's own state when it lives), then this rank's own, then the lowest.
+                servers = sorted(offers.get(owner, []),
+                                 key=lambda s: (-gathered[s]["offer"]["steps"][owner], s != dst, s))
                 frag = gathered[servers[0]]["offer"]["held"][owner].get(name) if servers else None
                 if not frag:
                     continue
@@ -99,11 +98,11 @@ def plan_state_moves(gathered: list[dict], old: Topology, new: Topology, specs, 
     return moves, lossless
 
 
-def move_state(engine, moves: list[StateMove], held: dict, keys: tuple[str, ...], step: int,
-               timeout_s: float) -> int:
-    """Run this rank's part of `moves` and install the result into a new anchor; return bytes received."""
+def move_state(engine, moves: list[StateMove], held: dict, keys: tuple[str, ...], step: int) -> int:
+    """Run this rank's part of `moves` (one pairwise exchange, on the data device) and install the result into a
+    new anchor; return bytes received."""
     me = engine.ntp_groups.rank
-    timeout = timedelta(seconds=timeout_s)
+    device = wire.device_of()
     width = 1 + len(keys)
 
     def pack(items) -> torch.Tensor:
@@ -112,28 +111,24 @@ def move_state(engine, moves: list[StateMove], held: dict, keys: tuple[str, ...]
             frag = held[m.owner][1][m.name]
             tensors = [frag.tensors["fp32"]] + [frag.tensors.get(k, frag.tensors.get(f"key{i}"))
                                                  for i, k in enumerate(keys)]
-            parts += [_take(t, m.src_sel, frag.start).float().cpu() for t in tensors]
+            parts += [_take(t, m.src_sel, frag.start).to(device, torch.float32) for t in tensors]
         return torch.cat(parts)
 
-    works = [dist.isend(pack([m for m in moves if m.src == me and m.dst == dst]), dst, tag=STATE_TAG)
-             for dst in sorted({m.dst for m in moves if m.src == me and m.dst != me})]
+    sends = {dst: pack([m for m in moves if m.src == me and m.dst == dst])
+             for dst in sorted({m.dst for m in moves if m.src == me and m.dst != me})}
+    incoming = {src: [m for m in moves if m.src == src and m.dst == me] for src in sorted({m.src for m in moves
+                                                                                           if m.dst == me})}
+    recvs = {src: torch.empty(sum(m.count() for m in items) * width, device=device)
+             for src, items in incoming.items() if src != me}
+    wire.exchange(sends, recvs, op="reslice").wait()
     values = {}
     if engine.is_anchor:
         for name, p in engine.module.named_parameters():
             base = p.detach().float().reshape(-1).clone()
             values[name] = {"fp32": base, **{k: torch.zeros_like(base) for k in keys}}
-    incoming, received = [], 0
-    for src in sorted({m.src for m in moves if m.dst == me}):
-        items = [m for m in moves if m.src == src and m.dst == me]
-        if src == me:
-            incoming.append((None, pack(items), items))
-            continue
-        buf = torch.empty(sum(m.count() for m in items) * width)
-        incoming.append((dist.irecv(buf, src, tag=STATE_TAG), buf, items))
-    for work, buf, items in incoming:
-        if work is not None:
-            work.wait(timeout)
-            received += buf.numel() * buf.element_size()
+    received = sum(b.numel() * b.element_size() for b in recvs.values())
+    for src, items in incoming.items():
+        buf = recvs[src] if src != me else pack(items)
         pos = 0
         for m in items:
             n = m.count()
@@ -142,17 +137,15 @@ def move_state(engine, moves: list[StateMove], held: dict, keys: tuple[str, ...]
                 if isinstance(m.dst_sel, tuple):
                     target[m.dst_sel[0]:m.dst_sel[1]] = buf[pos:pos + n]
                 else:
-                    target[m.dst_sel] = buf[pos:pos + n]
+                    target[m.dst_sel.to(target.device)] = buf[pos:pos + n]
                 pos += n
-    for w in works:
-        w.wait(timeout)
     if engine.is_anchor:
         shaped = {n: {k: v.view_as(p) for k, v in values[n].items()} for n, p in engine.module.named_parameters()}
         S.install_state(engine, shaped, step, tuple(keys))
     return received
 
 
-def reslice(engine, snapshot, timeout_s: float) -> tuple[int, bool]:
+def reslice(engine, snapshot) -> tuple[int, bool]:
     """Give every new anchor rank the optimizer state of its new fragments; return (bytes received, lossless)."""
     held = {}  # owner old global rank -> (step, {name: Fragment}) this rank can serve
     if snapshot.fragments:
@@ -162,10 +155,9 @@ def reslice(engine, snapshot, timeout_s: float) -> tuple[int, bool]:
     offer = {"keys": snapshot.keys, "steps": {o: step for o, (step, _) in held.items()},
              "held": {o: {n: (f.start, f.numel) for n, f in frags.items()} for o, (_, frags) in held.items()}}
     need = S.fragment_addresses(engine) if engine.is_anchor else {}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"offer": offer, "need": need})
+    gathered = wire.all_gather_object({"offer": offer, "need": need})
     keys = next((g["offer"]["keys"] for g in gathered if g["offer"]["keys"]), ())
     step = max((s for g in gathered for s in g["offer"]["steps"].values()), default=0)
     moves, lossless = plan_state_moves(gathered, snapshot.topology, engine.ntp_groups.topology,
                                        engine.param_specs, engine.full_shapes, step)
-    return move_state(engine, moves, held, keys, step, timeout_s), lossless
+    return move_state(engine, moves, held, keys, step), lossless

@@ -58,10 +58,14 @@ class ParallelConfig:
     """Smallest TP degree a replica may train at; below it the replica is dropped."""
     zero_redundancy: int = 1
     """In-memory copies of each ZeRO partition kept on other replicas."""
+    redundancy_overlap: bool = False
+    """Copies travel during the next step (faster; a death before a copy arrives loses that step's partition)."""
     memory_budget_gb: float | None = None
     """Per-GPU memory budget; a degraded replica lowers its micro-batch to fit it; null: no limit."""
     timeout_s: float = 300.0
     """Bound on every wait for a peer (collectives, the transfers of a recovery), in seconds."""
+    bucket_size: int = 500_000_000
+    """Elements per message of the gradient and parameter exchange between replicas (like reduce_bucket_size)."""
     heartbeat_interval_s: float = 0.5
     """Seconds between two liveness beats of a worker to the job's store."""
     heartbeat_timeout_s: float = 3.0

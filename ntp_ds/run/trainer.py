@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ntp_ds.batch.loader import GlobalBatchSampler, SyntheticTokens, replica_micro_batches
+from ntp_ds.comm import wire
 from ntp_ds.goodput import GoodputMeter, StepTiming, split_failure_time
 from ntp_ds.run.config import RunConfig
 from ntp_ds.run.records import FINAL_WEIGHTS, RunRecorder
@@ -108,7 +109,7 @@ class Trainer:
         self._announce()
         self._attach_injector()
         if dist.is_initialized():
-            dist.barrier()  # start the clocks together, after rank 0's W&B and file set-up
+            wire.barrier()  # start the clocks together, after rank 0's W&B and file set-up
         self._last_end = self.clock()
         log_every = max(1, self.cfg.train.steps // 10)
         step = self.step + 1
@@ -232,7 +233,7 @@ class Trainer:
         t = self.clock()
         self.engine.save_pretrained(path)
         if dist.is_initialized():
-            dist.barrier()
+            wire.barrier()
         self.meter.record_lost("checkpoint", self.clock() - t, active_gpus=sum(self.degrees))
         if self.writer:
             log.info("final weights: %s", path)

@@ -68,6 +68,34 @@ def local_fragments(engine, keys: tuple[str, ...]) -> dict[str, Fragment]:
     return out
 
 
+def flat_sources(engine, keys: tuple[str, ...]) -> tuple[list[torch.Tensor], dict[str, tuple[int, int, int, int]]]:
+    """The flat tensors that hold this rank's optimizer state, and where each parameter's fragment lies in them.
+
+    Sources come in runs of 1 + len(keys): fp32 masters, then each optimizer tensor. Under ZeRO 1/2 a run is one
+    parameter group's flat partition (the live tensors, no copy); without ZeRO it is one parameter. Per parameter:
+    (index of its run's first source, offset in those sources, fragment start in the local shard, numel).
+    """
+    inner = _inner_optimizer(engine)
+    width = 1 + len(keys)
+    if uses_hp_mapping(engine):
+        sources = []
+        for flat in engine.optimizer.single_partition_of_fp32_groups:
+            sources += [flat] + [inner.state[flat][k] for k in keys]
+        index = {}
+        for name, p in engine.module.named_parameters():
+            m = getattr(p, "_hp_mapping", None)
+            if m is not None:
+                index[name] = (m.param_group_index * width, m.hp_fragment_address.start, m.lp_fragment_address.start,
+                               m.lp_fragment_address.numel)
+        return sources, index
+    sources, index = [], {}
+    for name, p in engine.module.named_parameters():
+        state = inner.state.get(p, {})
+        index[name] = (len(sources), 0, 0, p.numel())
+        sources += [p.data.view(-1).float()] + [state[k].view(-1) for k in keys]
+    return sources, index
+
+
 def fragment_addresses(engine) -> dict[str, tuple[int, int]]:
     """(start, numel) of the fragment this rank's optimizer owns, per parameter (those with none are left out)."""
     out = {}

@@ -1,7 +1,8 @@
 """Run a function on N local processes joined by gloo, with a hard time limit: a hang fails, never blocks.
 
-With `store=True` the parent hosts the coordination store (as `ntp-ds launch` does), marks every child that exits
-without a result as exited in it, and returns the results of the ranks that finished (for failure tests).
+With `store=True` the parent hosts the coordination store (as `ntp-ds launch` does), kills the children their
+peers declared dead, marks every child that exits without a result as exited in it, and returns the results of the
+ranks that finished (for failure tests). Tests and benchmarks share this spawner.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, store: bool = 
 
                         mark_exited(host, r, f"exit code {p.exitcode}")
                         done.add(r)
+                if store:
+                    _fence(host, procs, done)
                 if store and len(done) + _stopped(procs, done) >= world_size:
                     break
                 continue
@@ -99,6 +102,16 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, store: bool = 
     if store:
         return out
     return [out[r] for r in range(world_size)]
+
+
+def _fence(store, procs, done) -> None:
+    """Kill the children their peers declared dead, as `ntp-ds launch` does."""
+    from ntp_ds.control.heartbeat import read_fences
+
+    for r in read_fences(store):
+        p = procs[r]
+        if r not in done and p.is_alive() and p.pid:
+            os.kill(p.pid, signal.SIGKILL)
 
 
 def _stopped(procs, done) -> int:

@@ -1,0 +1,131 @@
+"""Gradients streamed between a contributor and its anchors while both run backward.
+
+The contributor sends a bucket as soon as the last gradient in it is final (a post-accumulate hook), so its
+messages leave during its backward. The anchor posts its first receives before its backward starts and adds each
+bucket in the tensor hook of the parameter it belongs to, before DeepSpeed reduces that gradient (any ZeRO stage):
+its backward never waits for the contributor's to end, only for the bucket a gradient needs, and at most `window`
+buckets per peer are buffered beyond the one being consumed. Messages between a pair are posted in bucket order on
+both sides (receives are posted in order; a sender holds a finished bucket until every earlier one has left).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import partial
+
+import torch
+
+from ntp_ds.comm import wire
+from ntp_ds.comm.exchange import UnitExchange
+
+
+class OutgoingGradients:
+    """A contributor's side: send each bucket once its gradients are final."""
+
+    def __init__(self, exchange: UnitExchange):
+        self.exchange = exchange
+        self.pending: list[wire.Exchange] = []
+        self._params: dict[str, torch.nn.Parameter] = {}
+        self._left: dict[tuple[int, int], set[str]] = {}
+        self._next: dict[int, int] = {}
+        self._of_name: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        for peer, buckets in exchange.outgoing.items():
+            for k, b in enumerate(buckets):
+                for name in b.names:
+                    self._of_name[name].append((peer, k))
+
+    def arm(self, params: dict[str, torch.nn.Parameter]) -> list:
+        """Watch this backward's gradients; return the hook handles (remove them after backward)."""
+        self._params = params
+        self._left = {(p, k): set(b.names) for p, bs in self.exchange.outgoing.items() for k, b in enumerate(bs)}
+        self._next = {p: 0 for p in self.exchange.outgoing}
+        return [params[n].register_post_accumulate_grad_hook(partial(self._ready, n)) for n in self._of_name]
+
+    def _ready(self, name: str, _param) -> None:
+        for peer, k in self._of_name[name]:
+            self._left[(peer, k)].discard(name)
+            self._send_ready(peer)
+
+    def _send_ready(self, peer: int, force: bool = False) -> None:
+        buckets = self.exchange.outgoing[peer]
+        while self._next[peer] < len(buckets) and (force or not self._left[(peer, self._next[peer])]):
+            bucket = buckets[self._next[peer]]
+            grads = {n: self._grad(n) for n in bucket.names}
+            self.pending.append(wire.exchange({peer: self.exchange.pack(bucket, grads)}, {}, op="grad_bucket"))
+            self._next[peer] += 1
+
+    def _grad(self, name: str) -> torch.Tensor:
+        p = self._params[name]
+        return p.grad if p.grad is not None else torch.zeros_like(p)
+
+    def flush(self) -> None:
+        """Send whatever is left (a parameter that got no gradient this step counts as zeros)."""
+        for peer in self.exchange.outgoing:
+            self._send_ready(peer, force=True)
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, []
+        for e in pending:
+            e.wait()
+
+
+class IncomingGradients:
+    """An anchor's side: receive buckets in order and add each into its parameter's gradient in backward."""
+
+    def __init__(self, exchange: UnitExchange, window: int = 2):
+        self.exchange, self.window = exchange, window
+        self._posted: dict[int, list[tuple[wire.Exchange, torch.Tensor]]] = {}
+        self._unused: dict[tuple[int, int], set[str]] = {}
+        self._of_name: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        for peer, buckets in exchange.incoming.items():
+            for k, b in enumerate(buckets):
+                for name in b.names:
+                    self._of_name[name].append((peer, k))
+        self._like: dict[str, torch.Tensor] = {}
+
+    def arm(self, params: dict[str, torch.nn.Parameter]) -> list:
+        """Post the first receives and hook the receiving parameters; return the hook handles."""
+        self._like = params
+        self._posted = {p: [] for p in self.exchange.incoming}
+        self._unused = {(p, k): set(b.names) for p, bs in self.exchange.incoming.items() for k, b in enumerate(bs)}
+        for peer, buckets in self.exchange.incoming.items():
+            self._post_until(peer, min(self.window, len(buckets)) - 1)
+        return [params[n].register_hook(partial(self._add, n)) for n in self._of_name]
+
+    def _post_until(self, peer: int, k: int) -> None:
+        posted, buckets = self._posted[peer], self.exchange.incoming[peer]
+        while len(posted) <= k:
+            bucket = buckets[len(posted)]
+            like = self._like[bucket.items[0][0]]
+            buf = torch.empty(bucket.numel, dtype=like.dtype, device=like.device)
+            posted.append((wire.exchange({}, {peer: buf}, op="grad_bucket"), buf))
+
+    def _add(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        out = grad.clone()
+        for peer, k in self._of_name[name]:
+            self._post_until(peer, k)
+            pending, buf = self._posted[peer][k]
+            pending.wait()
+            self.exchange.unpack(self.exchange.incoming[peer][k], buf, {name: out}, add=True, only=name)
+            self._consumed(peer, k, name)
+        return out
+
+    def _consumed(self, peer: int, k: int, name: str) -> None:
+        left = self._unused[(peer, k)]
+        left.discard(name)
+        if not left:
+            self._posted[peer][k] = (self._posted[peer][k][0], None)  # free the buffer
+            self._post_until(peer, min(k + self.window, len(self.exchange.incoming[peer]) - 1))
+
+    def finish(self) -> None:
+        """After backward: every bucket must have been received and added (a parameter whose gradient hook never
+        ran would silently lose the contributor's share)."""
+        missing = sorted({n for left in self._unused.values() for n in left})
+        for peer, buckets in self.exchange.incoming.items():
+            self._post_until(peer, len(buckets) - 1)
+            for pending, _ in self._posted[peer]:
+                pending.wait()
+        self._posted, self._like = {}, {}
+        if missing:
+            raise RuntimeError(f"contributor gradients for {missing} arrived but no gradient of them was computed "
+                               f"in this backward; every parameter must take part in the loss")

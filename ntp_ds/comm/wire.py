@@ -1,0 +1,319 @@
+"""Everything that crosses the wire: collectives, pairwise exchanges and control traffic, each on a named group.
+
+The rules NCCL imposes, kept on gloo too, so one code path is right on both:
+- a data call's tensors live on its group's device (`device_of`): the current CUDA device under NCCL, CPU under
+  gloo; a tensor elsewhere is refused here, with the call named, instead of failing inside NCCL;
+- small host-side control traffic (the ready vote, metadata, Python objects) goes over a gloo *control* group,
+  never an NCCL group, so it is synchronous and needs no device;
+- a pairwise exchange posts all of a rank's sends and receives of one call together (`batch_isend_irecv`) and
+  never relies on tags: messages between two ranks match in the order they are posted;
+- every wait is bounded: it ends when the work completes, when the liveness watcher declares a peer dead
+  (`PeerFailure`, within a poll slice), or after `timeout_s` (`TimeoutError`). gloo cannot interrupt a blocked
+  operation (its abort does not unblock a wait), so gloo works are waited on in slices; an NCCL work's `wait` only
+  orders the current stream, and a blocked NCCL kernel is ended by aborting the communicators (`peer_failed`).
+
+Every call is offered to the recorders (`recording()`), which tests use to check the rules above on real runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+SLICE_S = 0.1
+"""How often a blocked gloo wait looks at the liveness verdict."""
+
+
+class PeerFailure(RuntimeError):
+    """A wait ended because a peer was declared dead (hung or gone) by the liveness watcher."""
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One call as the recorders see it: what, on which group and backend, with which tensors and peers."""
+
+    op: str
+    rank: int
+    backend: str
+    group_ranks: tuple[int, ...]
+    devices: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    sends: tuple[tuple[int, int], ...] = ()
+    """(peer, numel) of every send posted in this call (pairwise exchanges only)."""
+    recvs: tuple[tuple[int, int], ...] = ()
+    """(peer, numel) of every receive posted in this call."""
+    expected_device: str = ""
+    """The device type this call's group requires of its tensors."""
+    generation: int = 0
+    """How many generations this process had joined when it made the call."""
+
+
+@dataclass
+class _State:
+    timeout_s: float = 300.0
+    failed: threading.Event = field(default_factory=threading.Event)
+    reason: str = ""
+    control: object = None
+    generation: int = 0
+    recorders: list = field(default_factory=list)
+
+
+_state = _State()
+
+
+# -- configuration and liveness --------------------------------------------------------------------------------
+def configure(timeout_s: float, control_group=None) -> None:
+    """Set the bound on every wait and the control group of this generation; clear any earlier failure."""
+    _state.timeout_s = float(timeout_s)
+    _state.control = control_group
+    _state.generation += 1
+    _state.failed.clear()
+    _state.reason = ""
+
+
+def peer_failed(reason: str) -> None:
+    """Declare this generation broken (called by the liveness watcher's thread when a peer is dead).
+
+    Every wait in progress or to come raises `PeerFailure`. Under NCCL the communicators are aborted as well, which
+    is what ends a kernel blocked on the dead peer (requires TORCH_NCCL_ASYNC_ERROR_HANDLING=0, set by `join`).
+    """
+    if _state.failed.is_set():
+        return
+    _state.reason = reason
+    _state.failed.set()
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        log.warning("aborting NCCL communicators: %s", reason)
+        abort_all()
+
+
+def failure() -> str | None:
+    """The reason this generation was declared broken, or None."""
+    return _state.reason if _state.failed.is_set() else None
+
+
+def abort_all() -> None:
+    """Abort every communicator of this process (NCCL); the process groups are unusable afterwards."""
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception as err:  # aborting is best effort: the groups are discarded either way
+        log.warning("abort of the process groups failed: %s", err)
+
+
+def teardown() -> None:
+    """Leave this generation's process groups; never raises (an aborted default group cannot be destroyed)."""
+    from deepspeed.utils import groups as ds_groups
+
+    if dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            abort_all()  # a communicator with a dead peer can block its own destruction
+        try:
+            dist.destroy_process_group()
+        except (AssertionError, RuntimeError, ValueError) as err:  # already aborted: nothing left to destroy
+            log.debug("destroy_process_group after abort: %s", err)
+    # DeepSpeed caches groups in module globals; a new generation must not find the old ones there.
+    ds_groups._release_process_group_references(group=None)
+    _state.control = None
+
+
+# -- devices and records ---------------------------------------------------------------------------------------
+def device_of(group=None) -> torch.device:
+    """The device a group's tensors must live on."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def has_control() -> bool:
+    return _state.control is not None
+
+
+def control_group():
+    """The gloo group for host-side control traffic of the whole generation."""
+    if _state.control is None:
+        raise RuntimeError("no control group: join a generation first (ntp_ds.comm.groups.join)")
+    return _state.control
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect a CallRecord of every call made inside the block (in this process)."""
+    records: list[CallRecord] = []
+    _state.recorders.append(records.append)
+    try:
+        yield records
+    finally:
+        _state.recorders.remove(records.append)
+
+
+def _check(op: str, group, tensors, sends=(), recvs=()) -> None:
+    expected = device_of(group)
+    if _state.recorders:
+        record = CallRecord(op, dist.get_rank(), dist.get_backend(group),
+                            tuple(dist.get_process_group_ranks(group or dist.group.WORLD)),
+                            tuple(str(t.device) for t in tensors), tuple(str(t.dtype) for t in tensors),
+                            tuple(sends), tuple(recvs), expected.type, _state.generation)
+        for rec in _state.recorders:
+            rec(record)
+    for t in tensors:
+        if t.device.type != expected.type:
+            raise ValueError(f"{op}: a tensor on {t.device} was handed to a {dist.get_backend(group)} group, "
+                             f"whose tensors must live on {expected}")
+
+
+# -- waiting -----------------------------------------------------------------------------------------------------
+def wait(works, group=None, what: str = "collective", p2p: bool = False, heed_failure: bool = True) -> None:
+    """Wait for `works` within the bound, raising PeerFailure as soon as a peer is declared dead (unless
+    `heed_failure` is False: salvaging transfers from live peers after a failure).
+
+    A gloo collective is waited on in slices (its timed wait can be repeated). A gloo point-to-point work cannot be
+    (a timed-out wait closes the connection) and reports no completion before it is waited on, so it is waited on
+    whole: the group's timeout bounds it, and a hung peer is ended sooner by its launcher once the liveness
+    watcher asks for it to be fenced (its connections close, and the wait fails at once).
+    """
+    nccl = dist.get_backend(group) == "nccl"
+    deadline = time.monotonic() + _state.timeout_s
+    for work in works if isinstance(works, (list, tuple)) else [works]:
+        if heed_failure and _state.failed.is_set():
+            raise PeerFailure(f"{what} abandoned: {_state.reason}")
+        if nccl or p2p:
+            work.wait()  # NCCL: orders the current stream after the work; an abort ends a kernel blocked on a peer
+            continue
+        while True:
+            try:
+                work.wait(timedelta(seconds=SLICE_S))
+                break
+            except RuntimeError:
+                if work.is_completed():
+                    work.wait()  # it finished as the slice ran out: return, or raise its own error
+                    break
+            if heed_failure and _state.failed.is_set():
+                raise PeerFailure(f"{what} abandoned: {_state.reason}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} did not complete within timeout_s={_state.timeout_s}")
+
+
+# -- data path: collectives and pairwise exchanges ---------------------------------------------------------------
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def all_reduce(tensor: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    """All-reduce `tensor` in place over `group` (a group of one is a no-op) and return it."""
+    if group is not None and dist.get_world_size(group) == 1:
+        return tensor
+    _check("all_reduce", group, [tensor])
+    wait(dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=True), group, "all_reduce")
+    return tensor
+
+
+class Exchange:
+    """Pending pairwise transfers posted together; `wait()` completes them within the bound."""
+
+    def __init__(self, works: list, peers: list[tuple[str, int]], group):
+        self.group = group
+        self._works = list(zip(peers, works))
+
+    def wait(self) -> None:
+        """Complete every transfer (raises on the first that fails)."""
+        works, self._works = self._works, []
+        wait([w for _, w in works], self.group, "exchange", p2p=True)
+
+    def wait_received(self, peer: int, heed_failure: bool = True) -> None:
+        """Complete the receives from `peer` only (after a failure too, with `heed_failure=False`: a live peer's
+        transfer still completes, a dead one's fails)."""
+        mine = [w for (kind, p), w in self._works if kind == "recv" and p == peer]
+        self._works = [(k, w) for k, w in self._works if not (k[0] == "recv" and k[1] == peer)]
+        wait(mine, self.group, "exchange", p2p=True, heed_failure=heed_failure)
+
+
+def exchange(sends: Mapping[int, torch.Tensor | Sequence[torch.Tensor]],
+             recvs: Mapping[int, torch.Tensor | Sequence[torch.Tensor]], group=None,
+             op: str = "exchange") -> Exchange:
+    """Post every send and receive of this rank together; return the pending exchange.
+
+    Peers are global ranks; a peer may be given several tensors, which travel as consecutive messages. Two exchanges
+    between the same pair must be posted in the same order on both sides.
+    """
+    sends = {p: [t] if torch.is_tensor(t) else list(t) for p, t in sends.items()}
+    recvs = {p: [t] if torch.is_tensor(t) else list(t) for p, t in recvs.items()}
+    tensors = [t for ts in sends.values() for t in ts] + [t for ts in recvs.values() for t in ts]
+    _check(op, group, tensors, sends=[(p, t.numel()) for p, ts in sorted(sends.items()) for t in ts],
+           recvs=[(p, t.numel()) for p, ts in sorted(recvs.items()) for t in ts])
+    ops, peers = [], []
+    for kind, table, fn in (("send", sends, dist.isend), ("recv", recvs, dist.irecv)):
+        for p, ts in sorted(table.items()):
+            for t in ts:
+                ops.append(dist.P2POp(fn, t.contiguous() if kind == "send" else t, p, group))
+                peers.append((kind, p))
+    if not ops:
+        return Exchange([], [], group)
+    return Exchange(dist.batch_isend_irecv(ops), peers, group)
+
+
+# -- control path: votes, barriers and objects over the gloo control group -----------------------------------------
+def vote(ready: bool, group=None) -> bool:
+    """Whether every rank of the group (default: the generation) is ready; synchronous, over gloo."""
+    group = group or control_group()
+    flag = torch.tensor([1 if ready else 0], dtype=torch.int32)
+    _check("vote", group, [flag])
+    wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True), group, "ready vote")
+    return bool(flag.item())
+
+
+def barrier(group=None) -> None:
+    """Every rank of the group (default: the generation) reaches this point; over gloo, bounded."""
+    group = group or control_group()
+    _check("barrier", group, [])
+    wait(dist.barrier(group=group, async_op=True), group, "barrier")
+
+
+def sum_counts(values: list[float], group=None) -> list[float]:
+    """Sum a few host numbers over the group (default: the generation), over gloo."""
+    group = group or control_group()
+    t = torch.tensor(values, dtype=torch.float64)
+    _check("sum_counts", group, [t])
+    wait(dist.all_reduce(t, group=group, async_op=True), group, "sum")
+    return t.tolist()
+
+
+def all_gather_object(obj, group=None) -> list:
+    """Every rank's `obj`, in group rank order, over gloo."""
+    group = group or control_group()
+    _check("all_gather_object", group, [])
+    out = [None] * dist.get_world_size(group)
+    _bounded(lambda: dist.all_gather_object(out, obj, group=group), "all_gather_object")
+    return out
+
+
+def gather_object(obj, dst: int, group=None) -> list | None:
+    """Every rank's `obj` on global rank `dst` (None elsewhere), over gloo."""
+    group = group or control_group()
+    _check("gather_object", group, [])
+    out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    _bounded(lambda: dist.gather_object(obj, out, dst=dst, group=group), "gather_object")
+    return out
+
+
+def broadcast_object(obj, src: int, group=None):
+    """`obj` of global rank `src`, on every rank of the group, over gloo."""
+    group = group or control_group()
+    _check("broadcast_object", group, [])
+    box = [obj]
+    _bounded(lambda: dist.broadcast_object_list(box, src=src, group=group), "broadcast_object")
+    return box[0]
+
+
+def _bounded(call: Callable[[], None], what: str) -> None:
+    """Run a blocking object collective (torch offers no async form); the group's own timeout bounds it."""
+    if _state.failed.is_set():
+        raise PeerFailure(f"{what} abandoned: {_state.reason}")
+    call()

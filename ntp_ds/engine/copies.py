@@ -1,0 +1,134 @@
+"""Redundant in-memory copies of optimizer state: each anchor rank's fragments live on its buddies too.
+
+After every optimizer step the owner posts, to each buddy, its step count and the flat tensors that hold its state
+(`fragments.flat_sources`: the live ZeRO partitions, sent without a staging copy; they do not change before the
+next optimizer step, which waits for the transfer). The buddy receives straight into the buffers of the copy it
+keeps (sizes and fragment addresses are exchanged once per engine, over the control group), so a copy costs its
+own bytes and nothing more. While a transfer is in flight the copy is marked incomplete; `finish` (before the next
+optimizer step, or at a failure) completes it. A copy whose transfer failed is dropped: its owner's state of the
+last step survives nowhere else, and recovery says so (`lossless: false`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ntp_ds.comm import wire
+from ntp_ds.engine.fragments import Fragment
+
+
+@dataclass
+class HeldCopy:
+    """A copy of another rank's optimizer fragments, as of the end of optimizer step `step`."""
+
+    owner: int
+    step: int
+    fragments: dict[str, Fragment]
+
+
+class StateCopies:
+    """Send this rank's optimizer state to its buddies and keep the copies other ranks send here."""
+
+    def __init__(self, rank: int, buddies: dict[int, tuple[int, ...]], names: list[str]):
+        self.targets = buddies.get(rank, ())
+        self.owners = sorted(o for o, bs in buddies.items() if rank in bs)
+        self.names = sorted(names)
+        self.held: dict[int, HeldCopy] = {}
+        """The complete copies, by owner."""
+        self._layouts: dict[int, torch.Tensor] | None = None
+        self._buffers: dict[int, list[torch.Tensor]] = {}
+        self._in_flight: tuple[wire.Exchange, list] | None = None
+
+    def peers(self) -> set[int]:
+        return set(self.targets) | set(self.owners)
+
+    def held_bytes(self) -> int:
+        """Bytes of the copies this rank keeps for its owners (complete or being refreshed)."""
+        return sum(b.numel() * b.element_size() for bufs in self._buffers.values() for b in bufs)
+
+    def start(self, keys: tuple[str, ...], step: int, device,
+              sources: tuple[list[torch.Tensor], dict] | None = None) -> None:
+        """Post this step's copies among owners and buddies (data on `device`); do not wait for them.
+
+        `sources`: this rank's `flat_sources` (owners only)."""
+        self.finish()
+        outgoing = []
+        if self.targets:
+            tensors, index = sources
+            outgoing = [torch.tensor(_encode_step(step), dtype=torch.float32, device=device)]
+            outgoing += [t.detach().reshape(-1).to(device) for t in tensors]
+        if self._layouts is None:
+            self._exchange_layouts(keys, sources)
+        for o, lay in self._layouts.items():
+            if o not in self._buffers:
+                numels = [_STEP_WIDTH] + lay[2:2 + int(lay[1])].tolist()
+                self._buffers[o] = [torch.empty(n, dtype=torch.float32, device=device) for n in numels]
+            self.held.pop(o, None)  # being overwritten: incomplete until `finish`
+        sends = {t: outgoing for t in self.targets}
+        self._in_flight = (wire.exchange(sends, dict(self._buffers), op="copy_data"), outgoing)
+
+    def finish(self, salvage: bool = False) -> None:
+        """Complete the copies in flight; raise if a transfer failed (the copies it was writing are dropped, the
+        others are kept). `salvage`: at a failure, keep whatever arrives from live owners."""
+        if self._in_flight is None:
+            return
+        pending, _ = self._in_flight
+        self._in_flight = None
+        lost = []
+        for o, bufs in self._buffers.items():
+            try:
+                pending.wait_received(o, heed_failure=not salvage)
+            except RuntimeError as err:  # its owner (or the link to it) failed mid-transfer
+                lost.append(err)
+                continue
+            self.held[o] = self._view(o, bufs)
+        if not salvage:
+            try:
+                pending.wait()  # this rank's own sends: a buddy that failed keeps no copy, nothing is lost here
+            except RuntimeError as err:
+                lost.append(err)
+        if lost:
+            raise lost[0]
+
+    def _exchange_layouts(self, keys, sources) -> None:
+        """Tell each buddy, once per engine, the sizes of this rank's sources and where each fragment lies."""
+        layout = None
+        if self.targets:
+            tensors, index = sources
+            layout = [len(keys), len(tensors)] + [t.numel() for t in tensors]
+            for name in self.names:
+                layout += list(index.get(name, (-1, 0, 0, 0)))
+            layout = torch.tensor(layout, dtype=torch.int64)
+        sizes = {o: torch.empty(2, dtype=torch.int64) for o in self.owners}
+        wire.exchange({t: layout[:2] for t in self.targets}, sizes, wire.control_group(), "copy_layout").wait()
+        layouts = {o: torch.empty(2 + int(n[1]) + 4 * len(self.names), dtype=torch.int64) for o, n in sizes.items()}
+        wire.exchange({t: layout for t in self.targets}, layouts, wire.control_group(), "copy_layout").wait()
+        self._layouts = layouts
+
+    def _view(self, owner: int, bufs: list[torch.Tensor]) -> HeldCopy:
+        lay = self._layouts[owner]
+        n_keys, n_sources = int(lay[0]), int(lay[1])
+        step = _decode_step(bufs[0].tolist())
+        keys = ["fp32"] + [f"key{i}" for i in range(n_keys)]
+        frags, pos = {}, 2 + n_sources
+        for i, name in enumerate(self.names):
+            index, offset, start, numel = (int(v) for v in lay[pos + 4 * i:pos + 4 * i + 4])
+            if index < 0 or numel == 0:
+                continue
+            frags[name] = Fragment(start, numel, {k: bufs[1 + index + j][offset:offset + numel]
+                                                  for j, k in enumerate(keys)})
+        return HeldCopy(owner, step, frags)
+
+
+_STEP_WIDTH = 2
+"""fp32 elements that carry the step count at the head of a transfer (each exact below 2**24)."""
+
+
+def _encode_step(step: int) -> list[float]:
+    return [float(step // 2**20), float(step % 2**20)]
+
+
+def _decode_step(values: list[float]) -> int:
+    return int(values[0]) * 2**20 + int(values[1])
