@@ -110,6 +110,24 @@ def test_hung_worker_is_detected_within_heartbeat_timeout_plus_a_second():
         assert detected <= heartbeat_timeout_s + 1.0, f"rank {rank} saw the hang after {detected:.2f} s"
 
 
+def test_overlapped_copies_report_their_real_freshness():
+    # With redundancy_overlap the copies of step k travel during step k + 1. A crash late in step k + 1 finds them
+    # complete: lossless and equal to the failure-free run. A crash as step k + 1 starts may beat its owner's copy:
+    # recovery must then say it is not lossless, and whenever it says lossless the weights must be exact.
+    ntp = {"tp": 2, "replicas": 3, "min_tp": 1, "redundancy_overlap": True}
+    late = run_ranks(train_with_recovery, 6, ntp, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS,
+                     [fault(3, 3, "grad_sync")], 2.0, 1, timeout=200, store=True)
+    assert_equivalent(late)
+    assert_lossless_and_minimal(late, (2, 1, 2))
+    early = run_ranks(train_with_recovery, 6, ntp, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS,
+                      [fault(3, 3, "forward")], 2.0, 1, timeout=200, store=True)
+    assert all(r["global_steps"] == STEPS for r in early.values())
+    verdicts = {e["lossless"] for copies in events_of(early) for e in copies}
+    assert len(verdicts) == 1, "ranks disagree on lossless"
+    if verdicts == {True}:
+        assert_equivalent(early)
+
+
 def test_second_failure_in_the_same_replica():
     results = run((3, 3), 1, [fault(4, 2, "forward"), fault(5, 4, "backward")])
     assert_equivalent(results)

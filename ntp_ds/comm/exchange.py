@@ -84,9 +84,6 @@ class UnitExchange:
         self.outgoing = plan_buckets(dict(outgoing), specs, full_shapes, bucket_numel)
         self.incoming = plan_buckets(dict(incoming), specs, full_shapes, bucket_numel)
 
-    def receiving(self) -> set[str]:
-        return {name for buckets in self.incoming.values() for b in buckets for name in b.names}
-
     def peers(self) -> set[int]:
         return set(self.outgoing) | set(self.incoming)
 

@@ -8,9 +8,11 @@ The rules NCCL imposes, kept on gloo too, so one code path is right on both:
 - a pairwise exchange posts all of a rank's sends and receives of one call together (`batch_isend_irecv`) and
   never relies on tags: messages between two ranks match in the order they are posted;
 - every wait is bounded: it ends when the work completes, when the liveness watcher declares a peer dead
-  (`PeerFailure`, within a poll slice), or after `timeout_s` (`TimeoutError`). gloo cannot interrupt a blocked
-  operation (its abort does not unblock a wait), so gloo works are waited on in slices; an NCCL work's `wait` only
-  orders the current stream, and a blocked NCCL kernel is ended by aborting the communicators (`peer_failed`).
+  (`PeerFailure`), or at the group's timeout. gloo cannot interrupt a blocked operation (its abort does not
+  unblock a wait), so gloo collectives are waited on in slices that look at the verdict; a gloo point-to-point
+  wait cannot be sliced and is ended by fencing the dead peer (its launcher kills it, its connections close). An
+  NCCL work's `wait` only orders the current stream; a blocked NCCL kernel is ended by aborting the communicators
+  (`peer_failed`).
 
 Every call is offered to the recorders (`recording()`), which tests use to check the rules above on real runs.
 """
@@ -121,7 +123,11 @@ def teardown() -> None:
         except (AssertionError, RuntimeError, ValueError) as err:  # already aborted: nothing left to destroy
             log.debug("destroy_process_group after abort: %s", err)
     # DeepSpeed caches groups in module globals; a new generation must not find the old ones there.
-    ds_groups._release_process_group_references(group=None)
+    release = getattr(ds_groups, "_release_process_group_references", None)
+    if release is None:
+        raise RuntimeError("this DeepSpeed version cannot release its cached process groups; live recovery needs "
+                           "deepspeed>=0.19.8")
+    release(group=None)
     _state.control = None
 
 

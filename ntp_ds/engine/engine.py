@@ -169,7 +169,7 @@ class NTPEngine(DeepSpeedEngine):
             self.on_phase(self.global_steps + 1, "optimizer")
             if not self.is_anchor:
                 self._outgoing.wait()  # every bucket has reached its anchor before anyone steps
-            self.copies.finish()  # the previous step's copies, which travelled during this step
+            self.copies.finish()  # with redundancy_overlap: the previous step's copies, which travelled meanwhile
             wire.vote(True)
             self.in_optimizer_step = True
         if self.is_anchor:
