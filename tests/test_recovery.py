@@ -128,6 +128,18 @@ def test_overlapped_copies_report_their_real_freshness():
         assert_equivalent(early)
 
 
+def test_copies_in_host_memory_through_small_staging_buffers():
+    # Copies kept in host memory arrive in pieces of at most bucket_size elements through two staging buffers;
+    # a lost anchor's state comes back from them exactly.
+    ntp = {"tp": 2, "replicas": 3, "min_tp": 1, "redundancy_on_host": True, "bucket_size": 3000}
+    results = run_ranks(train_with_recovery, 6, ntp, "adamw", 2, GLOBAL_BATCH, MICRO, STEPS,
+                        [fault(3, 3, "backward")], 2.0, 1, timeout=200, store=True)
+    assert_equivalent(results)
+    assert_lossless_and_minimal(results, (2, 1, 2))
+    optimizer_bytes = {e["optimizer_bytes_moved"] for copies in events_of(results) for e in copies}
+    assert optimizer_bytes and min(optimizer_bytes) > 0, "the lost partition must come back from a copy"
+
+
 def test_second_failure_in_the_same_replica():
     results = run((3, 3), 1, [fault(4, 2, "forward"), fault(5, 4, "backward")])
     assert_equivalent(results)

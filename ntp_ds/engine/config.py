@@ -31,6 +31,9 @@ class NTPConfig:
     """Smallest TP degree a replica may train at; below it the replica is dropped."""
     zero_redundancy: int = 1
     """In-memory copies of each ZeRO partition kept on other replicas."""
+    redundancy_on_host: bool = False
+    """Keep the copies in the buddy's host memory (pinned under CUDA) instead of device memory, filled through two
+    staging buffers of `bucket_size` elements: for when device memory is the constraint."""
     redundancy_overlap: bool = False
     """Let the per-step copies travel during the next step (awaited before its optimizer step) instead of completing
     them at the step's end. Faster, but an owner that dies before its copy arrived leaves that step's partition

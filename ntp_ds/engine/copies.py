@@ -31,7 +31,11 @@ class HeldCopy:
 class StateCopies:
     """Send this rank's optimizer state to its buddies and keep the copies other ranks send here."""
 
-    def __init__(self, rank: int, buddies: dict[int, tuple[int, ...]], names: list[str]):
+    def __init__(self, rank: int, buddies: dict[int, tuple[int, ...]], names: list[str], on_host: bool = False,
+                 chunk: int | None = None):
+        """`on_host`: keep the copies in host memory (pinned under CUDA), filled through two device staging buffers
+        of at most `chunk` elements each, so the copies cost no device memory beyond those."""
+        self.on_host, self.chunk = on_host, chunk
         self.targets = buddies.get(rank, ())
         self.owners = sorted(o for o, bs in buddies.items() if rank in bs)
         self.names = sorted(names)
@@ -64,10 +68,20 @@ class StateCopies:
         for o, lay in self._layouts.items():
             if o not in self._buffers:
                 numels = [_STEP_WIDTH] + lay[2:2 + int(lay[1])].tolist()
-                self._buffers[o] = [torch.empty(n, dtype=torch.float32, device=device) for n in numels]
+                host = dict(device="cpu", pin_memory=torch.cuda.is_available()) if self.on_host else dict(device=device)
+                self._buffers[o] = [torch.empty(n, dtype=torch.float32, **host) for n in numels]
             self.held.pop(o, None)  # being overwritten: incomplete until `finish`
-        sends = {t: outgoing for t in self.targets}
-        self._in_flight = (wire.exchange(sends, dict(self._buffers), op="copy_data"), outgoing)
+        self._device = device
+        if not self.on_host:
+            sends = {t: outgoing for t in self.targets}
+            self._in_flight = (wire.exchange(sends, dict(self._buffers), op="copy_data"), outgoing)
+            return
+        # Host copies: one message per piece, each posted on its own so that a receiver staging two pieces at a
+        # time matches them in order; the pieces are views of the sources.
+        pieces = self._pieces([t.numel() for t in outgoing])
+        sends = [wire.exchange({t: outgoing[i][lo:hi] for t in self.targets}, {}, op="copy_piece")
+                 for i, lo, hi in pieces] if self.targets else []
+        self._in_flight = (_Sends(sends), outgoing)
 
     def finish(self, salvage: bool = False) -> None:
         """Complete the copies in flight; raise if a transfer failed (the copies it was writing are dropped, the
@@ -79,7 +93,10 @@ class StateCopies:
         lost = []
         for o, bufs in self._buffers.items():
             try:
-                pending.wait_received(o, heed_failure=not salvage)
+                if self.on_host:
+                    self._receive_pieces(o, bufs, salvage)
+                else:
+                    pending.wait_received(o, heed_failure=not salvage)
             except RuntimeError as err:  # its owner (or the link to it) failed mid-transfer
                 lost.append(err)
                 continue
@@ -91,6 +108,33 @@ class StateCopies:
                 lost.append(err)
         if lost:
             raise lost[0]
+
+    def _pieces(self, numels: list[int]) -> list[tuple[int, int, int]]:
+        """(buffer, lo, hi) of every message of a host-copy transfer, at most `chunk` elements each."""
+        step = self.chunk or max(numels + [1])
+        return [(i, lo, min(lo + step, n)) for i, n in enumerate(numels) for lo in range(0, n, step)]
+
+    def _receive_pieces(self, owner: int, bufs: list[torch.Tensor], salvage: bool) -> None:
+        """Receive an owner's pieces in order through two device staging buffers into its host buffers."""
+        pieces = self._pieces([b.numel() for b in bufs])
+        width = max((hi - lo for _, lo, hi in pieces), default=0)
+        staging = [torch.empty(width, dtype=torch.float32, device=self._device) for _ in range(2)]
+        posted = []
+
+        def post(j: int) -> None:
+            _, lo, hi = pieces[j]
+            view = staging[j % 2][:hi - lo]
+            posted.append((j, wire.exchange({}, {owner: view}, op="copy_piece"), view))
+
+        for j in range(min(2, len(pieces))):
+            post(j)
+        while posted:
+            j, pending, view = posted.pop(0)
+            pending.wait_received(owner, heed_failure=not salvage)
+            i, lo, hi = pieces[j]
+            bufs[i][lo:hi].copy_(view, non_blocking=True)  # the next receive into it is ordered after this copy
+            if j + 2 < len(pieces):
+                post(j + 2)
 
     def _exchange_layouts(self, keys, sources) -> None:
         """Tell each buddy, once per engine, the sizes of this rank's sources and where each fragment lies."""
@@ -120,6 +164,17 @@ class StateCopies:
             frags[name] = Fragment(start, numel, {k: bufs[1 + index + j][offset:offset + numel]
                                                   for j, k in enumerate(keys)})
         return HeldCopy(owner, step, frags)
+
+
+class _Sends:
+    """The host-copy sends of one refresh, posted as separate exchanges."""
+
+    def __init__(self, exchanges: list):
+        self.exchanges = exchanges
+
+    def wait(self) -> None:
+        for e in self.exchanges:
+            e.wait()
 
 
 _STEP_WIDTH = 2

@@ -68,7 +68,8 @@ class NTPEngine(DeepSpeedEngine):
         """Called at every phase boundary (forward, backward, grad_sync, optimizer): the fault-injection seam."""
         self.in_optimizer_step = False
         zero_stage = int(job.ds_config.get("zero_optimization", {}).get("stage", 0))  # the job's, on every rank
-        self.copies = StateCopies(rank, plan_buddies(topo, plan, zero_stage, ntp.zero_redundancy), list(specs))
+        self.copies = StateCopies(rank, plan_buddies(topo, plan, zero_stage, ntp.zero_redundancy), list(specs),
+                                  on_host=ntp.redundancy_on_host, chunk=ntp.bucket_size)
         if not self.is_anchor:
             self.enable_backward_allreduce = False
         self.sync_parameters()

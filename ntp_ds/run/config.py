@@ -58,6 +58,8 @@ class ParallelConfig:
     """Smallest TP degree a replica may train at; below it the replica is dropped."""
     zero_redundancy: int = 1
     """In-memory copies of each ZeRO partition kept on other replicas."""
+    redundancy_on_host: bool = False
+    """Keep the copies in host memory (pinned), filled through bucket-sized device staging buffers."""
     redundancy_overlap: bool = False
     """Copies travel during the next step (faster; a death before a copy arrives loses that step's partition)."""
     memory_budget_gb: float | None = None
