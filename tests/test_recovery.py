@@ -140,6 +140,21 @@ def test_copies_in_host_memory_through_small_staging_buffers():
     assert optimizer_bytes and min(optimizer_bytes) > 0, "the lost partition must come back from a copy"
 
 
+def test_anchor_lost_while_its_parameters_stream_to_the_contributor():
+    # (2, 2, 1): two anchor replicas, so the contributor receives its parameters bucket by bucket during its next
+    # forward. Rank 0 dies as that forward starts: the contributor's buckets from it never arrive, it still holds
+    # the previous step's values for those units, and recovery must fetch them afresh from the other anchor replica.
+    ntp = {"tp": 2, "replicas": 3, "degrees": (2, 2, 1), "min_tp": 1, "bucket_size": 500}
+    results = run_ranks(train_with_recovery, 5, ntp, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS,
+                        [fault(0, 3, "forward")], 2.0, 1, timeout=200, store=True)
+    assert set(results) == {1, 2, 3, 4}
+    assert_equivalent(results)
+    (event, *_), = events_of(results)
+    assert event["lossless"]
+    # More than the lost shard moved: the contributor's stale units came again from the surviving anchor replica.
+    assert event["bytes_moved"] - event["kv_rereplicated_bytes"] > event["lost_shard_bytes"]
+
+
 def test_second_failure_in_the_same_replica():
     results = run((3, 3), 1, [fault(4, 2, "forward"), fault(5, 4, "backward")])
     assert_equivalent(results)

@@ -65,6 +65,7 @@ def train_ntp(rank, world_size, ntp: dict, optim: str, stage: int, global_batch:
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach()))
+    engine.settle_parameters()  # a contributor's last parameter copy may still be streaming
     shards = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     full = engine.consolidated_state_dict()
     return {"replica": replica, "tp_rank": engine.ntp_groups.tp_rank, "layout": engine.ntp_groups.layout,
@@ -105,6 +106,7 @@ def train_with_checkpoint(rank, world_size, ntp: dict, stage: int, steps: int, c
     if not resume:
         engine.save_checkpoint(ckpt_dir)
         engine.save_pretrained(f"{ckpt_dir}/hf")
+    engine.settle_parameters()
     return {"shards": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
             "global_steps": engine.global_steps, "layout": engine.ntp_groups.layout,
             "tp_rank": engine.ntp_groups.tp_rank}

@@ -39,10 +39,13 @@ class Bucket:
 
 
 def plan_buckets(items_by_peer: dict[int, list[tuple[str, U.Ranges]]], specs: dict[str, ParamSpec],
-                 full_shapes: dict[str, tuple[int, ...]], bucket_numel: int | None) -> dict[int, list[Bucket]]:
-    """Cut each peer's items into buckets (in reverse parameter order, at most `bucket_numel` elements unless one
-    item alone is larger); pure, so sender and receiver compute the same buckets."""
-    order = {name: i for i, name in enumerate(reversed(list(specs)))}
+                 full_shapes: dict[str, tuple[int, ...]], bucket_numel: int | None,
+                 forward: bool = False) -> dict[int, list[Bucket]]:
+    """Cut each peer's items into buckets (in reverse parameter order, as backward produces gradients, or in
+    parameter order with `forward`, as the forward uses them; at most `bucket_numel` elements unless one item alone
+    is larger); pure, so sender and receiver compute the same buckets."""
+    names = list(specs) if forward else list(reversed(list(specs)))
+    order = {name: i for i, name in enumerate(names)}
     out = {}
     for peer, items in items_by_peer.items():
         items = sorted(items, key=lambda it: (order[it[0]], it[1]))
@@ -73,7 +76,7 @@ class UnitExchange:
     kind a transfer names."""
 
     def __init__(self, transfers, rank: int, specs: dict[str, ParamSpec], full_shapes: dict[str, tuple[int, ...]],
-                 send_side: Side, recv_side: Side, bucket_numel: int | None = None):
+                 send_side: Side, recv_side: Side, bucket_numel: int | None = None, forward: bool = False):
         self.rank, self.specs, self.full_shapes = rank, specs, full_shapes
         self.send_side, self.recv_side = send_side, recv_side
         outgoing, incoming = defaultdict(list), defaultdict(list)
@@ -81,8 +84,8 @@ class UnitExchange:
             side = outgoing[t.dst] if t.src == rank else incoming[t.src] if t.dst == rank else None
             if side is not None and t.src != t.dst:
                 side += [(name, t.units) for name, spec in specs.items() if spec.kind == t.kind]
-        self.outgoing = plan_buckets(dict(outgoing), specs, full_shapes, bucket_numel)
-        self.incoming = plan_buckets(dict(incoming), specs, full_shapes, bucket_numel)
+        self.outgoing = plan_buckets(dict(outgoing), specs, full_shapes, bucket_numel, forward)
+        self.incoming = plan_buckets(dict(incoming), specs, full_shapes, bucket_numel, forward)
 
     def peers(self) -> set[int]:
         return set(self.outgoing) | set(self.incoming)
@@ -133,8 +136,9 @@ class UnitExchange:
         return received
 
 
-def same_layout(transfers, rank: int, topology, specs, full_shapes, bucket_numel=None) -> UnitExchange:
+def same_layout(transfers, rank: int, topology, specs, full_shapes, bucket_numel=None,
+                forward: bool = False) -> UnitExchange:
     """A UnitExchange between ranks that keep their layout (steady-state gradient and parameter sync)."""
     replica, tp_rank = topology.locate(rank)
     side = Side(topology.layouts[replica], tp_rank)
-    return UnitExchange(transfers, rank, specs, full_shapes, side, side, bucket_numel)
+    return UnitExchange(transfers, rank, specs, full_shapes, side, side, bucket_numel, forward)

@@ -1,4 +1,4 @@
-"""Gradients streamed between a contributor and its anchors while both run backward.
+"""Gradients and parameters streamed between a contributor and its anchors while they compute.
 
 The contributor sends a bucket as soon as the last gradient in it is final (a post-accumulate hook), so its
 messages leave during its backward. The anchor posts its first receives before its backward starts and adds each
@@ -17,6 +17,7 @@ import torch
 
 from ntp_ds.comm import wire
 from ntp_ds.comm.exchange import UnitExchange
+from ntp_ds.layout import units as U
 
 
 class OutgoingGradients:
@@ -129,3 +130,105 @@ class IncomingGradients:
         if missing:
             raise RuntimeError(f"contributor gradients for {missing} arrived but no gradient of them was computed "
                                f"in this backward; every parameter must take part in the loss")
+
+
+class OutgoingParameters:
+    """An anchor's side of the parameter copy: after its optimizer step it posts every bucket (in forward order),
+    each as its own message, and waits for them before its next optimizer step."""
+
+    def __init__(self, exchange: UnitExchange):
+        self.exchange = exchange
+        self.pending: list[wire.Exchange] = []
+
+    def post(self, params: dict[str, torch.Tensor]) -> None:
+        self.wait()
+        for peer, buckets in self.exchange.outgoing.items():
+            for bucket in buckets:
+                self.pending.append(wire.exchange({peer: self.exchange.pack(bucket, params)}, {},
+                                                  op="param_bucket"))
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, []
+        for e in pending:
+            e.wait()
+
+
+class IncomingParameters:
+    """A contributor's side: receive the updated parameters bucket by bucket while the next forward runs.
+
+    `post` (after the step) posts the first `window` receives per anchor peer; `settle_for(names)` (a module's
+    forward pre-hook) completes, in order, every bucket up to the last one holding those parameters and writes
+    them in; `settle` completes the rest. With `salvage` (at a failure) a bucket that cannot arrive is left out and
+    its units are returned as stale: this rank still holds the previous step's values for them.
+    """
+
+    def __init__(self, exchange: UnitExchange, window: int = 2):
+        self.exchange, self.window = exchange, window
+        self._params: dict[str, torch.Tensor] = {}
+        self._posted: dict[int, list] = {}
+        self._done: dict[int, int] = {}
+        self._last: dict[str, dict[int, int]] = defaultdict(dict)
+        for peer, buckets in exchange.incoming.items():
+            for k, b in enumerate(buckets):
+                for name in b.names:
+                    self._last[name][peer] = k
+
+    @property
+    def names(self) -> set[str]:
+        return set(self._last)
+
+    def pending(self) -> bool:
+        return any(self._done[p] < len(bs) for p, bs in self.exchange.incoming.items()) if self._done else False
+
+    def post(self, params: dict[str, torch.Tensor]) -> None:
+        self.settle()
+        self._params = params
+        self._posted = {p: [] for p in self.exchange.incoming}
+        self._done = {p: 0 for p in self.exchange.incoming}
+        for peer, buckets in self.exchange.incoming.items():
+            self._post_until(peer, min(self.window, len(buckets)) - 1)
+
+    def _post_until(self, peer: int, k: int) -> None:
+        posted, buckets = self._posted[peer], self.exchange.incoming[peer]
+        while len(posted) <= k:
+            bucket = buckets[len(posted)]
+            like = self._params[bucket.items[0][0]]
+            buf = torch.empty(bucket.numel, dtype=like.dtype, device=like.device)
+            posted.append((wire.exchange({}, {peer: buf}, op="param_bucket"), buf))
+
+    def settle_for(self, names) -> None:
+        if not self._done:
+            return
+        for name in names:
+            for peer, k in self._last.get(name, {}).items():
+                self._settle_peer(peer, k)
+
+    def _settle_peer(self, peer: int, k: int, salvage: bool = False) -> None:
+        buckets = self.exchange.incoming[peer]
+        while self._done[peer] <= k:
+            j = self._done[peer]
+            self._post_until(peer, j)
+            pending, buf = self._posted[peer][j]
+            pending.wait_received(peer, heed_failure=not salvage)
+            with torch.no_grad():
+                self.exchange.unpack(buckets[j], buf, self._params)
+            self._posted[peer][j] = (pending, None)
+            self._done[peer] = j + 1
+            self._post_until(peer, min(j + self.window, len(buckets) - 1))
+
+    def settle(self, salvage: bool = False) -> dict[str, U.Ranges]:
+        """Complete every bucket; return the units (by kind) whose bucket could not arrive (salvage only)."""
+        stale: dict[str, list[int]] = defaultdict(list)
+        for peer, buckets in self.exchange.incoming.items():
+            if not self._done:
+                break
+            try:
+                self._settle_peer(peer, len(buckets) - 1, salvage)
+            except RuntimeError:
+                if not salvage:
+                    raise
+                for bucket in buckets[self._done[peer]:]:
+                    for name, units in bucket.items:
+                        stale[self.exchange.specs[name].kind] += list(U.units_of(units))
+        self._done, self._posted = {}, {}
+        return {kind: U.from_units(sorted(set(us))) for kind, us in stale.items()}

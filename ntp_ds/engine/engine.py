@@ -22,7 +22,7 @@ from ntp_ds.batch.loader import counted_tokens
 from ntp_ds.comm import wire
 from ntp_ds.comm.exchange import same_layout
 from ntp_ds.comm.groups import ReplicaGroups
-from ntp_ds.comm.streams import IncomingGradients, OutgoingGradients
+from ntp_ds.comm.streams import IncomingGradients, IncomingParameters, OutgoingGradients, OutgoingParameters
 from ntp_ds.engine import fragments as state
 from ntp_ds.engine.copies import StateCopies
 from ntp_ds.layout import ParamSpec, plan_buddies
@@ -47,6 +47,8 @@ class Snapshot:
     global_steps: int
     global_samples: int
     mid_step: bool
+    stale: dict
+    """Units (by kind) of this rank's shard still at the previous step: their streamed copy never arrived."""
 
 
 class NTPEngine(DeepSpeedEngine):
@@ -61,8 +63,13 @@ class NTPEngine(DeepSpeedEngine):
         self.param_specs, self.full_shapes = specs, full_shapes
         plan, rank, topo = ntp_groups.plan, ntp_groups.rank, ntp_groups.topology
         self._grads = same_layout(plan.grad_transfers, rank, topo, specs, full_shapes, ntp.bucket_size)
-        self._params = same_layout(plan.param_transfers, rank, topo, specs, full_shapes, ntp.bucket_size)
+        self._params = same_layout(plan.param_transfers, rank, topo, specs, full_shapes, ntp.bucket_size,
+                                   forward=True)
         self._outgoing, self._incoming = OutgoingGradients(self._grads), IncomingGradients(self._grads)
+        # With two or more anchor replicas every anchor unit has another holder, so the copy to the contributors may
+        # travel during their next forward: an anchor lost meanwhile takes nothing that exists nowhere else.
+        self.stream_parameters = len(plan.anchors) >= 2 and bool(self._params.outgoing or self._params.incoming)
+        self._params_out, self._params_in = OutgoingParameters(self._params), IncomingParameters(self._params)
         self._loss_weight = None
         self.on_phase = lambda step, phase: None
         """Called at every phase boundary (forward, backward, grad_sync, optimizer): the fault-injection seam."""
@@ -73,6 +80,8 @@ class NTPEngine(DeepSpeedEngine):
         if not self.is_anchor:
             self.enable_backward_allreduce = False
         self.sync_parameters()
+        if self.stream_parameters and self._params.incoming:
+            self._add_parameter_hooks()
 
     # -- parameters --------------------------------------------------------------------------------------------
     def named_shards(self) -> dict[str, torch.nn.Parameter]:
@@ -84,9 +93,27 @@ class NTPEngine(DeepSpeedEngine):
 
     @torch.no_grad()
     def sync_parameters(self) -> None:
-        """Copy the anchors' parameters onto the contributor replicas (at start and after every step)."""
+        """Copy the anchors' parameters onto the contributor replicas, now."""
+        self.settle_parameters()
         params = {n: p.data for n, p in self.named_shards().items()}
         self._params.run(params, params)
+
+    def settle_parameters(self) -> None:
+        """Complete the parameter copy still in flight to this contributor (streamed during its forward).
+
+        Every engine method that reads parameters calls this; call it before reading a contributor's
+        `engine.module` parameters directly between `step()` and the next forward.
+        """
+        self._params_in.settle()
+
+    def _add_parameter_hooks(self) -> None:
+        """Before a module first uses its parameters in a forward, complete the buckets that hold them."""
+        names = self._params_in.names
+        for prefix, module in self.module.named_modules():
+            own = [f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters(recurse=False)]
+            own = [n for n in own if n in names]
+            if own:
+                module.register_forward_pre_hook(lambda _m, _a, own=tuple(own): self._params_in.settle_for(own))
 
     def peers(self) -> set[int]:
         """Global ranks this rank exchanges data with directly (its groups, sync partners and buddies)."""
@@ -170,6 +197,8 @@ class NTPEngine(DeepSpeedEngine):
             self.on_phase(self.global_steps + 1, "optimizer")
             if not self.is_anchor:
                 self._outgoing.wait()  # every bucket has reached its anchor before anyone steps
+                self.settle_parameters()  # a parameter no module used in this step's forward
+            self._params_out.wait()
             self.copies.finish()  # with redundancy_overlap: the previous step's copies, which travelled meanwhile
             wire.vote(True)
             self.in_optimizer_step = True
@@ -180,10 +209,17 @@ class NTPEngine(DeepSpeedEngine):
                 p.grad = None
             self.global_steps += 1
             self.global_samples += self.batch_plan.global_samples
-        if boundary and (self._params.outgoing or self._params.incoming):
-            self.sync_parameters()
         if boundary:
             self.refresh_copies()
+        if boundary and self.stream_parameters:
+            params = {n: p.data for n, p in self.named_shards().items()}
+            if self.is_anchor:
+                self._params_out.post(params)
+            else:
+                self._params_in.post(params)
+        elif boundary and (self._params.outgoing or self._params.incoming):
+            self.sync_parameters()
+        if boundary:
             self.in_optimizer_step = False
         if not self.is_anchor:
             self.micro_steps += 1
@@ -203,8 +239,8 @@ class NTPEngine(DeepSpeedEngine):
         keys = self.optimizer_keys()
         sources = state.flat_sources(self, keys) if self.is_anchor else None
         self.copies.start(keys, state.optimizer_step(self) if self.is_anchor else 0, wire.device_of(), sources)
-        if not self.job.ntp.redundancy_overlap:
-            self.copies.finish()
+        if self.copies.on_host or not self.job.ntp.redundancy_overlap:
+            self.copies.finish()  # host copies are received piece by piece here, whatever the overlap setting
 
     def release(self) -> None:
         """Drop every reference this engine holds (model, optimizer, process groups).
@@ -219,8 +255,9 @@ class NTPEngine(DeepSpeedEngine):
         """Everything a survivor carries into recovery (views of live tensors: keep this engine until done)."""
         try:
             self.copies.finish(salvage=True)
-        except Exception as err:  # the copy in flight did not arrive whole: the older one stays, and says its step
-            log.warning("a redundant copy in flight was lost (%s); keeping the older copy", err)
+        except Exception as err:  # a copy in flight did not arrive whole: it is dropped, and recovery says so
+            log.warning("a redundant copy in flight was lost (%s)", err)
+        stale = self._params_in.settle(salvage=True)
         keys = self.optimizer_keys()
         return Snapshot(
             topology=self.ntp_groups.topology, rank=self.ntp_groups.rank,
@@ -228,11 +265,12 @@ class NTPEngine(DeepSpeedEngine):
             fragments=state.local_fragments(self, keys) if self.is_anchor else {},
             keys=keys, optimizer_step=state.optimizer_step(self) if self.is_anchor else 0,
             held=dict(self.copies.held), global_steps=self.global_steps, global_samples=self.global_samples,
-            mid_step=self.in_optimizer_step)
+            mid_step=self.in_optimizer_step, stale=stale)
 
     # -- DeepSpeed checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
         """DeepSpeed's checkpoint, written by the anchors; a contributor's state is a copy of its anchor's."""
+        self.settle_parameters()
         if not self.is_anchor:
             self.save_non_zero_checkpoint = False
             self.save_zero_checkpoint = False
@@ -269,6 +307,7 @@ class NTPEngine(DeepSpeedEngine):
 
         Collective over that replica's TP group; every rank may call it, the others return at once.
         """
+        self.settle_parameters()
         g = self.ntp_groups
         if g.replica != g.plan.anchors[0]:
             return None

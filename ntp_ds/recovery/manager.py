@@ -160,8 +160,9 @@ class Recovery:
         t_regrouped = time.time()
 
         old_rank_of = {i: old_members.index(m) for i, m in enumerate(new_members)}
+        stale = dict(enumerate(wire.all_gather_object(snapshot.stale)))
         try:
-            moves = plan_unit_moves(snapshot.topology, new_topology, old_rank_of)
+            moves = plan_unit_moves(snapshot.topology, new_topology, old_rank_of, stale)
         except LookupError as e:
             raise RecoveryImpossible(f"{e}: every replica lost it (ranks {sorted(gone)} died); restart from the last "
                                      f"checkpoint") from None
@@ -252,6 +253,7 @@ class Recovery:
         with torch.no_grad():
             for name, spec in specs.items():
                 keep = U.intersect(old_layout.owned(spec.kind, old_tp), groups.layout.owned(spec.kind, groups.tp_rank))
+                keep = U.subtract(keep, snapshot.stale.get(spec.kind, ()))  # fetched afresh with the moves
                 if keep:
                     buf = gather_units(snapshot.params[name].float(), spec, old_layout, old_tp, keep)
                     scatter_units(new_params[name].data, buf, spec, groups.layout, groups.tp_rank, keep)

@@ -20,26 +20,32 @@ class UnitMove:
     units: U.Ranges
 
 
-def plan_unit_moves(old: Topology, new: Topology, old_rank_of: dict[int, int]) -> list[UnitMove]:
+def plan_unit_moves(old: Topology, new: Topology, old_rank_of: dict[int, int],
+                    stale: dict[int, dict[str, U.Ranges]] | None = None) -> list[UnitMove]:
     """Units every new rank needs but did not hold before, each fetched once from a surviving holder.
 
     `old_rank_of` maps each new global rank to its global rank in the old topology. A unit a rank held before stays
-    in place; a missing one comes from the least-loaded survivor holding it in another replica.
+    in place; a missing one comes from the least-loaded survivor holding it in another replica. `stale[new_rank]`
+    lists units (by kind) that rank holds only at the previous step (a streamed copy that never arrived): it holds
+    them for nobody, itself included.
     """
+    stale = stale or {}
+
+    def held_by(new_rank: int, kind: str) -> U.Ranges:
+        replica, tp_rank = old.locate(old_rank_of[new_rank])
+        return U.subtract(old.layouts[replica].owned(kind, tp_rank), stale.get(new_rank, {}).get(kind, ()))
+
     holders: dict[tuple[str, int], list[int]] = defaultdict(list)
-    for new_rank, old_rank in old_rank_of.items():
-        replica, tp_rank = old.locate(old_rank)
-        lay = old.layouts[replica]
+    for new_rank in old_rank_of:
         for kind in KINDS:
-            for u in U.units_of(lay.owned(kind, tp_rank)):
+            for u in U.units_of(held_by(new_rank, kind)):
                 holders[(kind, u)].append(new_rank)
     load: dict[int, int] = defaultdict(int)
     moves: dict[tuple[int, int, str], list[int]] = defaultdict(list)
     for new_rank in range(new.world_size):
         replica, tp_rank = new.locate(new_rank)
-        before = old.locate(old_rank_of[new_rank])
         for kind in KINDS:
-            held = old.layouts[before[0]].owned(kind, before[1])
+            held = held_by(new_rank, kind)
             for u in U.units_of(U.subtract(new.layouts[replica].owned(kind, tp_rank), held)):
                 sources = [h for h in holders[(kind, u)] if new.locate(h)[0] != replica] or holders[(kind, u)]
                 if not sources:

@@ -1,0 +1,35 @@
+"""Pure recovery planning: which units each new rank fetches, and from whom."""
+
+from ntp_ds.layout import ModelUnits, Topology
+from ntp_ds.layout import units as U
+from ntp_ds.recovery.plan import plan_unit_moves
+
+UNITS = ModelUnits(heads=4, kv_heads=2, ffn=8, vocab=16)
+
+
+def _fetched(moves, rank, kind):
+    return sorted(u for m in moves if m.dst == rank and m.kind == kind for u in U.units_of(m.units))
+
+
+def test_only_the_lost_units_move_and_each_comes_from_another_replica():
+    old = Topology.from_degrees(UNITS, (2, 2))
+    new = Topology((old.layouts[0], old.layouts[1].without_ranks({1})))
+    moves = plan_unit_moves(old, new, {0: 0, 1: 1, 2: 2})
+    lost = U.units_of(old.layouts[1].owned("ffn", 1))
+    assert _fetched(moves, 2, "ffn") == lost
+    assert all(new.locate(m.src)[0] != new.locate(m.dst)[0] for m in moves)
+    assert not _fetched(moves, 0, "ffn") and not _fetched(moves, 1, "ffn")
+
+
+def test_stale_units_are_fetched_again_and_never_served():
+    # (2, 2, 1) loses rank 0; the contributor (old rank 4, new rank 3) holds vocab units 0-3 only at the previous
+    # step: it must fetch them, and nobody may fetch them from it.
+    old = Topology.from_degrees(UNITS, (2, 2, 1))
+    new = Topology((old.layouts[0].without_ranks({0}), old.layouts[1], old.layouts[2]))
+    old_rank_of = {0: 1, 1: 2, 2: 3, 3: 4}
+    stale = {3: {"vocab": ((0, 4),)}}
+    moves = plan_unit_moves(old, new, old_rank_of, stale)
+    assert _fetched(moves, 3, "vocab") == [0, 1, 2, 3]
+    assert all(not (m.src == 3 and m.kind == "vocab" and U.intersect(m.units, ((0, 4),))) for m in moves)
+    without = plan_unit_moves(old, new, old_rank_of)
+    assert _fetched(without, 3, "vocab") == []
