@@ -17,25 +17,9 @@ import argparse
 import resource
 import sys
 
-import torch
 
+from ntp_ds.testing.bench import add_job_args, deepspeed_config, llama_config
 from ntp_ds.testing.spawn import run_ranks
-
-
-def _config(args):
-    from ntp_ds.models import LlamaConfig
-
-    return LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
-                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                       num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq)
-
-
-def _ds_config(args) -> dict:
-    return {"train_batch_size": args.micro * args.accum * args.replicas, "train_micro_batch_size_per_gpu": args.micro,
-            "gradient_accumulation_steps": args.accum,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-            "zero_optimization": {"stage": args.zero_stage}, "bf16": {"enabled": torch.cuda.is_available()},
-            "steps_per_print": 10**9}
 
 
 def _ntp(args) -> dict:
@@ -60,7 +44,7 @@ def _worker(rank, world_size, args, side):
     from ntp_ds.engine.initialize import prepare
     from ntp_ds.models import Llama
 
-    config, ds_config = _config(args), _ds_config(args)
+    config, ds_config = llama_config(args), deepspeed_config(args)
     spec, topology = prepare(config, ds_config, _ntp(args))
     sync, plan = spec.plan(topology)
     deepspeed.init_distributed(dist_backend=backend_for_device(), timeout=timedelta(seconds=spec.ntp.timeout_s))
@@ -96,19 +80,7 @@ def _worker(rank, world_size, args, side):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--zero-stage", type=int, default=1)
-    parser.add_argument("--zero-redundancy", type=int, default=1,
-                        help="in-memory copies of each ZeRO partition kept for live recovery (the NTP default is 1)")
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--micro", type=int, default=2)
-    parser.add_argument("--accum", type=int, default=2)
+    add_job_args(parser, hidden=1024, layers=8, heads=16, kv_heads=8, vocab=8192, seq=64, micro=2, accum=2)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)

@@ -24,24 +24,8 @@ import time
 
 import torch
 
+from ntp_ds.testing.bench import add_job_args, deepspeed_config, llama_config
 from ntp_ds.testing.spawn import run_ranks
-
-
-def _config(args):
-    from ntp_ds.models import LlamaConfig
-
-    return LlamaConfig(vocab_size=1024, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
-                       num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-                       max_position_embeddings=args.seq)
-
-
-def _ds_config(args) -> dict:
-    replicas = args.replicas
-    return {"train_batch_size": args.micro * args.accum * replicas, "train_micro_batch_size_per_gpu": args.micro,
-            "gradient_accumulation_steps": args.accum,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-            "zero_optimization": {"stage": args.zero_stage}, "bf16": {"enabled": torch.cuda.is_available()},
-            "steps_per_print": 10**9}
 
 
 def _swapped(layout):
@@ -63,15 +47,15 @@ def _worker(rank, world_size, args):
     from ntp_ds.layout.sharding import shard_tensor
     from ntp_ds.models import Llama
 
-    config = _config(args)
+    config = llama_config(args)
     torch.manual_seed(0)
     full = Llama(config)
     ntp = {"tp": args.tp, "replicas": args.replicas, "zero_redundancy": args.zero_redundancy,
            "redundancy_overlap": args.redundancy_overlap, "bucket_size": args.bucket_size}
-    engines = {"ntp": ntp_ds.initialize(model=full, config=_ds_config(args), ntp=ntp)}
+    engines = {"ntp": ntp_ds.initialize(model=full, config=deepspeed_config(args), ntp=ntp)}
     uniform = engines["ntp"].ntp_groups
     if args.contributor:
-        spec, topology = prepare(full, _ds_config(args), ntp)
+        spec, topology = prepare(full, deepspeed_config(args), ntp)
         layouts = list(topology.layouts)
         layouts[1] = _swapped(layouts[1])
         engines["contributor"] = build_engine(spec, Topology(tuple(layouts)),
@@ -85,7 +69,7 @@ def _worker(rank, world_size, args):
             p.copy_(shard_tensor(dict(full.named_parameters())[name].detach(), specs[name][0], groups.layout,
                                  groups.tp_rank))
     engines["plain"], *_ = deepspeed.initialize(model=shard, model_parameters=list(shard.parameters()),
-                                                config=_ds_config(args), mpu=NTPMpu(groups))
+                                                config=deepspeed_config(args), mpu=NTPMpu(groups))
     data = SyntheticTokens(config.vocab_size, args.seq, size=4096, seed=0)
     sampler = GlobalBatchSampler(len(data), seed=0)
 
@@ -126,22 +110,13 @@ def paired_ratio(results: list[dict], name: str, steps: int) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--zero-stage", type=int, default=1)
-    parser.add_argument("--zero-redundancy", type=int, default=1,
-                        help="in-memory copies of each ZeRO partition kept for live recovery (the NTP default is 1)")
+    add_job_args(parser, hidden=256, layers=4, heads=8, kv_heads=4, vocab=1024, seq=128, micro=4, accum=2)
     parser.add_argument("--redundancy-overlap", action="store_true",
                         help="let the redundant copies travel during the next step (ntp.redundancy_overlap)")
     parser.add_argument("--bucket-size", type=int, default=500_000_000,
                         help="elements per gradient/parameter message between replicas")
     parser.add_argument("--contributor", action="store_true",
                         help="also run replica 1 with a different layout of the same degree (a contributor)")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--micro", type=int, default=4)
-    parser.add_argument("--accum", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args(argv)

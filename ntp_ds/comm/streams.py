@@ -70,19 +70,37 @@ class OutgoingGradients:
             e.wait()
 
 
-class IncomingGradients:
+class _Inbox:
+    """Receives of one exchange's incoming buckets, posted per peer in bucket order, each into its own buffer."""
+
+    def __init__(self, exchange: UnitExchange, window: int):
+        self.exchange, self.window = exchange, window
+        self._posted: dict[int, list] = {}
+        self._like: dict[str, torch.Tensor] = {}
+
+    def _post_until(self, peer: int, k: int) -> None:
+        """Post the receives of `peer`'s buckets up to index `k` (in order; already posted ones are kept)."""
+        posted, buckets = self._posted[peer], self.exchange.incoming[peer]
+        while len(posted) <= k:
+            bucket = buckets[len(posted)]
+            like = self._like[bucket.items[0][0]]
+            buf = torch.empty(bucket.numel, dtype=like.dtype, device=like.device)
+            posted.append((wire.exchange({}, {peer: buf}, op=self.op), buf))
+
+
+class IncomingGradients(_Inbox):
     """An anchor's side: receive buckets in order and add each into its parameter's gradient in backward."""
 
+    op = "grad_bucket"
+
     def __init__(self, exchange: UnitExchange, window: int = 2):
-        self.exchange, self.window = exchange, window
-        self._posted: dict[int, list[tuple[wire.Exchange, torch.Tensor]]] = {}
+        super().__init__(exchange, window)
         self._unused: dict[tuple[int, int], set[str]] = {}
         self._of_name: dict[str, list[tuple[int, int]]] = defaultdict(list)
         for peer, buckets in exchange.incoming.items():
             for k, b in enumerate(buckets):
                 for name in b.names:
                     self._of_name[name].append((peer, k))
-        self._like: dict[str, torch.Tensor] = {}
 
     def arm(self, params: dict[str, torch.nn.Parameter]) -> list:
         """Post the first receives and hook the receiving parameters; return the hook handles."""
@@ -92,14 +110,6 @@ class IncomingGradients:
         for peer, buckets in self.exchange.incoming.items():
             self._post_until(peer, min(self.window, len(buckets)) - 1)
         return [params[n].register_hook(partial(self._add, n)) for n in self._of_name]
-
-    def _post_until(self, peer: int, k: int) -> None:
-        posted, buckets = self._posted[peer], self.exchange.incoming[peer]
-        while len(posted) <= k:
-            bucket = buckets[len(posted)]
-            like = self._like[bucket.items[0][0]]
-            buf = torch.empty(bucket.numel, dtype=like.dtype, device=like.device)
-            posted.append((wire.exchange({}, {peer: buf}, op="grad_bucket"), buf))
 
     def _add(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         out = grad.clone()
@@ -153,7 +163,7 @@ class OutgoingParameters:
             e.wait()
 
 
-class IncomingParameters:
+class IncomingParameters(_Inbox):
     """A contributor's side: receive the updated parameters bucket by bucket while the next forward runs.
 
     `post` (after the step) posts the first `window` receives per anchor peer; `settle_for(names)` (a module's
@@ -162,10 +172,10 @@ class IncomingParameters:
     its units are returned as stale: this rank still holds the previous step's values for them.
     """
 
+    op = "param_bucket"
+
     def __init__(self, exchange: UnitExchange, window: int = 2):
-        self.exchange, self.window = exchange, window
-        self._params: dict[str, torch.Tensor] = {}
-        self._posted: dict[int, list] = {}
+        super().__init__(exchange, window)
         self._done: dict[int, int] = {}
         self._last: dict[str, dict[int, int]] = defaultdict(dict)
         for peer, buckets in exchange.incoming.items():
@@ -182,19 +192,11 @@ class IncomingParameters:
 
     def post(self, params: dict[str, torch.Tensor]) -> None:
         self.settle()
-        self._params = params
+        self._like = params
         self._posted = {p: [] for p in self.exchange.incoming}
         self._done = {p: 0 for p in self.exchange.incoming}
         for peer, buckets in self.exchange.incoming.items():
             self._post_until(peer, min(self.window, len(buckets)) - 1)
-
-    def _post_until(self, peer: int, k: int) -> None:
-        posted, buckets = self._posted[peer], self.exchange.incoming[peer]
-        while len(posted) <= k:
-            bucket = buckets[len(posted)]
-            like = self._params[bucket.items[0][0]]
-            buf = torch.empty(bucket.numel, dtype=like.dtype, device=like.device)
-            posted.append((wire.exchange({}, {peer: buf}, op="param_bucket"), buf))
 
     def settle_for(self, names) -> None:
         if not self._done:
@@ -211,7 +213,7 @@ class IncomingParameters:
             pending, buf = self._posted[peer][j]
             pending.wait_received(peer, heed_failure=not salvage)
             with torch.no_grad():
-                self.exchange.unpack(buckets[j], buf, self._params)
+                self.exchange.unpack(buckets[j], buf, self._like)
             self._posted[peer][j] = (pending, None)
             self._done[peer] = j + 1
             self._post_until(peer, min(j + self.window, len(buckets) - 1))
