@@ -1,1 +1,2 @@
-"""Communication: process groups for a topology, DeepSpeed's mpu view of them, and unit exchange between ranks."""
+"""Communication: every call that crosses the wire (wire.py), process groups and DeepSpeed's mpu view of them,
+and the exchanges between replicas of different layouts (bucketed units, gradients and parameters streamed)."""

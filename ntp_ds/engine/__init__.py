@@ -1,4 +1,5 @@
-"""The DeepSpeed integration: NTP configuration, the NTPEngine and `initialize`."""
+"""The DeepSpeed integration: NTP configuration, the NTPEngine, `initialize`, and the optimizer state each anchor
+keeps copies of on other replicas."""
 
 from ntp_ds.engine.config import ConfigError, NTPConfig
 from ntp_ds.engine.engine import NTPEngine

@@ -1,2 +1,2 @@
-"""Live recovery: optimizer-state fragments and their redundant copies, recovery plans, and the manager that turns
-a failure into a new generation's engine."""
+"""Live recovery: recovery plans, re-slicing of optimizer state, and the manager that turns a failure into a new
+generation's engine."""
