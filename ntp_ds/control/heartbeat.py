@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 EXITED_KEY = "exited"
 """Store key to which `mark_exited` appends one `RANK REASON` line per worker known to have exited."""
+WATCHES_PER_BEAT = 4
+"""How often per beat interval a heartbeat thread that watches peers polls them."""
 FENCE_KEY = "fence"
 """Store key to which `request_fence` appends one `RANK REASON` line per worker its peers declared dead."""
 
@@ -177,6 +179,7 @@ class Heartbeat:
         self._wall = wall
         self._counter = 0
         self._reported: set[int] = set()
+        self._members: set[int] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -198,9 +201,15 @@ class Heartbeat:
         return self
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        # A watching thread looks at its peers WATCHES_PER_BEAT times per beat, so a silent peer is seen within a
+        # fraction of a beat of its timeout (the beats themselves keep their interval).
+        tick = self.interval_s / WATCHES_PER_BEAT if self.monitor is not None else self.interval_s
+        last_beat = time.monotonic()
+        while not self._stop.wait(tick):
             try:
-                self.beat()
+                if time.monotonic() - last_beat >= self.interval_s - tick / 2:
+                    self.beat()
+                    last_beat = time.monotonic()
                 if self.monitor is not None:
                     self._watch()
                 self.error = None
@@ -212,16 +221,21 @@ class Heartbeat:
     def _watch(self) -> None:
         with self._lock:
             new = poll_liveness(self.store, self.monitor) - self._reported
+            if self._members:
+                # A rank some other peer declared dead: every collective of the generation waits on it too.
+                new |= (set(read_fences(self.store)) & self._members) - self._reported
             self._reported |= new
         if new:
             self.on_dead(frozenset(new), self._wall())
 
-    def watch(self, ranks: Iterable[int]) -> None:
-        """Watch exactly `ranks` from now on, each counted alive as of now (a new generation's peers)."""
+    def watch(self, ranks: Iterable[int], members: Iterable[int] = ()) -> None:
+        """Watch exactly `ranks` from now on, each counted alive as of now (a new generation's peers), and report any
+        of `members` (the rest of the generation) once a peer of theirs has asked for it to be fenced."""
         if self.monitor is None:
             raise RuntimeError("this heartbeat watches no peers (it has no monitor)")
         with self._lock:
             self.monitor = LivenessMonitor(ranks, self.monitor.heartbeat_timeout_s, self.monitor._clock)
+            self._members = set(members)
             self._reported = set()
 
     def retain(self, ranks: Iterable[int]) -> None:

@@ -71,6 +71,7 @@ class Recovery:
         self.heartbeat = Heartbeat(store.clone(), rank, heartbeat_interval_s,
                                    monitor=LivenessMonitor(self._peers(engine), heartbeat_timeout_s),
                                    on_dead=self._peers_dead).start()
+        self.heartbeat.watch(self._peers(engine), set(self.members) - {rank})
         self.events: list[dict] = []
         self.job: JobSpec = engine.job
         self.on_phase = lambda step, phase: None
@@ -87,7 +88,9 @@ class Recovery:
         """From the heartbeat thread: a peer went silent or exited. Ask its launcher to stop it for good (its
         connections then close, which ends every gloo wait on it) and end this rank's waits on the wire (under
         NCCL this aborts the communicators)."""
-        reason = "; ".join(self.heartbeat.monitor.reason(r) for r in sorted(ranks))
+        watched = set(self.heartbeat.monitor.ranks)
+        reason = "; ".join(self.heartbeat.monitor.reason(r) if r in watched else f"rank {r} declared dead by a peer"
+                           for r in sorted(ranks))
         log.warning("rank %d: %s", self.rank, reason)
         try:
             request_fence(self.heartbeat.store, ranks, reason)
@@ -175,7 +178,7 @@ class Recovery:
         engine.refresh_copies()
         whole = lossless and not snapshot.mid_step  # a rank that died inside the optimizer left the step half done
         totals = wire.sum_counts([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), opt_moved, int(whole)])
-        self.heartbeat.watch(self._peers(engine))
+        self.heartbeat.watch(self._peers(engine), set(new_members) - {self.rank})
         barrier(self.store, f"recovery/{change.generation}/done", self.rank, new_members, self.job.ntp.timeout_s)
         t_done = time.time()
 
