@@ -98,11 +98,6 @@ def peer_failed(reason: str) -> None:
         abort_all()
 
 
-def failure() -> str | None:
-    """The reason this generation was declared broken, or None."""
-    return _state.reason if _state.failed.is_set() else None
-
-
 def abort_all() -> None:
     """Abort every communicator of this process (NCCL); the process groups are unusable afterwards."""
     try:
@@ -112,7 +107,8 @@ def abort_all() -> None:
 
 
 def teardown() -> None:
-    """Leave this generation's process groups; never raises (an aborted default group cannot be destroyed)."""
+    """Leave this generation's process groups. A group already aborted is not an error (it cannot be destroyed
+    afterwards, and is discarded instead)."""
     from deepspeed.utils import groups as ds_groups
 
     if dist.is_initialized():
