@@ -90,6 +90,11 @@ class UnitExchange:
     def peers(self) -> set[int]:
         return set(self.outgoing) | set(self.incoming)
 
+    def receive_buffer(self, bucket: Bucket, tensors: dict[str, torch.Tensor], dtype=None, device=None):
+        """An empty buffer for one incoming bucket, shaped by its elements, typed and placed like `tensors`."""
+        like = tensors[bucket.items[0][0]]
+        return torch.empty(bucket.numel, dtype=dtype or like.dtype, device=device or like.device)
+
     # -- packing -------------------------------------------------------------------------------------------------
     def pack(self, bucket: Bucket, tensors: dict[str, torch.Tensor], dtype=None) -> torch.Tensor:
         """One bucket's units out of `tensors` (this rank's shards in its send layout), as one flat buffer."""
@@ -124,16 +129,23 @@ class UnitExchange:
         received = 0
         for k in range(rounds):
             sends = {p: self.pack(bs[k], send, dtype) for p, bs in self.outgoing.items() if k < len(bs)}
-            recvs = {}
-            for p, bs in self.incoming.items():
-                if k < len(bs):
-                    like = receive[bs[k].items[0][0]]
-                    recvs[p] = torch.empty(bs[k].numel, dtype=dtype or like.dtype, device=device or like.device)
+            recvs = {p: self.receive_buffer(bs[k], receive, dtype, device)
+                     for p, bs in self.incoming.items() if k < len(bs)}
             wire.exchange(sends, recvs).wait()
             for p, buf in recvs.items():
                 self.unpack(self.incoming[p][k], buf, receive)
                 received += buf.numel() * buf.element_size()
         return received
+
+
+def bucket_index(buckets_by_peer: dict[int, list[Bucket]]) -> dict[str, list[tuple[int, int]]]:
+    """(peer, bucket index) of every bucket holding each parameter (one per peer: an item is never split)."""
+    index: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for peer, buckets in buckets_by_peer.items():
+        for k, bucket in enumerate(buckets):
+            for name in bucket.names:
+                index[name].append((peer, k))
+    return dict(index)
 
 
 def same_layout(transfers, rank: int, topology, specs, full_shapes, bucket_numel=None,

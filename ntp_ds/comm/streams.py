@@ -16,7 +16,7 @@ from functools import partial
 import torch
 
 from ntp_ds.comm import wire
-from ntp_ds.comm.exchange import UnitExchange
+from ntp_ds.comm.exchange import UnitExchange, bucket_index
 from ntp_ds.layout import units as U
 
 
@@ -29,11 +29,7 @@ class OutgoingGradients:
         self._params: dict[str, torch.nn.Parameter] = {}
         self._left: dict[tuple[int, int], set[str]] = {}
         self._next: dict[int, int] = {}
-        self._of_name: dict[str, list[tuple[int, int]]] = defaultdict(list)
-        for peer, buckets in exchange.outgoing.items():
-            for k, b in enumerate(buckets):
-                for name in b.names:
-                    self._of_name[name].append((peer, k))
+        self._of_name = bucket_index(exchange.outgoing)
 
     def arm(self, params: dict[str, torch.nn.Parameter]) -> list:
         """Watch this backward's gradients; return the hook handles (remove them after backward)."""
@@ -77,14 +73,20 @@ class _Inbox:
         self.exchange, self.window = exchange, window
         self._posted: dict[int, list] = {}
         self._like: dict[str, torch.Tensor] = {}
+        self._of_name = bucket_index(exchange.incoming)
+
+    def _open(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Start a round: buffers shaped like `tensors`, the first `window` receives of every peer posted."""
+        self._like = tensors
+        self._posted = {p: [] for p in self.exchange.incoming}
+        for peer, buckets in self.exchange.incoming.items():
+            self._post_until(peer, min(self.window, len(buckets)) - 1)
 
     def _post_until(self, peer: int, k: int) -> None:
         """Post the receives of `peer`'s buckets up to index `k` (in order; already posted ones are kept)."""
         posted, buckets = self._posted[peer], self.exchange.incoming[peer]
         while len(posted) <= k:
-            bucket = buckets[len(posted)]
-            like = self._like[bucket.items[0][0]]
-            buf = torch.empty(bucket.numel, dtype=like.dtype, device=like.device)
+            buf = self.exchange.receive_buffer(buckets[len(posted)], self._like)
             posted.append((wire.exchange({}, {peer: buf}, op=self.op), buf))
 
 
@@ -96,19 +98,11 @@ class IncomingGradients(_Inbox):
     def __init__(self, exchange: UnitExchange, window: int = 2):
         super().__init__(exchange, window)
         self._unused: dict[tuple[int, int], set[str]] = {}
-        self._of_name: dict[str, list[tuple[int, int]]] = defaultdict(list)
-        for peer, buckets in exchange.incoming.items():
-            for k, b in enumerate(buckets):
-                for name in b.names:
-                    self._of_name[name].append((peer, k))
 
     def arm(self, params: dict[str, torch.nn.Parameter]) -> list:
         """Post the first receives and hook the receiving parameters; return the hook handles."""
-        self._like = params
-        self._posted = {p: [] for p in self.exchange.incoming}
         self._unused = {(p, k): set(b.names) for p, bs in self.exchange.incoming.items() for k, b in enumerate(bs)}
-        for peer, buckets in self.exchange.incoming.items():
-            self._post_until(peer, min(self.window, len(buckets)) - 1)
+        self._open(params)
         return [params[n].register_hook(partial(self._add, n)) for n in self._of_name]
 
     def _add(self, name: str, grad: torch.Tensor) -> torch.Tensor:
@@ -177,32 +171,21 @@ class IncomingParameters(_Inbox):
     def __init__(self, exchange: UnitExchange, window: int = 2):
         super().__init__(exchange, window)
         self._done: dict[int, int] = {}
-        self._last: dict[str, dict[int, int]] = defaultdict(dict)
-        for peer, buckets in exchange.incoming.items():
-            for k, b in enumerate(buckets):
-                for name in b.names:
-                    self._last[name][peer] = k
 
     @property
     def names(self) -> set[str]:
-        return set(self._last)
-
-    def pending(self) -> bool:
-        return any(self._done[p] < len(bs) for p, bs in self.exchange.incoming.items()) if self._done else False
+        return set(self._of_name)
 
     def post(self, params: dict[str, torch.Tensor]) -> None:
         self.settle()
-        self._like = params
-        self._posted = {p: [] for p in self.exchange.incoming}
         self._done = {p: 0 for p in self.exchange.incoming}
-        for peer, buckets in self.exchange.incoming.items():
-            self._post_until(peer, min(self.window, len(buckets)) - 1)
+        self._open(params)
 
     def settle_for(self, names) -> None:
         if not self._done:
             return
         for name in names:
-            for peer, k in self._last.get(name, {}).items():
+            for peer, k in self._of_name.get(name, ()):
                 self._settle_peer(peer, k)
 
     def _settle_peer(self, peer: int, k: int, salvage: bool = False) -> None:

@@ -208,12 +208,13 @@ def wait(works, group=None, what: str = "collective", p2p: bool = False, heed_fa
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def all_reduce(tensor: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
-    """All-reduce `tensor` in place over `group` (a group of one is a no-op) and return it."""
+def all_reduce(tensor: torch.Tensor, group, op: str = "sum", name: str = "all_reduce") -> torch.Tensor:
+    """All-reduce `tensor` in place over `group` (a group of one is a no-op) and return it; `name` labels the call
+    in records and errors."""
     if group is not None and dist.get_world_size(group) == 1:
         return tensor
-    _check("all_reduce", group, [tensor])
-    wait(dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=True), group, "all_reduce")
+    _check(name, group, [tensor])
+    wait(dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=True), group, name)
     return tensor
 
 
@@ -264,11 +265,8 @@ def exchange(sends: Mapping[int, torch.Tensor | Sequence[torch.Tensor]],
 # -- control path: votes, barriers and objects over the gloo control group -----------------------------------------
 def vote(ready: bool, group=None) -> bool:
     """Whether every rank of the group (default: the generation) is ready; synchronous, over gloo."""
-    group = group or control_group()
     flag = torch.tensor([1 if ready else 0], dtype=torch.int32)
-    _check("vote", group, [flag])
-    wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True), group, "ready vote")
-    return bool(flag.item())
+    return bool(all_reduce(flag, group or control_group(), "min", "vote").item())
 
 
 def barrier(group=None) -> None:
@@ -280,11 +278,8 @@ def barrier(group=None) -> None:
 
 def sum_counts(values: list[float], group=None) -> list[float]:
     """Sum a few host numbers over the group (default: the generation), over gloo."""
-    group = group or control_group()
-    t = torch.tensor(values, dtype=torch.float64)
-    _check("sum_counts", group, [t])
-    wait(dist.all_reduce(t, group=group, async_op=True), group, "sum")
-    return t.tolist()
+    return all_reduce(torch.tensor(values, dtype=torch.float64), group or control_group(), "sum",
+                      "sum_counts").tolist()
 
 
 def all_gather_object(obj, group=None) -> list:

@@ -210,19 +210,22 @@ class NTPEngine(DeepSpeedEngine):
             self.global_steps += 1
             self.global_samples += self.batch_plan.global_samples
         if boundary:
-            self.refresh_copies()
-        if boundary and self.stream_parameters:
+            self.refresh_copies()  # before the parameters: an anchor's messages to a contributor go in this order
+            self._copy_parameters()
+            self.in_optimizer_step = False
+        if not self.is_anchor:
+            self.micro_steps += 1
+
+    def _copy_parameters(self) -> None:
+        """The anchors' updated parameters to the contributors: streamed into the next forward, or now."""
+        if self.stream_parameters:
             params = {n: p.data for n, p in self.named_shards().items()}
             if self.is_anchor:
                 self._params_out.post(params)
             else:
                 self._params_in.post(params)
-        elif boundary and (self._params.outgoing or self._params.incoming):
+        elif self._params.outgoing or self._params.incoming:
             self.sync_parameters()
-        if boundary:
-            self.in_optimizer_step = False
-        if not self.is_anchor:
-            self.micro_steps += 1
 
     # -- redundancy and recovery -------------------------------------------------------------------------------
     def optimizer_keys(self) -> tuple[str, ...]:

@@ -69,9 +69,9 @@ class Recovery:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.monitor = LivenessMonitor(self.members, heartbeat_timeout_s)
         self.heartbeat = Heartbeat(store.clone(), rank, heartbeat_interval_s,
-                                   monitor=LivenessMonitor(self._peers(engine), heartbeat_timeout_s),
-                                   on_dead=self._peers_dead).start()
+                                   monitor=LivenessMonitor((), heartbeat_timeout_s), on_dead=self._peers_dead)
         self.heartbeat.watch(self._peers(engine), set(self.members) - {rank})
+        self.heartbeat.start()
         self.events: list[dict] = []
         self.job: JobSpec = engine.job
         self.on_phase = lambda step, phase: None
@@ -248,8 +248,9 @@ class Recovery:
         """Build this rank's new shard: keep the units it held, pull the missing ones from their holders."""
         module = Llama(self.job.model_config, layout=groups.layout, tp_rank=groups.tp_rank,
                        tp_group=groups.tp_group, init=False)
-        specs = {n: s for n, (s, _) in module.param_specs().items()}
-        full_shapes = {n: shape for n, (_, shape) in module.param_specs().items()}
+        spec_shapes = module.param_specs()
+        specs = {n: s for n, (s, _) in spec_shapes.items()}
+        full_shapes = {n: shape for n, (_, shape) in spec_shapes.items()}
         new_params = dict(module.named_parameters())
         old_replica, old_tp = snapshot.topology.locate(snapshot.rank)
         old_layout = snapshot.topology.layouts[old_replica]
