@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
 MASTER = "fp32"
 
@@ -109,11 +108,10 @@ def fragment_addresses(engine) -> dict[str, tuple[int, int]]:
 
 
 @torch.no_grad()
-def install_state(engine, values: dict[str, dict[str, torch.Tensor]], step: int, keys: tuple[str, ...]) -> None:
-    """Install fp32 masters, optimizer tensors and the step count into a freshly built engine.
-
-    `values[name][key]` is a full-size (local shard shape) tensor of which only this rank's fragment is read.
-    """
+def reset_state(engine, step: int, keys: tuple[str, ...]) -> None:
+    """Give a freshly built engine's optimizer zeroed state tensors `keys` and step count `step`, so that
+    `local_fragments` returns writable views of every fragment (fp32 masters stay as DeepSpeed initialised them:
+    the parameters' values)."""
     inner = _inner_optimizer(engine)
     if uses_hp_mapping(engine):
         if keys:
@@ -121,17 +119,8 @@ def install_state(engine, values: dict[str, dict[str, torch.Tensor]], step: int,
                 inner.state[group] = {"step": torch.tensor(float(step))}
                 inner.state[group].update({k: torch.zeros_like(group) for k in keys})
             engine.optimizer._lazy_init_hp_params_optimizer_state()
-        for name, p in engine.module.named_parameters():
-            if name not in values:
-                continue
-            safe_set_full_fp32_param(p, values[name][MASTER])
-            for k in keys:
-                safe_set_full_optimizer_state(p, values[name][k], k)
         return
-    for name, p in engine.module.named_parameters():
-        if name not in values:
-            continue
-        p.data.copy_(values[name][MASTER].view_as(p))
-        if keys:
+    if keys:
+        for p in engine.module.parameters():
             inner.state[p] = {"step": torch.tensor(float(step))}
-            inner.state[p].update({k: values[name][k].view_as(p).clone() for k in keys})
+            inner.state[p].update({k: torch.zeros_like(p) for k in keys})

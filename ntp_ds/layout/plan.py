@@ -75,22 +75,22 @@ def plan_transfer(src: ShardLayout, src_ranks: list[int], dst: ShardLayout, dst_
     Owned kinds have one source; for a unit held on several source ranks (KV heads, replicated tensors) the least
     loaded holder is chosen, preferring the one at the same TP index, so the load spreads over the source ranks.
     """
-    moves: dict[tuple[int, int, str], list[int]] = defaultdict(list)
+    moves: dict[tuple[int, int, str], list[tuple[int, int]]] = defaultdict(list)
     load = [0] * src.tp
     for d in range(dst.tp):
         for kind in kinds:
             needed = dst.owned(kind, d)
             if kind in OWNED_KINDS:
                 for s in range(src.tp):
-                    for u in U.units_of(U.intersect(needed, src.owned(kind, s))):
-                        moves[(s, d, kind)].append(u)
+                    moves[(s, d, kind)] += U.intersect(needed, src.owned(kind, s))
                 continue
             for u in U.units_of(needed):
                 holders = src.holders(kind, u)
                 s = min(holders, key=lambda h: (load[h], h != d, h))
                 load[s] += 1
-                moves[(s, d, kind)].append(u)
-    return [Transfer(src_ranks[s], dst_ranks[d], kind, U.from_units(us)) for (s, d, kind), us in sorted(moves.items())]
+                moves[(s, d, kind)].append((u, u + 1))
+    return [Transfer(src_ranks[s], dst_ranks[d], kind, U.normalize(rs)) for (s, d, kind), rs in sorted(moves.items())
+            if rs]
 
 
 @dataclass(frozen=True)

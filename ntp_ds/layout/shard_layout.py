@@ -77,8 +77,7 @@ class ShardLayout:
                 if U.count(ranges) == 0:
                     raise LayoutError(f"rank {rank} is left with zero {kind} units (tp={self.tp}); "
                                       f"every rank needs at least one of each kind")
-            owned = sorted(u for ranges in per_rank for u in U.units_of(ranges))
-            if owned != list(range(self.units.count(kind))):
+            if not U.covers_exactly(per_rank, self.units.count(kind)):
                 raise LayoutError(f"{kind} units must be owned exactly once over units 0..{self.units.count(kind) - 1}")
 
     @property
@@ -102,7 +101,7 @@ class ShardLayout:
         """Units of `kind` that `rank` stores (its own, plus the KV heads it reads, or the whole replicated unit)."""
         if kind == "kv":
             g = self.units.group
-            return U.from_units(h // g for h in U.units_of(self.heads[rank]))
+            return U.normalize((a // g, (b - 1) // g + 1) for a, b in self.heads[rank])
         if kind == "replicated":
             return ((0, 1),)
         return getattr(self, kind)[rank]

@@ -50,9 +50,37 @@ def intersect(x: Ranges, y: Ranges) -> Ranges:
 
 
 def subtract(x: Ranges, y: Ranges) -> Ranges:
-    """Return the units of x that are not in y."""
-    held = set(units_of(y))
-    return from_units(u for u in units_of(x) if u not in held)
+    """Return the units of x that are not in y (range arithmetic: time linear in the number of ranges)."""
+    x, y = normalize(x), normalize(y)
+    out, j = [], 0
+    for start, stop in x:
+        while j < len(y) and y[j][1] <= start:
+            j += 1
+        k, cursor = j, start
+        while k < len(y) and y[k][0] < stop:
+            if y[k][0] > cursor:
+                out.append((cursor, y[k][0]))
+            cursor = max(cursor, y[k][1])
+            k += 1
+        if cursor < stop:
+            out.append((cursor, stop))
+    return tuple(out)
+
+
+def union(*sets: Ranges) -> Ranges:
+    """Return the units present in any of the range sets."""
+    return normalize(r for ranges in sets for r in ranges)
+
+
+def covers_exactly(per_rank: Iterable[Ranges], n: int) -> bool:
+    """Whether the range sets are disjoint and together cover units 0..n-1 (without listing units)."""
+    spans = sorted(r for ranges in per_rank for r in ranges if r[1] > r[0])
+    cursor = 0
+    for start, stop in spans:
+        if start != cursor:
+            return False
+        cursor = stop
+    return cursor == n
 
 
 def local_offsets(owned: Ranges, wanted: Ranges) -> list[tuple[int, int]]:

@@ -173,11 +173,15 @@ class Recovery:
         rereplicated = rereplicated_moves(snapshot.topology, new_topology, old_rank_of, moves)
         engine = build_engine(self.job, new_topology,
                               lambda groups: self._reshard(groups, snapshot, moves, moved, rereplicated), self.store)
-        opt_moved, lossless = reslice(engine, snapshot)
+        state = reslice(engine, snapshot)
         engine.global_steps, engine.global_samples = snapshot.global_steps, snapshot.global_samples
         engine.refresh_copies()
-        whole = lossless and not snapshot.mid_step  # a rank that died inside the optimizer left the step half done
-        totals = wire.sum_counts([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), opt_moved, int(whole)])
+        # Lossless is what was installed: every element of every new fragment written, from a copy of the last step,
+        # with intact payloads; a rank that died inside the optimizer left that step half done.
+        whole = (state["covered"] == state["wanted"] and state["checksums_ok"] and state["fresh"]
+                 and not snapshot.mid_step)
+        totals = wire.sum_counts([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), state["bytes_received"],
+                                  int(whole)])
         self.heartbeat.watch(self._peers(engine), set(new_members) - {self.rank})
         barrier(self.store, f"recovery/{change.generation}/done", self.rank, new_members, self.job.ntp.timeout_s)
         t_done = time.time()

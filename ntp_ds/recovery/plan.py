@@ -30,30 +30,35 @@ def plan_unit_moves(old: Topology, new: Topology, old_rank_of: dict[int, int],
     them for nobody, itself included.
     """
     stale = stale or {}
-
-    def held_by(new_rank: int, kind: str) -> U.Ranges:
-        replica, tp_rank = old.locate(old_rank_of[new_rank])
-        return U.subtract(old.layouts[replica].owned(kind, tp_rank), stale.get(new_rank, {}).get(kind, ()))
-
-    holders: dict[tuple[str, int], list[int]] = defaultdict(list)
-    for new_rank in old_rank_of:
-        for kind in KINDS:
-            for u in U.units_of(held_by(new_rank, kind)):
-                holders[(kind, u)].append(new_rank)
+    survivors = sorted(old_rank_of)
+    held = {(r, kind): _held(old, old_rank_of[r], kind, stale.get(r, {}).get(kind, ()))
+            for r in survivors for kind in KINDS}
     load: dict[int, int] = defaultdict(int)
-    moves: dict[tuple[int, int, str], list[int]] = defaultdict(list)
+    moves = []
     for new_rank in range(new.world_size):
         replica, tp_rank = new.locate(new_rank)
         for kind in KINDS:
-            held = held_by(new_rank, kind)
-            for u in U.units_of(U.subtract(new.layouts[replica].owned(kind, tp_rank), held)):
-                sources = [h for h in holders[(kind, u)] if new.locate(h)[0] != replica] or holders[(kind, u)]
-                if not sources:
-                    raise LookupError(f"no survivor holds {kind} unit {u}")
-                src = min(sources, key=lambda h: (load[h], h))
-                load[src] += 1
-                moves[(src, new_rank, kind)].append(u)
-    return [UnitMove(s, d, k, U.from_units(us)) for (s, d, k), us in sorted(moves.items())]
+            missing = U.subtract(new.layouts[replica].owned(kind, tp_rank), held.get((new_rank, kind), ()))
+            if not missing:
+                continue
+            # Another replica's copy first (the own replica's survivors hold none of a lost unit), least loaded first.
+            order = sorted(survivors, key=lambda h: (new.locate(h)[0] == replica, load[h], h))
+            for src in order:
+                piece = U.intersect(missing, held[(src, kind)])
+                if piece:
+                    moves.append(UnitMove(src, new_rank, kind, piece))
+                    load[src] += U.count(piece)
+                    missing = U.subtract(missing, piece)
+                    if not missing:
+                        break
+            if missing:
+                raise LookupError(f"no survivor holds {kind} units {list(missing)}")
+    return sorted(moves, key=lambda m: (m.src, m.dst, m.kind))
+
+
+def _held(old: Topology, old_rank: int, kind: str, stale: U.Ranges) -> U.Ranges:
+    replica, tp_rank = old.locate(old_rank)
+    return U.subtract(old.layouts[replica].owned(kind, tp_rank), stale)
 
 
 def rereplicated_moves(old: Topology, new: Topology, old_rank_of: dict[int, int],
@@ -69,11 +74,8 @@ def rereplicated_moves(old: Topology, new: Topology, old_rank_of: dict[int, int]
         if m.kind != "kv":
             continue
         replica = new.locate(m.dst)[0]
-        siblings = [old.locate(old_rank_of[r]) for r in range(new.world_size) if new.locate(r)[0] == replica]
-        held = set()
-        for old_replica, tp in siblings:
-            held |= set(U.units_of(old.layouts[old_replica].owned("kv", tp)))
-        units = [u for u in U.units_of(m.units) if u in held]
+        siblings = U.union(*(_held(old, old_rank_of[r], "kv", ()) for r in new.ranks_of(replica)))
+        units = U.intersect(m.units, siblings)
         if units:
-            out.append(UnitMove(m.src, m.dst, m.kind, U.from_units(units)))
+            out.append(UnitMove(m.src, m.dst, m.kind, units))
     return out

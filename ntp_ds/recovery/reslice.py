@@ -1,15 +1,21 @@
 """Re-slice optimizer state for a new topology's anchors, from the fragments survivors hold (own or buddy copies).
 
 A new anchor rank needs, for every parameter, the elements of its new fragment (its ZeRO partition of its new
-local shard). When the anchors keep their layout those elements sit at the same local offsets in the old anchors'
-fragments at the same TP index, so contiguous ranges are moved. When the anchors' layout changes (failures in two
-replicas), elements are matched through their index in the unsharded tensor. A needed element that no survivor
-holds falls back to the parameter's value with zero moments, and the recovery is reported as not lossless.
+local shard). They lie in the old anchors' fragments, in the old layout. Every rank plans only the moves it takes
+part in: as a destination, the old fragments that overlap its own new fragments; as a server, the new fragments
+that overlap the ones it serves. Overlaps are found by range arithmetic on the parameter's grid (`layout.regions`)
+and a binary search over the fragments of one TP index, so planning grows with the rank's own shard and the
+number of fragments it touches, never with the tensors' sizes.
+
+What a destination installs is measured, not planned: a coverage mask over each new fragment records the elements
+written, and every message carries an integer checksum of its payload that the receiver recomputes. An element no
+survivor holds keeps the parameter's value with zero moments, and the recovery is reported as not lossless.
 """
 
 from __future__ import annotations
 
-import math
+import bisect
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -17,136 +23,235 @@ import torch
 from ntp_ds.comm import wire
 from ntp_ds.engine import fragments as S
 from ntp_ds.layout import ShardLayout, Topology, plan_gradient_sync
-from ntp_ds.layout.sharding import shard_tensor
+from ntp_ds.layout import units as U
+from ntp_ds.layout.regions import Block, Grid, blocks, grid, span_in
 
 
 @dataclass(frozen=True)
 class StateMove:
-    """Elements `src_sel` of owner `owner`'s fragment (offsets in its old local shard), served by new rank `src`,
-    land at `dst_sel` (offsets in new rank `dst`'s new local shard). A selection is a (lo, hi) range or an index
-    tensor."""
+    """The elements `block` of owner `owner`'s fragment of `name` (held by new rank `src`) go to new rank `dst`."""
 
     src: int
     dst: int
     owner: int
     name: str
-    src_sel: object
-    dst_sel: object
-
-    def count(self) -> int:
-        sel = self.dst_sel
-        return sel[1] - sel[0] if isinstance(sel, tuple) else int(sel.numel())
+    block: Block
+    step: int
+    """The optimizer step the served copy holds."""
 
 
-def _take(t: torch.Tensor, sel, base: int) -> torch.Tensor:
-    flat = t.reshape(-1)
-    return flat[sel[0] - base:sel[1] - base] if isinstance(sel, tuple) else flat[sel - base]
+def unit_sources(old: ShardLayout, new: ShardLayout, tp_rank: int, kind: str) -> list[tuple[int, U.Ranges]]:
+    """Which old TP index supplies which units of new TP index `tp_rank` (the same index first, then ascending);
+    each unit from exactly one, so a unit held on several old ranks (KV heads, replicated tensors) moves once."""
+    remaining, out = new.owned(kind, tp_rank), []
+    for t in sorted(range(old.tp), key=lambda t: (t != tp_rank, t)):
+        take = U.intersect(remaining, old.owned(kind, t))
+        if take:
+            out.append((t, take))
+            remaining = U.subtract(remaining, take)
+    return out
 
 
-def _local_to_full(spec, full_shape, layout: ShardLayout, tp: int) -> torch.Tensor:
-    """Index in the unsharded tensor of every element of a local shard, in local flat order."""
-    return shard_tensor(torch.arange(math.prod(full_shape)).view(full_shape), spec, layout, tp).reshape(-1)
+class StateIndex:
+    """Who holds which optimizer fragment after a failure, and which fragment each new anchor rank needs.
+
+    Built from every rank's offer (the owners whose fragments it can serve, with their steps and addresses) and
+    need (its new fragments' addresses). Fragments of one old TP index are disjoint under ZeRO and identical
+    without it; identical ones are grouped, since any of their holders can serve them.
+    """
+
+    def __init__(self, gathered: list[dict], old: Topology, new: Topology, specs, full_shapes):
+        self.old, self.new, self.specs, self.full_shapes = old, new, specs, full_shapes
+        self.old_layout = old.layouts[plan_gradient_sync(old).anchors[0]]
+        self.new_layout = new.layouts[plan_gradient_sync(new).anchors[0]]
+        self.holders: dict[int, list[tuple[int, int]]] = defaultdict(list)  # owner -> [(server, step)]
+        address: dict[tuple[int, str], tuple[int, int]] = {}
+        for server, g in enumerate(gathered):
+            for owner, step in g["offer"]["steps"].items():
+                self.holders[int(owner)].append((server, int(step)))
+            for owner, frags in g["offer"]["held"].items():
+                for name, where in frags.items():
+                    address[(int(owner), name)] = tuple(where)
+        self.step = max((s for hs in self.holders.values() for _, s in hs), default=0)
+        groups: dict[tuple[int, str, tuple[int, int]], list[int]] = defaultdict(list)
+        for (owner, name), where in address.items():
+            groups[(old.locate(owner)[1], name, where)].append(owner)
+        self.fragments: dict[tuple[int, str], list[tuple[int, int, tuple[int, ...]]]] = defaultdict(list)
+        for (tp, name, (start, numel)), owners in groups.items():
+            self.fragments[(tp, name)].append((start, numel, tuple(sorted(owners))))
+        self.needs: dict[tuple[int, str], list[tuple[int, int, int]]] = defaultdict(list)
+        for rank, g in enumerate(gathered):
+            for name, (start, numel) in g["need"].items():
+                self.needs[(new.locate(rank)[1], name)].append((start, numel, rank))
+        for table in (self.fragments, self.needs):
+            for entries in table.values():
+                entries.sort()
+        self._sources: dict[tuple[int, str], list] = {}
+
+    def sources(self, tp_rank: int, kind: str) -> list[tuple[int, U.Ranges]]:
+        key = (tp_rank, kind)
+        if key not in self._sources:
+            self._sources[key] = unit_sources(self.old_layout, self.new_layout, tp_rank, kind)
+        return self._sources[key]
+
+    def old_grid(self, name: str, tp: int) -> Grid:
+        return grid(self.specs[name], self.full_shapes[name], self.old_layout, tp)
+
+    def new_grid(self, name: str, tp: int, units: U.Ranges | None = None) -> Grid:
+        return grid(self.specs[name], self.full_shapes[name], self.new_layout, tp, units)
+
+    def pick(self, owners: tuple[int, ...], dst: int) -> tuple[int, int, int]:
+        """(owner, server, step) serving `dst` one of `owners`' identical fragments: the freshest copy, then `dst`
+        itself, then the lowest server."""
+        offers = [(owner, server, step) for owner in owners for server, step in self.holders[owner]]
+        return min(offers, key=lambda o: (-o[2], o[1] != dst, o[1], o[0]))
+
+    @staticmethod
+    def overlapping(entries: list, lo: int, hi: int) -> list:
+        """Entries (start, numel, ...) sorted by start whose range meets [lo, hi); disjoint or identical ranges."""
+        if lo >= hi:
+            return []
+        i = bisect.bisect_right(entries, (lo,)) - 1
+        while i > 0 and entries[i - 1][0] == entries[i][0]:
+            i -= 1
+        out = []
+        for entry in entries[max(i, 0):]:
+            if entry[0] >= hi:
+                break
+            if entry[0] + entry[1] > lo:
+                out.append(entry)
+        return out
 
 
-def plan_state_moves(gathered: list[dict], old: Topology, new: Topology, specs, full_shapes,
-                     step: int) -> tuple[list, bool]:
-    """Every StateMove the new anchors need, and whether every needed element has a source as of `step`."""
-    offers: dict[int, list[int]] = {}
-    for server, g in enumerate(gathered):
-        for owner in g["offer"]["held"]:
-            offers.setdefault(int(owner), []).append(server)
-    old_anchors = plan_gradient_sync(old).anchors
-    new_anchors = plan_gradient_sync(new).anchors
-    old_layout, new_layout = old.layouts[old_anchors[0]], new.layouts[new_anchors[0]]
-    same = old_layout == new_layout
-    moves, lossless = [], True
-    for dst, g in enumerate(gathered):
-        _, tp = new.locate(dst)
-        for name, (start, numel) in g["need"].items():
-            covered = 0
-            if same:
-                owners = [old.ranks_of(a)[tp] for a in old_anchors]
-            else:
-                owners = [r for a in old_anchors for r in old.ranks_of(a)]
-                need_full = _local_to_full(specs[name], full_shapes[name], new_layout, tp)[start:start + numel]
-            for owner in owners:
-                # The freshest copy first (the owner's own state when it lives), then this rank's own, then the lowest.
-                servers = sorted(offers.get(owner, []),
-                                 key=lambda s: (-gathered[s]["offer"]["steps"][owner], s != dst, s))
-                frag = gathered[servers[0]]["offer"]["held"][owner].get(name) if servers else None
-                if not frag:
-                    continue
-                # A copy older than the last step (its refresh was cut by the failure) cannot restore it exactly.
-                lossless &= gathered[servers[0]]["offer"]["steps"][owner] == step
-                ostart, onumel = frag
-                if same:
-                    lo, hi = max(start, ostart), min(start + numel, ostart + onumel)
-                    if lo < hi:
-                        moves.append(StateMove(servers[0], dst, owner, name, (lo, hi), (lo, hi)))
-                        covered += hi - lo
-                    continue
-                _, old_tp = old.locate(owner)
-                have = _local_to_full(specs[name], full_shapes[name], old_layout, old_tp)[ostart:ostart + onumel]
-                where = torch.full((math.prod(full_shapes[name]),), -1, dtype=torch.long)
-                where[have] = torch.arange(ostart, ostart + onumel)
-                pos = where[need_full]
-                hit = (pos >= 0).nonzero().reshape(-1)
-                if hit.numel():
-                    moves.append(StateMove(servers[0], dst, owner, name, pos[hit], hit + start))
-                    covered += hit.numel()
-            lossless &= covered >= numel
-    return moves, lossless
+def plan_incoming(index: StateIndex, me: int) -> tuple[list[StateMove], list[tuple[int, int]]]:
+    """The moves that fill rank `me`'s new fragments, and the (name index, elements) its fragments need in all."""
+    moves, wanted = [], []
+    tp = index.new.locate(me)[1]
+    for i, (name, spec) in enumerate(index.specs.items()):
+        need = _need_of(index, tp, name, me)
+        if need is None:
+            continue
+        wanted.append((i, need[1]))
+        for old_tp, units in index.sources(tp, spec.kind):
+            mine, theirs = index.new_grid(name, tp, units), index.old_grid(name, old_tp)
+            for start, numel, owners in index.overlapping(index.fragments[(old_tp, name)], *span_in(mine, need, theirs)):
+                owner, server, step = index.pick(owners, me)
+                moves += [StateMove(server, me, owner, name, b, step)
+                          for b in blocks(theirs, (start, numel), mine, need)]
+    return moves, wanted
 
 
-def move_state(engine, moves: list[StateMove], held: dict, keys: tuple[str, ...], step: int) -> int:
-    """Run this rank's part of `moves` (one pairwise exchange, on the data device) and install the result into a
-    new anchor; return bytes received."""
+def plan_outgoing(index: StateIndex, me: int, served: dict[int, dict[str, tuple[int, int]]]) -> list[StateMove]:
+    """The moves rank `me` sends to other ranks from the fragments it serves (`served[owner][name]`: address)."""
+    moves = []
+    for owner, frags in served.items():
+        old_tp = index.old.locate(owner)[1]
+        for name, (start, numel) in frags.items():
+            group = next(e[2] for e in index.fragments[(old_tp, name)] if e[0] == start and owner in e[2])
+            theirs = index.old_grid(name, old_tp)
+            for tp in range(index.new_layout.tp):
+                for source_tp, units in index.sources(tp, index.specs[name].kind):
+                    if source_tp != old_tp:
+                        continue
+                    mine = index.new_grid(name, tp, units)
+                    for nstart, nnumel, dst in index.overlapping(index.needs[(tp, name)],
+                                                                 *span_in(theirs, (start, numel), mine)):
+                        chosen_owner, server, step = index.pick(group, dst)
+                        if dst == me or (chosen_owner, server) != (owner, me):
+                            continue
+                        moves += [StateMove(me, dst, owner, name, b, step)
+                                  for b in blocks(theirs, (start, numel), mine, (nstart, nnumel))]
+    return moves
+
+
+def _need_of(index: StateIndex, tp: int, name: str, rank: int) -> tuple[int, int] | None:
+    return next(((s, n) for s, n, r in index.needs.get((tp, name), ()) if r == rank), None)
+
+
+def _order(index: StateIndex, moves: list[StateMove]) -> list[StateMove]:
+    """One order both ends of every pair compute alike."""
+    position = {name: i for i, name in enumerate(index.specs)}
+    return sorted(moves, key=lambda m: (m.src, m.dst, m.owner, position[m.name], m.block.row0, m.block.src_col,
+                                        m.block.dst_col))
+
+
+def _region(t: torch.Tensor, start: int, width: int, block: Block, col: int) -> torch.Tensor:
+    """The rows x columns view of `block` in a flat fragment `t` that begins at local element `start`."""
+    offset = t.storage_offset() + block.row0 * width + col - start
+    return t.as_strided((block.row1 - block.row0, block.cols), (width, 1), offset)
+
+
+def _checksum(payload: torch.Tensor) -> torch.Tensor:
+    """An exact integer checksum of a float32 payload, as two float32 words (bit-cast int64)."""
+    total = payload.view(torch.int32).to(torch.int64).sum().reshape(1)
+    return total.view(torch.float32)
+
+
+@torch.no_grad()
+def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...]) -> dict:
+    """Run this rank's moves (one pairwise exchange on the data device) and install what arrives into this new
+    anchor's live optimizer state; return measured figures: bytes sent and received, elements covered, checksum
+    agreement."""
     me = engine.ntp_groups.rank
     device = wire.device_of()
+    served = {owner: {n: (f.start, f.numel) for n, f in frags.items()} for owner, (_, frags) in held.items()}
+    incoming, wanted = plan_incoming(index, me) if engine.is_anchor else ([], [])
+    outgoing = plan_outgoing(index, me, served)
     width = 1 + len(keys)
 
-    def pack(items) -> torch.Tensor:
+    def tensors_of(frag) -> list[torch.Tensor]:
+        return [frag.tensors[S.MASTER]] + [frag.tensors.get(k, frag.tensors.get(f"key{i}")) for i, k in enumerate(keys)]
+
+    def pack(items: list[StateMove]) -> torch.Tensor:
         parts = []
         for m in items:
             frag = held[m.owner][1][m.name]
-            tensors = [frag.tensors["fp32"]] + [frag.tensors.get(k, frag.tensors.get(f"key{i}"))
-                                                 for i, k in enumerate(keys)]
-            parts += [_take(t, m.src_sel, frag.start).to(device, torch.float32) for t in tensors]
-        return torch.cat(parts)
+            g = index.old_grid(m.name, index.old.locate(m.owner)[1])
+            parts += [_region(t, frag.start, g.width, m.block, m.block.src_col).reshape(-1).to(device, torch.float32)
+                      for t in tensors_of(frag)]
+        payload = torch.cat(parts) if parts else torch.empty(0, device=device)
+        return torch.cat([payload, _checksum(payload)])
 
-    sends = {dst: pack([m for m in moves if m.src == me and m.dst == dst])
-             for dst in sorted({m.dst for m in moves if m.src == me and m.dst != me})}
-    incoming = {src: [m for m in moves if m.src == src and m.dst == me] for src in sorted({m.src for m in moves
-                                                                                           if m.dst == me})}
-    recvs = {src: torch.empty(sum(m.count() for m in items) * width, device=device)
-             for src, items in incoming.items() if src != me}
+    by_dst: dict[int, list[StateMove]] = defaultdict(list)
+    for m in _order(index, outgoing):
+        by_dst[m.dst].append(m)
+    by_src: dict[int, list[StateMove]] = defaultdict(list)
+    for m in _order(index, incoming):
+        by_src[m.src].append(m)
+    sends = {dst: pack(items) for dst, items in by_dst.items()}
+    recvs = {src: torch.empty(sum(m.block.numel for m in items) * width + 2, device=device)
+             for src, items in by_src.items() if src != me}
     wire.exchange(sends, recvs, op="reslice").wait()
-    values = {}
-    if engine.is_anchor:
-        for name, p in engine.module.named_parameters():
-            base = p.detach().float().reshape(-1).clone()
-            values[name] = {"fp32": base, **{k: torch.zeros_like(base) for k in keys}}
-    received = sum(b.numel() * b.element_size() for b in recvs.values())
-    for src, items in incoming.items():
+
+    figures = {"bytes_sent": sum(t.numel() * t.element_size() for t in sends.values()),
+               "bytes_received": sum(t.numel() * t.element_size() for t in recvs.values()),
+               "checksums_ok": True, "covered": 0, "wanted": sum(n for _, n in wanted), "fresh": True}
+    if not engine.is_anchor:
+        return figures
+    S.reset_state(engine, index.step, keys)
+    targets = S.local_fragments(engine, keys)
+    masks = {name: torch.zeros(targets[name].numel, dtype=torch.bool) for name in targets}
+    for src, items in by_src.items():
         buf = recvs[src] if src != me else pack(items)
+        payload = buf[:-2]
+        figures["checksums_ok"] &= bool(torch.equal(_checksum(payload), buf[-2:]))
         pos = 0
         for m in items:
-            n = m.count()
-            for k in ("fp32",) + tuple(keys):
-                target = values[m.name][k]
-                if isinstance(m.dst_sel, tuple):
-                    target[m.dst_sel[0]:m.dst_sel[1]] = buf[pos:pos + n]
-                else:
-                    target[m.dst_sel.to(target.device)] = buf[pos:pos + n]
+            target = targets[m.name]
+            g = index.new_grid(m.name, index.new.locate(me)[1])
+            n = m.block.numel
+            for t in [target.tensors[S.MASTER]] + [target.tensors[k] for k in keys]:
+                _region(t, target.start, g.width, m.block, m.block.dst_col).copy_(
+                    payload[pos:pos + n].view(m.block.row1 - m.block.row0, m.block.cols))
                 pos += n
-    if engine.is_anchor:
-        shaped = {n: {k: v.view_as(p) for k, v in values[n].items()} for n, p in engine.module.named_parameters()}
-        S.install_state(engine, shaped, step, tuple(keys))
-    return received
+            _region(masks[m.name], target.start, g.width, m.block, m.block.dst_col).fill_(True)
+            figures["fresh"] &= m.step == index.step
+    figures["covered"] = int(sum(int(mask.sum()) for mask in masks.values()))
+    return figures
 
 
-def reslice(engine, snapshot) -> tuple[int, bool]:
-    """Give every new anchor rank the optimizer state of its new fragments; return (bytes received, lossless)."""
+def reslice(engine, snapshot) -> dict:
+    """Give every new anchor rank the optimizer state of its new fragments; return this rank's measured figures."""
     held = {}  # owner old global rank -> (step, {name: Fragment}) this rank can serve
     if snapshot.fragments:
         held[snapshot.rank] = (snapshot.optimizer_step, snapshot.fragments)
@@ -156,8 +261,7 @@ def reslice(engine, snapshot) -> tuple[int, bool]:
              "held": {o: {n: (f.start, f.numel) for n, f in frags.items()} for o, (_, frags) in held.items()}}
     need = S.fragment_addresses(engine) if engine.is_anchor else {}
     gathered = wire.all_gather_object({"offer": offer, "need": need})
-    keys = next((g["offer"]["keys"] for g in gathered if g["offer"]["keys"]), ())
-    step = max((s for g in gathered for s in g["offer"]["steps"].values()), default=0)
-    moves, lossless = plan_state_moves(gathered, snapshot.topology, engine.ntp_groups.topology,
-                                       engine.param_specs, engine.full_shapes, step)
-    return move_state(engine, moves, held, keys, step), lossless
+    keys = next((tuple(g["offer"]["keys"]) for g in gathered if g["offer"]["keys"]), ())
+    index = StateIndex(gathered, snapshot.topology, engine.ntp_groups.topology, engine.param_specs,
+                       engine.full_shapes)
+    return move_state(engine, index, held, keys)
