@@ -27,7 +27,7 @@ import numpy as np
 from .cluster import Layout
 from .config import ConfigError, FailureConfig
 
-HW, SW = 0, 1
+HW, SW, POWER = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,10 @@ def mean_blast_gpus(f: FailureConfig, domain_size: int) -> float:
 
 def steady_failed_fraction(f: FailureConfig, domain_size: int) -> float:
     """Little's law: events/GPU/h * GPUs/event * hours down (overlaps ignored)."""
-    return mean_blast_gpus(f, domain_size) * mean_repair_hours(f) / f.gpu_mtbf_hours
+    gpu = mean_blast_gpus(f, domain_size) * mean_repair_hours(f) / f.gpu_mtbf_hours
+    lo, hi = f.power_repair_hours
+    power = 0.5 * (lo + hi) / f.power_domain_mtbf_hours     # every GPU is in one power domain
+    return gpu + power
 
 
 def event_rate_for_fraction(fraction: np.ndarray | float, layout: Layout,
@@ -93,9 +96,42 @@ def _sorted(time, first, size, kind, repair) -> FailureEvents:
     return FailureEvents(time[order], first[order], size[order], kind[order], repair[order])
 
 
+def power_events(f: FailureConfig, num_domains: int, domain_gpus: int, duration_h: float,
+                 rng: np.random.Generator) -> FailureEvents:
+    """Whole power domains (``power_domain_domains`` adjacent racks) failing together.
+
+    Each power domain fails at rate ``1 / power_domain_mtbf_hours``; every rack in it goes
+    down for the same repair draw from ``power_repair_hours``.
+    """
+    k = f.power_domain_domains
+    groups = num_domains // k
+    n = int(rng.poisson(groups / f.power_domain_mtbf_hours * duration_h))
+    time = rng.random(n) * duration_h
+    group = rng.integers(0, groups, n)
+    lo, hi = f.power_repair_hours
+    repair = lo + rng.random(n) * (hi - lo)
+    dom = (group[:, None] * k + np.arange(k)[None, :]).ravel()
+    return FailureEvents(np.repeat(time, k), (dom * domain_gpus).astype(np.int64),
+                         np.full(n * k, domain_gpus, dtype=np.int64),
+                         np.full(n * k, POWER, dtype=np.int64), np.repeat(repair, k))
+
+
+def merge(*streams: FailureEvents) -> FailureEvents:
+    cat = [np.concatenate([getattr(e, a) for e in streams])
+           for a in ("time", "first", "size", "kind", "repair")]
+    return _sorted(*cat)
+
+
 def generate(f: FailureConfig, layout: Layout, duration_h: float,
-             rng: np.random.Generator) -> FailureEvents:
-    """Events of the exponential model over ``[0, duration_h)``."""
+             rng: np.random.Generator, hot_spares: int = 0) -> FailureEvents:
+    """Events of the exponential model over ``[0, duration_h)``.
+
+    With ``hot_spares`` the events index physical GPUs, ``domain_size + hot_spares`` per
+    domain, idle hot spares included.
+    """
+    if hot_spares:
+        layout = Layout(layout.num_domains * (layout.domain_size + hot_spares),
+                        layout.domain_size + hot_spares, 1, 1)
     N = layout.num_gpus
     rate = N / f.gpu_mtbf_hours * (1.0 - f.correlation)
     n = int(rng.poisson(rate * duration_h))
@@ -167,10 +203,18 @@ def load_trace(f: FailureConfig, layout: Layout, duration_h: float,
 
 
 def events_for(f: FailureConfig, layout: Layout, duration_h: float,
-               rng: np.random.Generator) -> FailureEvents:
+               rng: np.random.Generator, hot_spares: int = 0) -> FailureEvents:
     if f.model == "trace":
-        return load_trace(f, layout, duration_h, rng)
-    return generate(f, layout, duration_h, rng)
+        if hot_spares:
+            raise ConfigError("failures.trace", f.trace,
+                              "traces index job GPUs; they cannot be used with cluster.hot_spares")
+        ev = load_trace(f, layout, duration_h, rng)
+    else:
+        ev = generate(f, layout, duration_h, rng, hot_spares)
+    if np.isfinite(f.power_domain_mtbf_hours):
+        ev = merge(ev, power_events(f, layout.num_domains, layout.domain_size + hot_spares,
+                                    duration_h, rng))
+    return ev
 
 
 def sample_failed_gpus(layout: Layout, fraction: float, blast_radius: int,
