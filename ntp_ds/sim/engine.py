@@ -168,13 +168,14 @@ def _evaluate(cfg: SimConfig, layout: Layout, h: History, h0: History,
     for p in POLICIES:
         share, time = tables.share[p], tables.time[p]
         cap = job_capacity(h.hist, share, time)
+        running = share * kept_levels(h0, share, time)   # levels the job keeps in its step
         knots, cum = integral(h, cap)
 
         def F(x, k=knots, c=cum):
             return np.interp(x, k, c)
 
         work = float(cum[-1])
-        stall_t, _ = _stall_events(h, share)
+        stall_t, _ = _stall_events(h, running)
         rejoin_t = np.zeros(0)
         if p == "ckpt_restart":
             interval_h = pauses["interval_minutes"] / 60.0
@@ -183,7 +184,7 @@ def _evaluate(cfg: SimConfig, layout: Layout, h: History, h0: History,
                                    lambda x: float(F(x)))
             write = 1.0 - ck.write_minutes / pauses["interval_minutes"]
         else:
-            rejoin_t = _rejoin_times(h, share, time)
+            rejoin_t = _rejoin_times(h, running, time)
             stall_h = pauses["recovery_minutes"] / 60.0 + step_s / 3600.0
             rejoin_h = pauses["rejoin_minutes"] / 60.0
             lengths = np.concatenate([np.full(stall_t.size, stall_h),
@@ -234,6 +235,22 @@ def checkpoint_interval_minutes(cfg: SimConfig, layout: Layout) -> float:
     return young_daly_minutes(ck.write_minutes, job_mtbf_hours(cfg, layout) * 60.0)
 
 
+def kept_levels(h: History, share: np.ndarray, time: np.ndarray) -> np.ndarray:
+    """Levels the job keeps in its synchronous step over the run (1.0) or leaves out (0.0).
+
+    The time limit is the best one for the run's time-average histogram; a level slower
+    than it waits outside data parallelism until repaired.
+    """
+    mean_hist = (h.hist * h.dt[:, None]).sum(axis=0) / h.duration
+    run = np.flatnonzero(share > 0)
+    if run.size == 0:
+        return np.zeros_like(share)
+    order = run[np.argsort(time[run], kind="stable")]
+    work = np.cumsum(mean_hist[order] * share[order]) / time[order]
+    limit = float(time[order][int(np.argmax(work))])
+    return ((share > 0) & (time <= limit + 1e-12)).astype(float)
+
+
 def _level_notes(cfg: SimConfig, layout: Layout, tables: LevelTables,
                  h: History) -> tuple[list, list]:
     """Per NTP level seen in the run: degree, share, time and whether the job keeps it.
@@ -244,11 +261,7 @@ def _level_notes(cfg: SimConfig, layout: Layout, tables: LevelTables,
     from .policies import healthy_share
 
     share, time = tables.share["ntp"], tables.time["ntp"]
-    mean_hist = (h.hist * h.dt[:, None]).sum(axis=0) / h.duration
-    run = np.flatnonzero(share > 0)
-    order = run[np.argsort(time[run], kind="stable")]
-    work = np.cumsum(mean_hist[order] * share[order]) / time[order]
-    limit = float(time[order][int(np.argmax(work))]) if order.size else 0.0
+    keep = kept_levels(h, share, time)
     present = np.flatnonzero(((h.hist > 0) & (h.dt[:, None] > 0)).any(axis=0))
     levels, notes = [], []
     seqs = healthy_share(cfg, layout)
@@ -258,7 +271,7 @@ def _level_notes(cfg: SimConfig, layout: Layout, tables: LevelTables,
         if deg in seen:
             continue
         seen.add(deg)
-        kept = bool(share[k] > 0 and time[k] <= limit + 1e-12)
+        kept = bool(keep[k] > 0)
         levels.append((deg, float(share[k]), float(time[k]), kept))
         if share[k] > 0 and time[k] > 1.0 + 1e-9:
             notes.append(
