@@ -226,9 +226,8 @@ def _validate(c: SimConfig) -> None:
     _check(0 <= cl.hot_spares < S, "cluster.hot_spares", cl.hot_spares,
            f"must be in [0, domain_size={S})")
     S = S - cl.hot_spares          # active GPUs per domain
-    _check(t <= S, "cluster.tp", t, f"must not exceed the domain's {S} active GPUs")
-    _check(S % t == 0, "cluster.tp", t,
-           f"must divide the domain's active GPUs (domain_size - hot_spares = {S})")
+    _check(t <= S, "cluster.tp", t, f"must not exceed domain_size - hot_spares = {S}")
+    _check(S % t == 0, "cluster.tp", t, f"must divide domain_size - hot_spares = {S}")
     rep = t * pp
     _check(rep % S == 0 or S % rep == 0, "cluster.pp", pp,
            f"tp*pp={rep} must divide or be a multiple of domain_size={S}")

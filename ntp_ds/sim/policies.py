@@ -205,15 +205,20 @@ def ckpt_availability(event_rate_per_h: float | np.ndarray, ck: CheckpointConfig
                       interval_minutes: float | None = None) -> np.ndarray:
     """Fraction of wall time doing useful work under checkpoint-restart.
 
-    Each failure event stops the job for the restart time and throws away the
-    work since the last checkpoint (on average half an interval); checkpoint
-    writes block for ``write_minutes`` every interval.  Renewal argument:
-    ``A = (1 - w/C) / (1 + lambda (restart + C/2))``.
+    Failures arrive at rate ``lam`` during up time; each stops the job for the
+    restart time ``R`` and throws away the work since the last checkpoint;
+    checkpoints every ``C`` of up time block for ``w``.  Per renewal cycle the
+    saved up time is ``C q / (1 - q)`` with ``q = exp(-lam C)``, so
+    ``A = (1 - w/C) lam C q / (1 - q) / (1 + lam R)``, which tends to the
+    first-order ``(1 - w/C) / (1 + lam (R + C/2))`` for ``lam C << 1``.
     """
     lam = np.asarray(event_rate_per_h, dtype=float)
     interval = ck.interval_minutes if interval_minutes is None else interval_minutes
     if not np.isfinite(interval):       # no failures: no checkpoint needed
         return np.ones_like(lam)
     C = interval / 60.0
-    cost = ck.restart_minutes / 60.0 + C / 2.0
-    return (1.0 - ck.write_minutes / interval) / (1.0 + lam * cost)
+    R = ck.restart_minutes / 60.0
+    x = lam * C
+    with np.errstate(divide="ignore", invalid="ignore"):
+        saved = np.where(x > 0, x * np.exp(-x) / -np.expm1(-np.where(x > 0, x, 1.0)), 1.0)
+    return (1.0 - ck.write_minutes / interval) * saved / (1.0 + lam * R)
