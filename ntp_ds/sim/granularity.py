@@ -20,7 +20,7 @@ import numpy as np
 
 from ntp_ds.batch.planner import BatchError, plan_batch
 from ntp_ds.layout import units as U
-from ntp_ds.layout.shard_layout import LayoutError, ModelUnits, ShardLayout
+from ntp_ds.layout.shard_layout import ModelUnits, ShardLayout
 
 from .config import ModelConfig
 
