@@ -263,9 +263,8 @@ def _validate(c: SimConfig) -> None:
         _check(v > 0 and not math.isnan(v), "failures." + name, v,
                "must be > 0 (inf means never fails)")
     _positive(f, "failures.", "correlation_window_hours")
-    _check(f.power_domain_domains >= 1 and (cl.num_gpus // S) % f.power_domain_domains == 0,
-           "failures.power_domain_domains", f.power_domain_domains,
-           f"must be >= 1 and divide the {cl.num_gpus // S} domains")
+    _check(1 <= f.power_domain_domains <= cl.num_gpus // S, "failures.power_domain_domains",
+           f.power_domain_domains, f"must be in [1, {cl.num_gpus // S}] (the job's domains)")
     _fraction(f, "failures.", "hw_fraction", "domain_fraction")
     _fraction(f, "failures.", "correlation", upper_open=True)
     for n in ("hw_repair_hours", "sw_repair_hours", "power_repair_hours"):

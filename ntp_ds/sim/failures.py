@@ -101,19 +101,22 @@ def power_events(f: FailureConfig, num_domains: int, domain_gpus: int, duration_
     """Whole power domains (``power_domain_domains`` adjacent racks) failing together.
 
     Each power domain fails at rate ``1 / power_domain_mtbf_hours``; every rack in it goes
-    down for the same repair draw from ``power_repair_hours``.
+    down for the same repair draw from ``power_repair_hours``.  When ``k`` does not divide
+    the domains the last power domain is smaller.
     """
     k = f.power_domain_domains
-    groups = num_domains // k
+    groups = -(-num_domains // k)
     n = int(rng.poisson(groups / f.power_domain_mtbf_hours * duration_h))
     time = rng.random(n) * duration_h
     group = rng.integers(0, groups, n)
     lo, hi = f.power_repair_hours
     repair = lo + rng.random(n) * (hi - lo)
-    dom = (group[:, None] * k + np.arange(k)[None, :]).ravel()
-    return FailureEvents(np.repeat(time, k), (dom * domain_gpus).astype(np.int64),
-                         np.full(n * k, domain_gpus, dtype=np.int64),
-                         np.full(n * k, POWER, dtype=np.int64), np.repeat(repair, k))
+    dom = group[:, None] * k + np.arange(k)[None, :]
+    keep = (dom < num_domains).ravel()
+    rep = lambda a: np.repeat(a, k)[keep]  # noqa: E731
+    return FailureEvents(rep(time), (dom.ravel()[keep] * domain_gpus).astype(np.int64),
+                         np.full(int(keep.sum()), domain_gpus, dtype=np.int64),
+                         np.full(int(keep.sum()), POWER, dtype=np.int64), rep(repair))
 
 
 def merge(*streams: FailureEvents) -> FailureEvents:
