@@ -239,6 +239,21 @@ def sample_failed_gpus(layout: Layout, fraction: float, blast_radius: int,
     return down
 
 
+def cover_with_hot_spares(down: np.ndarray, active: int, hot_spares: int) -> np.ndarray:
+    """Active GPUs still missing once each domain's healthy hot spares replace failed ones.
+
+    ``down`` is ``(trials, domains * (active + hot_spares))``: physical slots, the spares last
+    in each domain.  The healthy spares of a domain replace its failed active GPUs in slot
+    order; returns ``(trials, domains * active)``.
+    """
+    trials = down.shape[0]
+    phys = down.reshape(trials, -1, active + hot_spares)
+    act = phys[..., :active]
+    free = hot_spares - phys[..., active:].sum(axis=-1)
+    covered = np.cumsum(act, axis=-1) <= free[..., None]
+    return (act & ~covered).reshape(trials, -1)
+
+
 def group_failed_counts(down: np.ndarray, layout: Layout) -> np.ndarray:
     """Failed GPUs per TP group from a ``(..., N)`` boolean array."""
     shape = down.shape[:-1] + (layout.num_groups, layout.tp)

@@ -2,8 +2,9 @@
 
 For each TP degree and failed fraction ``f`` the sweep draws ``trials``
 snapshots of failed GPUs (independent blocks of ``blast_radius`` GPUs, plus
-whole domains with ``domain_fraction``), turns them into replica levels and
-reads off each policy's throughput.  Checkpoint-restart gets the DP-DROP
+whole domains with ``domain_fraction``; with hot spares, over every physical
+GPU, after which a domain's healthy spares replace its failed active GPUs),
+turns them into replica levels and reads off each policy's throughput.  Checkpoint-restart gets the DP-DROP
 capacity times the availability implied by the failure rate that sustains
 ``f`` in steady state (Little's law over the configured repair-time mix).
 """
@@ -15,7 +16,8 @@ import numpy as np
 
 from .cluster import Layout
 from .config import SimConfig
-from .failures import event_rate_for_fraction, group_failed_counts, sample_failed_gpus
+from .failures import (cover_with_hot_spares, event_rate_for_fraction, group_failed_counts,
+                       sample_failed_gpus)
 from .policies import POLICIES, ckpt_availability, policy_capacity, scaled_ntp, tables_for
 from .throughput import step_breakdown
 
@@ -43,8 +45,14 @@ def snapshot_capacity(cfg: SimConfig, layout: Layout, fraction: float,
     """Mean capacity per policy (``ckpt_restart`` excluded) at one fraction."""
     f = cfg.failures
     b = f.blast_radius if blast_radius is None else blast_radius
-    down = sample_failed_gpus(layout, fraction, b, f.domain_fraction,
-                              cfg.sweep.trials, rng)
+    H = cfg.cluster.hot_spares
+    if H:
+        phys = Layout(layout.num_domains * (layout.domain_size + H), layout.domain_size + H, 1, 1)
+        down = cover_with_hot_spares(sample_failed_gpus(phys, fraction, b, f.domain_fraction,
+                                                        cfg.sweep.trials, rng),
+                                     layout.domain_size, H)
+    else:
+        down = sample_failed_gpus(layout, fraction, b, f.domain_fraction, cfg.sweep.trials, rng)
     hist = level_histograms(group_failed_counts(down, layout), layout)
     step = step_breakdown(layout, cfg.model, cfg.hardware, cfg.cluster.microbatches)
     ntp = scaled_ntp(layout.tp, cfg.cluster.tp, cfg.ntp)

@@ -306,3 +306,16 @@ def test_multirun_sweeps_and_picks_the_best_tp(tmp_path, capsys):
             if best is None or tps > best[0]:
                 best = (tps, r["sim.cluster.tp"])
         assert f"MTBF {float(mtbf):g} h -> TP{best[1]}" in printed.split("best TP for dp_drop:")[1]
+
+
+def test_static_snapshots_let_hot_spares_cover_failures():
+    from ntp_ds.sim.failures import cover_with_hot_spares
+
+    # 2 domains of 4 active + 2 spare slots
+    down = np.array([[1, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1]], dtype=bool)
+    got = cover_with_hot_spares(down, 4, 2)
+    # domain 0: 3 failed active, 2 healthy spares -> the third stays missing
+    # domain 1: active slot 1 failed, one spare broke -> the one healthy spare covers it
+    assert got.tolist() == [[False, False, True, False, False, False, False, False]]
+    down[0, 9] = True                           # a second active failure in domain 1
+    assert cover_with_hot_spares(down, 4, 2).tolist()[0][4:] == [False, False, False, True]
