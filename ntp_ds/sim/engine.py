@@ -146,12 +146,23 @@ def _down_intervals(times: np.ndarray, length_h, interval_h: float | None,
 
 
 def _useful_work(x: np.ndarray, F, down: tuple, write: float) -> np.ndarray:
-    """Cumulative useful work at times ``x`` (healthy-job hours)."""
+    """Cumulative useful work at times ``x`` (healthy-job hours).
+
+    The stops ``[a, b)`` are sorted and disjoint, so the work they take up to
+    ``x`` is the sum over the stops that ended plus the part of the one in
+    progress: O((stops + points) log stops) time and memory.
+    """
     a, b, rt, rw = down
+    x = np.asarray(x, dtype=float)
     w = F(x)
     if a.size:
-        xc = x[:, None]
-        w = w - (F(np.minimum(b[None, :], xc)) - F(np.minimum(a[None, :], xc))).sum(axis=1)
+        lost = np.concatenate([[0.0], np.cumsum(F(b) - F(a))])
+        ended = np.searchsorted(b, x, side="right")          # stops over by x
+        w = w - lost[ended]
+        inside = (ended < a.size)
+        i = np.minimum(ended, a.size - 1)
+        part = np.where(inside & (a[i] < x), F(x) - F(a[i]), 0.0)
+        w = w - part
     if rt.size:
         cum = np.concatenate([[0.0], np.cumsum(rw)])
         w = w - cum[np.searchsorted(rt, x, side="left")]

@@ -187,11 +187,12 @@ def replay(events: FailureEvents, layout: Layout, duration_h: float,
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(heap), desc="replay", unit="ev", file=sys.stderr, mininterval=1.0)
+        bar = tqdm(total=len(events), desc="replay", unit="failure", file=sys.stderr,
+                   mininterval=1.0)
 
     while heap:
         now, kind, x = heapq.heappop(heap)
-        if bar is not None:
+        if bar is not None and kind == _FAIL:
             bar.update(1)
         if now >= duration_h:
             break
