@@ -90,12 +90,12 @@ def _stall_events(h: History, share: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return h.trans_time[hit][first], ev
 
 
-def _rejoin_times(h: History, share: np.ndarray, time: np.ndarray) -> np.ndarray:
-    """Times at which repaired or swapped-in GPUs change a running replica's part."""
+def _rejoin_times(h: History, share: np.ndarray, degree: np.ndarray) -> np.ndarray:
+    """Times at which repaired or swapped-in GPUs regroup a replica that then runs."""
     if h.trans_time.size == 0:
         return np.zeros(0)
     o, n = h.trans_old, h.trans_new
-    back = ~h.trans_fail & (share[n] > 0) & ((share[n] != share[o]) | (time[n] != time[o]))
+    back = ~h.trans_fail & (share[n] > 0) & (degree[n] != degree[o])
     return np.unique(h.trans_time[back])
 
 
@@ -195,7 +195,7 @@ def _evaluate(cfg: SimConfig, layout: Layout, h: History, h0: History,
                                    lambda x: float(F(x)))
             write = 1.0 - ck.write_minutes / pauses["interval_minutes"]
         else:
-            rejoin_t = _rejoin_times(h, running, time)
+            rejoin_t = _rejoin_times(h, running, tables.degree)
             stall_h = pauses["recovery_minutes"] / 60.0 + step_s / 3600.0
             rejoin_h = pauses["rejoin_minutes"] / 60.0
             lengths = np.concatenate([np.full(stall_t.size, stall_h),
