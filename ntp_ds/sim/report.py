@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from .engine import SimResult  # noqa: E402
-from .ensemble import FAILURE_FIELDS, OUTCOME_FIELDS, Ensemble  # noqa: E402
+from .ensemble import BAND, FAILURE_FIELDS, OUTCOME_FIELDS, Ensemble  # noqa: E402
 from .policies import POLICIES  # noqa: E402
 
 LABELS = {"dp_drop": "DP-DROP", "ntp": "NTP", "ntp_pw": "NTP-PW",
@@ -109,10 +109,12 @@ def _smooth(series: np.ndarray, hours: np.ndarray, points: int = 120):
 def _timeline_axes(ax, ens: Ensemble) -> None:
     hours = ens.first.timeline_hours
     for p in POLICIES:
-        med, lo, hi = ens.timeline(p)
-        x, y, width = _smooth(med, hours)
-        _, ylo, _ = _smooth(lo, hours)
-        _, yhi, _ = _smooth(hi, hours)
+        # the band of the smoothed series: smooth each seed, then take percentiles
+        smooth = [_smooth(r.timeline[p], hours) for r in ens.results]
+        x, width = smooth[0][0], smooth[0][2]
+        stack = np.stack([sm[1] for sm in smooth])
+        y = np.median(stack, axis=0)
+        ylo, yhi = np.percentile(stack, BAND, axis=0)
         g = ens.outcome(p, "goodput")
         label = f"{LABELS[p]} ({g[0] * 100:.1f}%"
         label += f", {g[1] * 100:.1f}-{g[2] * 100:.1f})" if len(ens.results) > 1 else ")"
@@ -121,6 +123,7 @@ def _timeline_axes(ax, ens: Ensemble) -> None:
                         alpha=0.15, linewidth=0)
     ax.set_xlabel("day")
     ax.set_ylabel(f"goodput, {width:g} h mean (%)")
+    ax.set_ylim(top=101)
     ax.grid(alpha=0.3)
 
 
