@@ -309,6 +309,8 @@ def _validate(c: SimConfig) -> None:
 
     s = c.spares
     _check(s.domains >= 0, "spares.domains", s.domains, "must be >= 0")
+    _check(s.domains == 0 or cl.hot_spares == 0, "spares.domains", s.domains,
+           "must be 0 with cluster.hot_spares (spares live inside the domains)")
     _check(s.swap_hours >= 0, "spares.swap_hours", s.swap_hours, "must be >= 0")
     _check(0 < s.quantile <= 1, "spares.quantile", s.quantile, "must be in (0, 1]")
     _check(0 < s.seed_quantile <= 1, "spares.seed_quantile", s.seed_quantile, "must be in (0, 1]")

@@ -9,7 +9,7 @@ import numpy as np
 from .calibration import Calibration
 from .cluster import Layout
 from .config import SimConfig
-from .failures import FailureEvents, POWER, events_for, steady_failed_fraction
+from .failures import POWER, FailureEvents, draw_mix, events_for, steady_failed_fraction
 from .policies import (POLICIES, REBALANCED, LevelTables, capacity_deficit_domains,
                        extra_power_fraction, job_capacity, tables_for)
 from .sweep import LossPoint, loss_vs_failures
@@ -331,8 +331,7 @@ def run(config: SimConfig, calibration: Calibration | None = None,
         if sp.idle_failures and np.isfinite(cfg.failures.gpu_mtbf_hours):
             S = layout.domain_size
             n = int(idle_rng.poisson(sp.domains * S / cfg.failures.gpu_mtbf_hours * T))
-            from .failures import _draw_mix
-            _, rep = _draw_mix(n, cfg.failures, idle_rng)
+            _, rep = draw_mix(n, cfg.failures, idle_rng)
             setup = SpareSetup(domains=sp.domains, swap_hours=sp.swap_hours, hot_spares=H,
                                repair_slots=sp.repair_slots,
                                idle_time=np.sort(idle_rng.random(n) * T), idle_repair=rep,

@@ -71,7 +71,7 @@ def event_rate_for_fraction(fraction: np.ndarray | float, layout: Layout,
     return np.asarray(fraction, dtype=float) * layout.num_gpus / per_event
 
 
-def _draw_mix(n: int, f: FailureConfig, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def draw_mix(n: int, f: FailureConfig, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     kind = np.where(rng.random(n) < f.hw_fraction, HW, SW)
     return kind, _draw_repair(kind, f, rng)
 
@@ -155,7 +155,7 @@ def generate(f: FailureConfig, layout: Layout, duration_h: float,
         time, gpu = time[keep], gpu[keep]
     whole = rng.random(time.size) < f.domain_fraction
     first, size = _blocks(gpu, whole, layout, f)
-    kind, repair = _draw_mix(time.size, f, rng)
+    kind, repair = draw_mix(time.size, f, rng)
     return _sorted(time, first, size, kind, repair)
 
 

@@ -23,6 +23,7 @@ with ``sequence`` its share and time come from ``granularity``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Optional
 
 import numpy as np
 
@@ -43,8 +44,8 @@ class LevelTables:
     degree: np.ndarray              # TP degree each level runs at (0 = stopped)
     value: dict[str, np.ndarray]    # policy -> contribution per level (share / time)
     power: np.ndarray               # ntp_pw relative power per level (1 = TDP)
-    share: dict[str, np.ndarray] = None   # policy -> batch share per level (0 = not running)
-    time: dict[str, np.ndarray] = None    # policy -> step time per level (1 = healthy)
+    share: Optional[dict[str, np.ndarray]] = None  # policy -> batch share per level (0: not running)
+    time: Optional[dict[str, np.ndarray]] = None   # policy -> step time per level (1 = healthy)
     rebalance: bool = True
 
     def __post_init__(self):

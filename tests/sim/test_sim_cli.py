@@ -132,6 +132,7 @@ def test_flatten_round_trips_through_hydra():
     (["sim.model.tokens_per_batch=8192"], ["sim.model.tokens_per_batch", "sequences"]),
     (["sim.ntp.batch_granularity=lumpy"], ["sim.ntp.batch_granularity", "fluid"]),
     (["sim.cluster.hot_spares=8"], ["sim.cluster.hot_spares", "8"]),
+    (["recipe=nvl72_hot_spares", "sim.spares.domains=4"], ["sim.spares.domains", "hot_spares"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, needles, tmp_path, capsys):
     assert main(argv + [f"out={tmp_path / 'x'}"]) == 2

@@ -177,6 +177,27 @@ def test_capacity_without_rebalance_keeps_the_best_fast_set():
     assert capacity(many, value, False) == pytest.approx(30 / 32)  # all slow down
 
 
+@PROPS
+@given(hist=st.lists(st.integers(0, 40), min_size=2, max_size=6),
+       share=st.lists(st.sampled_from([0.0, 0.25, 0.5, 0.875, 1.0]), min_size=6, max_size=6),
+       time=st.lists(st.floats(0.5, 2.0), min_size=6, max_size=6))
+def test_job_capacity_is_the_best_subset_of_levels(hist, share, time):
+    """Brute force over every set of levels the job could keep in its step."""
+    import itertools
+
+    n = len(hist)
+    h, s, t = np.array(hist, float), np.array(share[:n]), np.array(time[:n])
+    s[0], t[0] = 1.0, 1.0                                  # healthy level
+    total = max(h.sum(), 1.0)
+    best = 0.0
+    for size in range(1, n + 1):
+        for keep in itertools.combinations(range(n), size):
+            k = [i for i in keep if s[i] > 0]
+            if k:
+                best = max(best, sum(h[i] * s[i] for i in k) / total / max(t[i] for i in k))
+    assert job_capacity(h, s, t) == pytest.approx(best, rel=1e-12, abs=1e-15)
+
+
 def test_job_capacity_hand_worked():
     # 1000 healthy replicas; 24 take a full share but need 1.1 steps; 8 take half a share at
     # the healthy pace; 4 are stopped (share 0)
