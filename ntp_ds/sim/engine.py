@@ -213,9 +213,10 @@ def _evaluate(cfg: SimConfig, layout: Layout, h: History, h0: History,
             deficit = h0.bad_domains.astype(float)
         need = int(round(time_quantile(deficit, h0.dt, cfg.spares.quantile)))
         if p == "ntp_pw":
-            extra = extra_power_fraction(h.hist, tables, layout)
+            kept = running > 0                   # a group left out of the step draws no boost
+            extra = extra_power_fraction(h.hist * kept, tables, layout)
             mean_extra = float((extra * dt).sum() / T)
-            present = (h.hist[:, 1:] > 0) & (dt[:, None] > 0)
+            present = (h.hist[:, 1:] > 0) & (dt[:, None] > 0) & kept[1:]
             levels = np.flatnonzero(present.any(axis=0)) + 1
             max_power = float(tables.power[levels].max()) if levels.size else 1.0
         else:
