@@ -1,11 +1,14 @@
 """Time the cluster-scale simulator on the paper's evaluation setting.
 
 Runs ``ntp_ds.sim.run`` on ``recipe=paper_eval`` (32,768 GPUs in NVL32
-domains, 30 simulated days, the full loss sweep) pinned to one thread, and
-prints ``sim_seconds=<median seconds>`` as its last line.  The target is
-well under 10 s on one core.
+domains, 30 simulated days, the full loss sweep, one seed) pinned to one
+thread per process and prints ``sim_seconds=<median seconds>`` (target: under
+2 s).  Then runs 100,000 GPUs (3,125 NVL32 domains, one 16K-token sequence
+per replica) over 90 days with 16 seeds in ``--workers`` processes and prints
+``sim_seconds_100k_16seeds=<seconds>`` last (target: under 60 s on two cores).
 
-    python benchmarks/sim_scale.py [--repeat N] [--gpus N] [--days D] [overrides...]
+    python benchmarks/sim_scale.py [--repeat N] [--gpus N] [--days D] [--workers W]
+                                   [--skip-100k] [overrides...]
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ntp_ds.sim import run  # noqa: E402
+from ntp_ds.sim import run, run_seeds  # noqa: E402
 from ntp_ds.sim.cli import load_config  # noqa: E402
 
 
@@ -30,6 +33,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--gpus", type=int, default=None, help="override cluster.num_gpus")
     ap.add_argument("--days", type=float, default=None, help="override duration_days")
+    ap.add_argument("--workers", type=int, default=2, help="processes for the 16-seed run")
+    ap.add_argument("--skip-100k", action="store_true", help="time only the 32K-GPU run")
     ap.add_argument("overrides", nargs="*", help="extra KEY=VALUE overrides")
     args = ap.parse_args(argv)
     over = ["recipe=paper_eval"] + list(args.overrides)
@@ -48,6 +53,20 @@ def main(argv: list[str]) -> int:
           f"{len(result.loss_vs_failures)} sweep points")
     print("runs: " + ", ".join(f"{t:.3f}s" for t in times))
     print(f"sim_seconds={statistics.median(times):.3f}")
+    if args.skip_100k:
+        return 0
+    big, _ = load_config(["recipe=paper_eval", "sim.cluster.num_gpus=100000",
+                          "sim.duration_days=90", "sim.model.tokens_per_batch=51200000"]
+                         + list(args.overrides))
+    start = time.perf_counter()
+    ens = run_seeds(big, seeds=16, workers=args.workers, progress=False)
+    seconds = time.perf_counter() - start
+    ev = ens.failure("events")
+    good = ens.outcome("ntp_pw", "goodput")
+    print(f"{ens.first.layout}; 90 days; 16 seeds in {args.workers} processes; "
+          f"{ev[0]:.0f} failure events per seed (median); NTP-PW goodput "
+          f"{good[0] * 100:.2f}% [{good[1] * 100:.2f}, {good[2] * 100:.2f}]")
+    print(f"sim_seconds_100k_16seeds={seconds:.3f}")
     return 0
 
 

@@ -10,26 +10,37 @@ from __future__ import annotations
 import math
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 USAGE = """\
-usage: ntp-ds simulate [KEY=VALUE ...] [recipe=NAME] [out=DIR] [seed=N]
+usage: ntp-ds simulate [-m] [KEY=VALUE ...] [recipe=NAME] [out=DIR] [seed=N] [seeds=N]
+                       [workers=N] [calibrate=RUN_DIR|TABLE]
 
 Cluster-scale goodput simulator: throughput loss of DP-DROP, NTP, NTP with
 power boost and checkpoint-restart, spare domains needed, goodput over a run.
 
   recipe=NAME      merge recipes/sim/NAME.yaml over the defaults ({recipes})
   out=DIR          output directory (default: {out})
-  seed=N           random seed (default: 0)
+  seed=N           first random seed (default: 0)
+  seeds=N          run N seeds; report medians and 5th-95th percentiles
+  workers=N        worker processes for seeds (default 0: one per core)
+  calibrate=PATH   measured step times and pauses from a training run
+                   directory (metrics.jsonl, events.jsonl) or a table file
+  -m, --multirun   sweep comma-separated values, e.g.
+                   -m sim.failures.gpu_mtbf_hours=25000,50000 sim.cluster.tp=8,16
+                   writes DIR/<job>/ per combination, DIR/multirun.csv and,
+                   when TP and MTBF are swept, DIR/best_tp.png
   sim.GROUP.KEY=V  any simulator field, e.g.
                    sim.cluster.num_gpus=32768 sim.cluster.domain_size=32
                    sim.cluster.tp=32 sim.failures.gpu_mtbf_hours=50000
                    sim.ntp.min_tp=28 sim.boost.cap=0.3 sim.duration_days=15
                    groups: {groups}
 
-Writes DIR/loss_vs_failures.csv, spares.csv, goodput.csv, timeline.csv and
-loss_vs_failures.png, goodput_timeline.png, spares.png, summary.png.
+Writes DIR/loss_vs_failures.csv, spares.csv, goodput.csv, timeline.csv,
+levels.csv and loss_vs_failures.png, goodput_timeline.png, spares.png,
+summary.png (and calibration.yaml with calibrate=).
 """
 
 _PROG = "ntp-ds simulate"
@@ -153,12 +164,38 @@ def _check_keys(overrides: list, base, source: str = "") -> None:
             raise UsageError(f"{key}={o.get_value_element_as_str()}: unknown key{source}")
 
 
+@dataclass
+class RunSpec:
+    """One simulation as the command line asks for it."""
+
+    config: Any
+    out: Path
+    seeds: int = 1
+    workers: int = 0
+    calibrate: str | None = None
+
+
 def load_config(argv: list[str]):
     """Compose ``conf/simulate.yaml`` with a recipe and overrides.
 
     Returns ``(SimConfig, out_dir)``; raises :class:`UsageError` or
     ``ConfigError`` on bad input.
     """
+    spec = load_run(argv)
+    return spec.config, spec.out
+
+
+def _int_key(data: dict, name: str, low: int) -> int:
+    from .config import ConfigError
+
+    v = data.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or v < low:
+        raise ConfigError(name, v, f"expected an integer >= {low}")
+    return v
+
+
+def load_run(argv: list[str]) -> RunSpec:
+    """Compose the config like :func:`load_config` and read ``seeds``, ``workers``, ``calibrate``."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
@@ -182,6 +219,9 @@ def load_config(argv: list[str]):
         if recipe is not None:
             extra = _recipe_overrides(str(recipe))
             _check_keys(_parse(extra), base, f" in recipe {recipe}")
+        for o in overrides:
+            if o.is_sweep_override():
+                raise UsageError(f"{o.input_line}: a sweep needs -m (ntp-ds simulate -m ...)")
         try:
             cfg = compose(config_name="simulate", overrides=extra + list(argv))
         except Exception as exc:
@@ -200,12 +240,33 @@ def load_config(argv: list[str]):
         name = exc.field if exc.field == "seed" else "sim." + exc.field
         raise ConfigError(name, exc.value, exc.reason) from None
     out = data.get("out") or "outputs/sim"
-    return sim_cfg, Path(str(out))
+    seeds = _int_key(data, "seeds", 1)
+    workers = _int_key(data, "workers", 0)
+    calibrate = data.get("calibrate")
+    if calibrate is not None and not isinstance(calibrate, str):
+        raise ConfigError("calibrate", calibrate, "expected a path")
+    return RunSpec(sim_cfg, Path(str(out)), seeds, workers, calibrate)
 
 
 def _fail(msg: str) -> int:
     print(f"{_PROG}: error: {msg}", file=sys.stderr)
     return 2
+
+
+def _simulate(spec: RunSpec, out: Path, quiet: bool = False):
+    """Run one spec and write its files; returns the ensemble."""
+    from . import report
+    from .calibration import load as load_calibration
+    from .ensemble import run_seeds
+
+    cal = load_calibration(spec.calibrate) if spec.calibrate else None
+    ens = run_seeds(spec.config, spec.seeds, spec.workers, cal)
+    paths = report.write_all(ens, out)
+    if not quiet:
+        print(report.summary(ens))
+        print(f"\nwrote {len(paths)} files to {out} in {ens.wall_seconds:.2f} s of simulation"
+              + (f" ({spec.seeds} seeds)" if spec.seeds > 1 else ""))
+    return ens
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,25 +278,36 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from .config import ConfigError
 
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    argv = [a for a in argv if a not in ("-m", "--multirun")]
+    if multirun:
+        from .multirun import run_multirun
+
+        try:
+            return run_multirun(argv)
+        except (UsageError, ConfigError) as exc:
+            return _fail(_message(exc))
     try:
-        cfg, out = load_config(argv)
+        spec = load_run(argv)
     except (UsageError, ConfigError) as exc:
         return _fail(str(exc))
-    from . import report
-    from .engine import run
-
     try:
-        result = run(cfg)
+        _simulate(spec, spec.out)
     except ConfigError as exc:
-        name = exc.field if exc.field == "seed" else "sim." + exc.field
-        return _fail(f"{name}={exc.value!r}: {exc.reason}")
-    try:
-        paths = report.write_all(result, out)
+        return _fail(_message(exc))
     except OSError as exc:
-        return _fail(f"out={str(out)!r}: {exc.strerror or exc}")
-    print(report.summary(result))
-    print(f"\nwrote {len(paths)} files to {out} in {result.wall_seconds:.2f} s of simulation")
+        return _fail(f"out={str(spec.out)!r}: {exc.strerror or exc}")
     return 0
+
+
+def _message(exc) -> str:
+    from .config import ConfigError
+
+    if not isinstance(exc, ConfigError):
+        return str(exc)
+    top = ("seed", "seeds", "workers", "calibrate")
+    name = exc.field if exc.field in top or exc.field.startswith("sim.") else "sim." + exc.field
+    return f"{name}={exc.value!r}: {exc.reason}"
 
 
 if __name__ == "__main__":  # pragma: no cover

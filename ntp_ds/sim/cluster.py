@@ -25,7 +25,8 @@ class Layout:
 
     @classmethod
     def from_config(cls, c: ClusterConfig, tp: int | None = None) -> "Layout":
-        return cls(c.num_gpus, c.domain_size, c.tp if tp is None else tp, c.pp)
+        """The job's layout; with hot spares a domain's active GPUs form its domain."""
+        return cls(c.num_gpus, c.domain_size - c.hot_spares, c.tp if tp is None else tp, c.pp)
 
     @property
     def num_domains(self) -> int:

@@ -33,6 +33,7 @@ class ClusterConfig:
     tp: int = 8                  # tensor-parallel degree, tp <= domain_size
     pp: int = 1                  # pipeline stages per data-parallel replica
     microbatches: int = 8        # microbatches per step (pipeline bubble)
+    hot_spares: int = 0          # GPUs per domain held as hot spares (NVL72: 8 for TP64)
 
 
 @dataclass
@@ -42,7 +43,10 @@ class ModelConfig:
     heads: int = 64
     layers: int = 80
     seq_len: int = 8192
-    tokens_per_batch: int = 4194304
+    tokens_per_batch: int = 16777216
+    kv_heads: int = 0             # 0 -> heads (multi-head attention)
+    ffn_hidden: int = 0           # 0 -> 4 * hidden
+    vocab: int = 128256
 
 
 @dataclass
@@ -70,6 +74,9 @@ class FailureConfig:
     domain_fraction: float = 0.0  # fraction of events that take a whole domain
     correlation: float = 0.0      # chance an event triggers another in its domain
     correlation_window_hours: float = 1.0
+    power_domain_mtbf_hours: float = math.inf  # per power domain; inf = never
+    power_domain_domains: int = 4  # scale-up domains (racks) per power domain
+    power_repair_hours: list[float] = field(default_factory=lambda: [4.0, 12.0])
 
 
 @dataclass
@@ -78,6 +85,9 @@ class NTPConfig:
     tp_step: int = 1              # degraded TP degree is a multiple of this
     rebalance: bool = True        # shrink degraded replicas' share of the batch
     reconfig_minutes: float = 1.0  # job-wide pause per failure (dp_drop / ntp)
+    rejoin_minutes: float = 0.5   # job-wide pause when repaired GPUs rejoin
+    batch_granularity: str = "sequence"  # "sequence" (planner, layout) or "fluid" (ideal t'/t)
+    exchange_overlap: float = 0.9  # hidden share of the cross-layout gradient exchange
 
 
 @dataclass
@@ -91,6 +101,7 @@ class CheckpointConfig:
     interval_minutes: float = 15.0
     restart_minutes: float = 10.0
     write_minutes: float = 0.0    # blocking time per checkpoint
+    interval_policy: str = "fixed"  # "fixed" or "young_daly" (from write cost and MTBF)
 
 
 @dataclass
@@ -98,6 +109,9 @@ class SpareConfig:
     domains: int = 0              # spare domains held in reserve
     swap_hours: float = 0.5       # delay before a spare replaces a failed domain
     quantile: float = 1.0         # time quantile of the deficit to cover
+    seed_quantile: float = 0.9    # quantile over seeds of each seed's spare need
+    repair_slots: int = 0         # hardware repairs in progress at once (0 = unlimited)
+    idle_failures: bool = True    # spare domains fail while they wait in the pool
 
 
 @dataclass
@@ -209,13 +223,16 @@ def _validate(c: SimConfig) -> None:
     cl = c.cluster
     _positive(cl, "cluster.", "num_gpus", "domain_size", "tp", "pp", "microbatches")
     S, t, pp = cl.domain_size, cl.tp, cl.pp
-    _check(t <= S, "cluster.tp", t, f"must not exceed domain_size={S}")
-    _check(S % t == 0, "cluster.tp", t, f"must divide domain_size={S}")
+    _check(0 <= cl.hot_spares < S, "cluster.hot_spares", cl.hot_spares,
+           f"must be in [0, domain_size={S})")
+    S = S - cl.hot_spares          # active GPUs per domain
+    _check(t <= S, "cluster.tp", t, f"must not exceed domain_size - hot_spares = {S}")
+    _check(S % t == 0, "cluster.tp", t, f"must divide domain_size - hot_spares = {S}")
     rep = t * pp
     _check(rep % S == 0 or S % rep == 0, "cluster.pp", pp,
            f"tp*pp={rep} must divide or be a multiple of domain_size={S}")
     _check(cl.num_gpus % S == 0, "cluster.num_gpus", cl.num_gpus,
-           f"must be a multiple of domain_size={S}")
+           f"must be a multiple of the domain's {S} active GPUs")
     _check(cl.num_gpus % rep == 0, "cluster.num_gpus", cl.num_gpus,
            f"must be a multiple of tp*pp={rep}")
 
@@ -223,6 +240,12 @@ def _validate(c: SimConfig) -> None:
     _positive(m, "model.", "hidden", "heads", "layers", "seq_len", "tokens_per_batch")
     _check(m.params_billion >= 0, "model.params_billion", m.params_billion, "must be >= 0")
     _check(m.layers % pp == 0, "cluster.pp", pp, f"must divide model.layers={m.layers}")
+    for name in ("kv_heads", "ffn_hidden"):
+        _check(getattr(m, name) >= 0, "model." + name, getattr(m, name), "must be >= 0")
+    _check(m.vocab >= 1, "model.vocab", m.vocab, "must be >= 1")
+    _check(m.heads % (m.kv_heads or m.heads) == 0, "model.kv_heads", m.kv_heads,
+           f"must divide model.heads={m.heads}")
+    _check(m.heads >= t, "model.heads", m.heads, f"must be at least cluster.tp={t}")
 
     hw = c.hardware
     _positive(hw, "hardware.", "peak_tflops", "scaleup_gbps", "scaleout_gbps",
@@ -235,20 +258,39 @@ def _validate(c: SimConfig) -> None:
            "must be 'exponential' or 'trace'")
     if f.model == "trace":
         _check(bool(f.trace), "failures.trace", f.trace, "a CSV path is required when model=trace")
-    _positive(f, "failures.", "gpu_mtbf_hours", "correlation_window_hours")
+    for name in ("gpu_mtbf_hours", "power_domain_mtbf_hours"):
+        v = getattr(f, name)
+        _check(v > 0 and not math.isnan(v), "failures." + name, v,
+               "must be > 0 (inf means never fails)")
+    _positive(f, "failures.", "correlation_window_hours")
+    _check(1 <= f.power_domain_domains <= cl.num_gpus // S, "failures.power_domain_domains",
+           f.power_domain_domains, f"must be in [1, {cl.num_gpus // S}] (the job's domains)")
     _fraction(f, "failures.", "hw_fraction", "domain_fraction")
     _fraction(f, "failures.", "correlation", upper_open=True)
-    for n in ("hw_repair_hours", "sw_repair_hours"):
+    for n in ("hw_repair_hours", "sw_repair_hours", "power_repair_hours"):
         r = getattr(f, n)
         _check(len(r) == 2 and 0 < r[0] <= r[1], "failures." + n, r,
                "must be [min, max] with 0 < min <= max")
     _check(f.blast_radius >= 1 and S % f.blast_radius == 0, "failures.blast_radius",
-           f.blast_radius, f"must be >= 1 and divide domain_size={S}")
+           f.blast_radius, f"must be >= 1 and divide the domain's {S} active GPUs")
+    _check(cl.hot_spares == 0 or f.blast_radius == 1, "failures.blast_radius", f.blast_radius,
+           "must be 1 with cluster.hot_spares (single GPUs swap for hot spares)")
 
     n = c.ntp
     _check(1 <= n.min_tp <= t, "ntp.min_tp", n.min_tp, f"must be in [1, tp={t}]")
     _check(1 <= n.tp_step <= t, "ntp.tp_step", n.tp_step, f"must be in [1, tp={t}]")
-    _check(n.reconfig_minutes >= 0, "ntp.reconfig_minutes", n.reconfig_minutes, "must be >= 0")
+    for name in ("reconfig_minutes", "rejoin_minutes"):
+        _check(getattr(n, name) >= 0, "ntp." + name, getattr(n, name), "must be >= 0")
+    _check(n.batch_granularity in ("sequence", "fluid"), "ntp.batch_granularity",
+           n.batch_granularity, "must be 'sequence' or 'fluid'")
+    _fraction(n, "ntp.", "exchange_overlap")
+    if n.batch_granularity == "sequence":
+        seqs = m.tokens_per_batch / m.seq_len / (cl.num_gpus // rep)
+        _check(seqs >= 1 and float(seqs).is_integer(), "model.tokens_per_batch",
+               m.tokens_per_batch,
+               f"must give each of the {cl.num_gpus // rep} replicas a whole number of "
+               f"sequences of seq_len={m.seq_len} (now {seqs:g}); or set "
+               f"ntp.batch_granularity=fluid")
 
     b = c.boost
     _check(0 <= b.cap <= 2, "boost.cap", b.cap, "must be in [0, 2]")
@@ -260,20 +302,28 @@ def _validate(c: SimConfig) -> None:
         _check(getattr(k, name) >= 0, "checkpoint." + name, getattr(k, name), "must be >= 0")
     _check(k.write_minutes < k.interval_minutes, "checkpoint.write_minutes", k.write_minutes,
            "must be below interval_minutes")
+    _check(k.interval_policy in ("fixed", "young_daly"), "checkpoint.interval_policy",
+           k.interval_policy, "must be 'fixed' or 'young_daly'")
+    _check(k.interval_policy == "fixed" or k.write_minutes > 0, "checkpoint.write_minutes",
+           k.write_minutes, "must be > 0 with interval_policy=young_daly")
 
     s = c.spares
     _check(s.domains >= 0, "spares.domains", s.domains, "must be >= 0")
+    _check(s.domains == 0 or cl.hot_spares == 0, "spares.domains", s.domains,
+           "must be 0 with cluster.hot_spares (spares live inside the domains)")
     _check(s.swap_hours >= 0, "spares.swap_hours", s.swap_hours, "must be >= 0")
     _check(0 < s.quantile <= 1, "spares.quantile", s.quantile, "must be in (0, 1]")
+    _check(0 < s.seed_quantile <= 1, "spares.seed_quantile", s.seed_quantile, "must be in (0, 1]")
+    _check(s.repair_slots >= 0, "spares.repair_slots", s.repair_slots, "must be >= 0")
 
     w = c.sweep
     for i, x in enumerate(w.failed_fractions):
         _check(0 <= x <= 1, f"sweep.failed_fractions[{i}]", x, "must be in [0, 1]")
     for i, x in enumerate(w.tp_degrees):
-        _check(1 <= x <= S and S % x == 0 and cl.num_gpus % (x * pp) == 0
+        _check(1 <= x <= min(S, m.heads) and S % x == 0 and cl.num_gpus % (x * pp) == 0
                and ((x * pp) % S == 0 or S % (x * pp) == 0),
                f"sweep.tp_degrees[{i}]", x,
-               f"must divide domain_size={S} and fit the cluster layout")
+               f"must divide the domain's {S} active GPUs and fit the cluster layout")
     _check(w.trials >= 1, "sweep.trials", w.trials, "must be >= 1")
 
     _positive(c, "", "duration_days")

@@ -27,7 +27,7 @@ import numpy as np
 from .cluster import Layout
 from .config import ConfigError, FailureConfig
 
-HW, SW = 0, 1
+HW, SW, POWER = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,10 @@ def mean_blast_gpus(f: FailureConfig, domain_size: int) -> float:
 
 def steady_failed_fraction(f: FailureConfig, domain_size: int) -> float:
     """Little's law: events/GPU/h * GPUs/event * hours down (overlaps ignored)."""
-    return mean_blast_gpus(f, domain_size) * mean_repair_hours(f) / f.gpu_mtbf_hours
+    gpu = mean_blast_gpus(f, domain_size) * mean_repair_hours(f) / f.gpu_mtbf_hours
+    lo, hi = f.power_repair_hours
+    power = 0.5 * (lo + hi) / f.power_domain_mtbf_hours     # every GPU is in one power domain
+    return gpu + power
 
 
 def event_rate_for_fraction(fraction: np.ndarray | float, layout: Layout,
@@ -68,7 +71,7 @@ def event_rate_for_fraction(fraction: np.ndarray | float, layout: Layout,
     return np.asarray(fraction, dtype=float) * layout.num_gpus / per_event
 
 
-def _draw_mix(n: int, f: FailureConfig, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def draw_mix(n: int, f: FailureConfig, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     kind = np.where(rng.random(n) < f.hw_fraction, HW, SW)
     return kind, _draw_repair(kind, f, rng)
 
@@ -93,9 +96,45 @@ def _sorted(time, first, size, kind, repair) -> FailureEvents:
     return FailureEvents(time[order], first[order], size[order], kind[order], repair[order])
 
 
+def power_events(f: FailureConfig, num_domains: int, domain_gpus: int, duration_h: float,
+                 rng: np.random.Generator) -> FailureEvents:
+    """Whole power domains (``power_domain_domains`` adjacent racks) failing together.
+
+    Each power domain fails at rate ``1 / power_domain_mtbf_hours``; every rack in it goes
+    down for the same repair draw from ``power_repair_hours``.  When ``k`` does not divide
+    the domains the last power domain is smaller.
+    """
+    k = f.power_domain_domains
+    groups = -(-num_domains // k)
+    n = int(rng.poisson(groups / f.power_domain_mtbf_hours * duration_h))
+    time = rng.random(n) * duration_h
+    group = rng.integers(0, groups, n)
+    lo, hi = f.power_repair_hours
+    repair = lo + rng.random(n) * (hi - lo)
+    dom = group[:, None] * k + np.arange(k)[None, :]
+    keep = (dom < num_domains).ravel()
+    rep = lambda a: np.repeat(a, k)[keep]  # noqa: E731
+    return FailureEvents(rep(time), (dom.ravel()[keep] * domain_gpus).astype(np.int64),
+                         np.full(int(keep.sum()), domain_gpus, dtype=np.int64),
+                         np.full(int(keep.sum()), POWER, dtype=np.int64), rep(repair))
+
+
+def merge(*streams: FailureEvents) -> FailureEvents:
+    cat = [np.concatenate([getattr(e, a) for e in streams])
+           for a in ("time", "first", "size", "kind", "repair")]
+    return _sorted(*cat)
+
+
 def generate(f: FailureConfig, layout: Layout, duration_h: float,
-             rng: np.random.Generator) -> FailureEvents:
-    """Events of the exponential model over ``[0, duration_h)``."""
+             rng: np.random.Generator, hot_spares: int = 0) -> FailureEvents:
+    """Events of the exponential model over ``[0, duration_h)``.
+
+    With ``hot_spares`` the events index physical GPUs, ``domain_size + hot_spares`` per
+    domain, idle hot spares included.
+    """
+    if hot_spares:
+        layout = Layout(layout.num_domains * (layout.domain_size + hot_spares),
+                        layout.domain_size + hot_spares, 1, 1)
     N = layout.num_gpus
     rate = N / f.gpu_mtbf_hours * (1.0 - f.correlation)
     n = int(rng.poisson(rate * duration_h))
@@ -116,7 +155,7 @@ def generate(f: FailureConfig, layout: Layout, duration_h: float,
         time, gpu = time[keep], gpu[keep]
     whole = rng.random(time.size) < f.domain_fraction
     first, size = _blocks(gpu, whole, layout, f)
-    kind, repair = _draw_mix(time.size, f, rng)
+    kind, repair = draw_mix(time.size, f, rng)
     return _sorted(time, first, size, kind, repair)
 
 
@@ -167,10 +206,18 @@ def load_trace(f: FailureConfig, layout: Layout, duration_h: float,
 
 
 def events_for(f: FailureConfig, layout: Layout, duration_h: float,
-               rng: np.random.Generator) -> FailureEvents:
+               rng: np.random.Generator, hot_spares: int = 0) -> FailureEvents:
     if f.model == "trace":
-        return load_trace(f, layout, duration_h, rng)
-    return generate(f, layout, duration_h, rng)
+        if hot_spares:
+            raise ConfigError("failures.trace", f.trace,
+                              "traces index job GPUs; they cannot be used with cluster.hot_spares")
+        ev = load_trace(f, layout, duration_h, rng)
+    else:
+        ev = generate(f, layout, duration_h, rng, hot_spares)
+    if np.isfinite(f.power_domain_mtbf_hours):
+        ev = merge(ev, power_events(f, layout.num_domains, layout.domain_size + hot_spares,
+                                    duration_h, rng))
+    return ev
 
 
 def sample_failed_gpus(layout: Layout, fraction: float, blast_radius: int,
@@ -190,6 +237,21 @@ def sample_failed_gpus(layout: Layout, fraction: float, blast_radius: int,
         dom = rng.random((trials, N // S)) < q * fraction
         down |= np.repeat(dom, S, axis=1)
     return down
+
+
+def cover_with_hot_spares(down: np.ndarray, active: int, hot_spares: int) -> np.ndarray:
+    """Active GPUs still missing once each domain's healthy hot spares replace failed ones.
+
+    ``down`` is ``(trials, domains * (active + hot_spares))``: physical slots, the spares last
+    in each domain.  The healthy spares of a domain replace its failed active GPUs in slot
+    order; returns ``(trials, domains * active)``.
+    """
+    trials = down.shape[0]
+    phys = down.reshape(trials, -1, active + hot_spares)
+    act = phys[..., :active]
+    free = hot_spares - phys[..., active:].sum(axis=-1)
+    covered = np.cumsum(act, axis=-1) <= free[..., None]
+    return (act & ~covered).reshape(trials, -1)
 
 
 def group_failed_counts(down: np.ndarray, layout: Layout) -> np.ndarray:

@@ -12,19 +12,25 @@ replica's contribution ``v[K]`` in units of a healthy replica:
 * ``ckpt_restart``: the capacity of ``dp_drop`` (the job restarts without the
   broken replicas), plus a job-wide stop per failure handled by the engine.
 
-The tables are monotone non-increasing in ``K``, so a cluster histogram
-``hist[K]`` (replicas per level) is enough to compute every policy's
-throughput, with or without batch rebalancing.
+Each level also has a batch ``share`` (sequences, relative to a healthy
+replica) and a step ``time`` (relative to a healthy step).  Synchronous
+training runs at the pace of the slowest replica it keeps, so the job keeps
+the set of levels that maximises ``sum(hist * share) / (R * max time)``
+(``job_capacity``).  With ``ntp.batch_granularity=fluid`` a degraded replica
+takes exactly ``t'/t`` of the batch at the healthy pace (the ideal model);
+with ``sequence`` its share and time come from ``granularity``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Optional
 
 import numpy as np
 
 from .cluster import Layout
-from .config import BoostConfig, CheckpointConfig, NTPConfig
-from .throughput import boost_level
+from .config import BoostConfig, CheckpointConfig, NTPConfig, SimConfig
+from .granularity import level_cost, sequences_per_replica
+from .throughput import StepBreakdown, boost_level, perf_at_power
 
 POLICIES = ("dp_drop", "ntp", "ntp_pw", "ckpt_restart")
 REBALANCED = ("ntp", "ntp_pw")
@@ -36,8 +42,16 @@ class LevelTables:
 
     tp: int
     degree: np.ndarray              # TP degree each level runs at (0 = stopped)
-    value: dict[str, np.ndarray]    # policy -> contribution per level
+    value: dict[str, np.ndarray]    # policy -> contribution per level (share / time)
     power: np.ndarray               # ntp_pw relative power per level (1 = TDP)
+    share: Optional[dict[str, np.ndarray]] = None  # policy -> batch share per level (0: not running)
+    time: Optional[dict[str, np.ndarray]] = None   # policy -> step time per level (1 = healthy)
+    rebalance: bool = True
+
+    def __post_init__(self):
+        if self.share is None:   # fluid tables: rebalanced shares at the healthy pace
+            object.__setattr__(self, "share", {p: v.copy() for p, v in self.value.items()})
+            object.__setattr__(self, "time", {p: np.ones_like(v) for p, v in self.value.items()})
 
 
 def degraded_degree(tp: int, failed: np.ndarray, ntp: NTPConfig) -> np.ndarray:
@@ -68,32 +82,114 @@ def level_tables(tp: int, ntp: NTPConfig, boost: BoostConfig, phi: float) -> Lev
     return LevelTables(tp=tp, degree=deg, value=value, power=power)
 
 
-def capacity(hist: np.ndarray, value: np.ndarray, rebalance: bool) -> np.ndarray:
+def job_capacity(hist: np.ndarray, share: np.ndarray, time: np.ndarray) -> np.ndarray:
     """Job throughput relative to a healthy job, from level histograms.
 
-    ``hist[..., K]`` counts replicas at level ``K``.  With rebalancing every
-    replica's contribution adds up.  Without it synchronous training runs at
-    the pace of its slowest member, so the job keeps the best set of the
-    fastest replicas: ``max_K (replicas at level <= K) * v[K]``.
+    ``hist[..., K]`` counts replicas at level ``K``; a replica there takes
+    ``share[K]`` of a healthy replica's sequences and needs ``time[K]`` of a
+    healthy step.  The synchronous step lasts as long as the slowest replica
+    kept, so the job keeps every level up to a time limit and picks the limit
+    that maximises ``sum(hist * share) / (R * limit)``.
     """
     hist = np.asarray(hist, dtype=float)
+    share = np.asarray(share, dtype=float)
+    time = np.asarray(time, dtype=float)
     total = hist.sum(axis=-1)
     total = np.where(total > 0, total, 1.0)
+    run = np.flatnonzero(share > 0)
+    if run.size == 0:
+        return np.zeros(hist.shape[:-1])
+    order = run[np.argsort(time[run], kind="stable")]
+    work = np.cumsum(hist[..., order] * share[order], axis=-1)
+    return (work / time[order]).max(axis=-1) / total
+
+
+def capacity(hist: np.ndarray, value: np.ndarray, rebalance: bool) -> np.ndarray:
+    """Fluid capacity: a level contributes ``value[K]``, rebalanced or at the pace of the slowest.
+
+    Without rebalancing every running replica takes a full share at ``1/value``
+    of the healthy pace.
+    """
+    value = np.asarray(value, dtype=float)
     if rebalance:
-        return (hist * value).sum(axis=-1) / total
-    cum = np.cumsum(hist, axis=-1)
-    return (cum * value).max(axis=-1) / total
+        return job_capacity(hist, value, np.ones_like(value))
+    with np.errstate(divide="ignore"):
+        slow = np.where(value > 0, 1.0 / np.where(value > 0, value, 1.0), 0.0)
+    return job_capacity(hist, (value > 0).astype(float), slow)
 
 
-def policy_capacity(hist: np.ndarray, tables: LevelTables, rebalance: bool) -> dict:
-    return {p: capacity(hist, tables.value[p], rebalance and p in REBALANCED)
-            for p in POLICIES}
+def policy_capacity(hist: np.ndarray, tables: LevelTables) -> dict:
+    return {p: job_capacity(hist, tables.share[p], tables.time[p]) for p in POLICIES}
 
 
-def ntp_deficit_domains(hist: np.ndarray, value: np.ndarray, layout: Layout) -> np.ndarray:
-    """Missing capacity in domains: ``sum_K hist[K] (1 - v[K]) * t*pp / S``."""
-    missing = (np.asarray(hist, dtype=float) * (1.0 - value)).sum(axis=-1)
-    return missing * layout.replica_gpus / layout.domain_size
+def capacity_deficit_domains(cap: np.ndarray, layout: Layout) -> np.ndarray:
+    """Missing capacity in domains: ``(1 - capacity) * R * t*pp / S``."""
+    return (1.0 - np.asarray(cap, dtype=float)) * layout.num_gpus / layout.domain_size
+
+
+def step_parts(step: StepBreakdown, tp_overlap: float, dp_overlap: float) -> dict:
+    """Seconds of a healthy step that scale with a replica's work, and the rest."""
+    return {"compute": step.compute_s + step.bubble_s,
+            "tp_comm": step.tp_comm_s * (1.0 - tp_overlap),
+            "fixed": step.dp_comm_s * (1.0 - dp_overlap), "step": step.step_s}
+
+
+def healthy_share(cfg: SimConfig, layout: Layout) -> int:
+    """Sequences per healthy replica; at least one for swept degrees with more replicas."""
+    return max(1, int(round(sequences_per_replica(cfg.model, layout.num_replicas))))
+
+
+def tables_for(cfg: SimConfig, layout: Layout, step: StepBreakdown, ntp: NTPConfig,
+               slowdown=None) -> LevelTables:
+    """Level tables of every policy at ``layout.tp`` under the configured batch granularity."""
+    t = layout.tp
+    fluid = level_tables(t, ntp, cfg.boost, step.compute_fraction)
+    if ntp.batch_granularity == "fluid":
+        if ntp.rebalance:
+            return replace(fluid, rebalance=True)
+        run = {p: (v > 0).astype(float) for p, v in fluid.value.items()}
+        with np.errstate(divide="ignore"):
+            slow = {p: np.where(v > 0, 1.0 / np.where(v > 0, v, 1.0), 0.0)
+                    for p, v in fluid.value.items()}
+        return replace(fluid, share=run, time=slow, rebalance=False)
+    hw = cfg.hardware
+    cost = level_cost(fluid.degree, t, healthy_share(cfg, layout), cfg.model,
+                      step_parts(step, hw.tp_overlap, hw.dp_overlap), ntp.rebalance,
+                      ntp.exchange_overlap, hw.scaleup_gbps, hw.grad_bytes, step.params,
+                      slowdown)
+    drop_share = fluid.value["dp_drop"].copy()
+    drop_time = drop_share.copy()
+    time_pw, power = boosted_time(cost.time, cost.compute, cfg.boost)
+    power = np.where(cost.share > 0, power, 1.0)
+    share = {"dp_drop": drop_share, "ntp": cost.share, "ntp_pw": cost.share.copy(),
+             "ckpt_restart": drop_share.copy()}
+    time = {"dp_drop": drop_time, "ntp": cost.time, "ntp_pw": time_pw,
+            "ckpt_restart": drop_time.copy()}
+    with np.errstate(divide="ignore", invalid="ignore"):
+        value = {p: np.where(share[p] > 0, share[p] / np.where(time[p] > 0, time[p], 1.0), 0.0)
+                 for p in POLICIES}
+    return LevelTables(tp=t, degree=fluid.degree, value=value, power=power, share=share,
+                       time=time, rebalance=ntp.rebalance)
+
+
+def boosted_time(time: np.ndarray, compute: np.ndarray,
+                 boost: BoostConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Step time of each level when its GPUs draw just enough power to keep the healthy pace.
+
+    Only the compute part ``compute`` of ``time`` shrinks, by ``perf(p)``;
+    the power never exceeds ``1 + cap`` and is not drawn where it buys nothing.
+    """
+    time = np.asarray(time, dtype=float)
+    compute = np.asarray(compute, dtype=float)
+    rest = time - compute
+    slow = (time > 1.0) & (compute > 0) & (boost.perf_exponent > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        perf_needed = np.where(rest < 1.0, compute / np.where(rest < 1.0, 1.0 - rest, 1.0), np.inf)
+        wanted = np.power(perf_needed, 1.0 / boost.perf_exponent) if boost.perf_exponent > 0 \
+            else np.full_like(time, np.inf)
+    power = np.where(slow, np.minimum(wanted, 1.0 + boost.cap), 1.0)
+    new = np.where(slow, compute / perf_at_power(power, boost.perf_exponent) + rest, time)
+    return new, power
 
 
 def extra_power_fraction(hist: np.ndarray, tables: LevelTables, layout: Layout) -> np.ndarray:
@@ -106,15 +202,24 @@ def extra_power_fraction(hist: np.ndarray, tables: LevelTables, layout: Layout) 
     return (np.asarray(hist, dtype=float) * per_level).sum(axis=-1) / layout.num_gpus
 
 
-def ckpt_availability(event_rate_per_h: float | np.ndarray, ck: CheckpointConfig) -> np.ndarray:
+def ckpt_availability(event_rate_per_h: float | np.ndarray, ck: CheckpointConfig,
+                      interval_minutes: float | None = None) -> np.ndarray:
     """Fraction of wall time doing useful work under checkpoint-restart.
 
-    Each failure event stops the job for the restart time and throws away the
-    work since the last checkpoint (on average half an interval); checkpoint
-    writes block for ``write_minutes`` every interval.  Renewal argument:
-    ``A = (1 - w/C) / (1 + lambda (restart + C/2))``.
+    Failures arrive at rate ``lam`` during up time; each stops the job for the
+    restart time ``R`` and throws away the work since the last checkpoint;
+    checkpoints every ``C`` of up time block for ``w``.  Per renewal cycle the
+    saved up time is ``C q / (1 - q)`` with ``q = exp(-lam C)``, so
+    ``A = (1 - w/C) lam C q / (1 - q) / (1 + lam R)``, which tends to the
+    first-order ``(1 - w/C) / (1 + lam (R + C/2))`` for ``lam C << 1``.
     """
     lam = np.asarray(event_rate_per_h, dtype=float)
-    C = ck.interval_minutes / 60.0
-    cost = ck.restart_minutes / 60.0 + C / 2.0
-    return (1.0 - ck.write_minutes / ck.interval_minutes) / (1.0 + lam * cost)
+    interval = ck.interval_minutes if interval_minutes is None else interval_minutes
+    if not np.isfinite(interval):       # no failures: no checkpoint needed
+        return np.ones_like(lam)
+    C = interval / 60.0
+    R = ck.restart_minutes / 60.0
+    x = lam * C
+    with np.errstate(divide="ignore", invalid="ignore"):
+        saved = np.where(x > 0, x * np.exp(-x) / -np.expm1(-np.where(x > 0, x, 1.0)), 1.0)
+    return (1.0 - ck.write_minutes / interval) * saved / (1.0 + lam * R)

@@ -2,8 +2,9 @@
 
 For each TP degree and failed fraction ``f`` the sweep draws ``trials``
 snapshots of failed GPUs (independent blocks of ``blast_radius`` GPUs, plus
-whole domains with ``domain_fraction``), turns them into replica levels and
-reads off each policy's throughput.  Checkpoint-restart gets the DP-DROP
+whole domains with ``domain_fraction``; with hot spares, over every physical
+GPU, after which a domain's healthy spares replace its failed active GPUs),
+turns them into replica levels and reads off each policy's throughput.  Checkpoint-restart gets the DP-DROP
 capacity times the availability implied by the failure rate that sustains
 ``f`` in steady state (Little's law over the configured repair-time mix).
 """
@@ -15,8 +16,9 @@ import numpy as np
 
 from .cluster import Layout
 from .config import SimConfig
-from .failures import event_rate_for_fraction, group_failed_counts, sample_failed_gpus
-from .policies import POLICIES, ckpt_availability, level_tables, policy_capacity, scaled_ntp
+from .failures import (cover_with_hot_spares, event_rate_for_fraction, group_failed_counts,
+                       sample_failed_gpus)
+from .policies import POLICIES, ckpt_availability, policy_capacity, scaled_ntp, tables_for
 from .throughput import step_breakdown
 
 
@@ -39,31 +41,46 @@ def level_histograms(group_failed: np.ndarray, layout: Layout) -> np.ndarray:
 
 def snapshot_capacity(cfg: SimConfig, layout: Layout, fraction: float,
                       rng: np.random.Generator,
-                      blast_radius: int | None = None) -> dict[str, float]:
+                      blast_radius: int | None = None, slowdown=None) -> dict[str, float]:
     """Mean capacity per policy (``ckpt_restart`` excluded) at one fraction."""
     f = cfg.failures
     b = f.blast_radius if blast_radius is None else blast_radius
-    down = sample_failed_gpus(layout, fraction, b, f.domain_fraction,
-                              cfg.sweep.trials, rng)
+    H = cfg.cluster.hot_spares
+    if H:
+        phys = Layout(layout.num_domains * (layout.domain_size + H), layout.domain_size + H, 1, 1)
+        down = cover_with_hot_spares(sample_failed_gpus(phys, fraction, b, f.domain_fraction,
+                                                        cfg.sweep.trials, rng),
+                                     layout.domain_size, H)
+    else:
+        down = sample_failed_gpus(layout, fraction, b, f.domain_fraction, cfg.sweep.trials, rng)
     hist = level_histograms(group_failed_counts(down, layout), layout)
-    phi = step_breakdown(layout, cfg.model, cfg.hardware,
-                         cfg.cluster.microbatches).compute_fraction
+    step = step_breakdown(layout, cfg.model, cfg.hardware, cfg.cluster.microbatches)
     ntp = scaled_ntp(layout.tp, cfg.cluster.tp, cfg.ntp)
-    tables = level_tables(layout.tp, ntp, cfg.boost, phi)
-    caps = policy_capacity(hist, tables, cfg.ntp.rebalance)
+    tables = tables_for(cfg, layout, step, ntp, slowdown)
+    caps = policy_capacity(hist, tables)
     return {p: float(np.mean(c)) for p, c in caps.items()}
 
 
-def loss_vs_failures(cfg: SimConfig, rng: np.random.Generator) -> list[LossPoint]:
+def _interval(ck, rate_per_h: float) -> float:
+    """Checkpoint interval in minutes at a job event rate (Young/Daly when configured)."""
+    if ck.interval_policy == "fixed":
+        return ck.interval_minutes
+    from .engine import young_daly_minutes
+
+    return young_daly_minutes(ck.write_minutes, 60.0 / rate_per_h if rate_per_h > 0 else np.inf)
+
+
+def loss_vs_failures(cfg: SimConfig, rng: np.random.Generator,
+                     slowdown=None) -> list[LossPoint]:
     rows: list[LossPoint] = []
     tps = list(cfg.sweep.tp_degrees) or [cfg.cluster.tp]
     for tp in sorted(set(tps)):
         layout = Layout.from_config(cfg.cluster, tp=tp)
         for frac in cfg.sweep.failed_fractions:
-            caps = snapshot_capacity(cfg, layout, float(frac), rng)
+            caps = snapshot_capacity(cfg, layout, float(frac), rng, slowdown=slowdown)
             rate = float(event_rate_for_fraction(frac, layout, cfg.failures))
             caps["ckpt_restart"] = caps["dp_drop"] * float(
-                ckpt_availability(rate, cfg.checkpoint))
+                ckpt_availability(rate, cfg.checkpoint, _interval(cfg.checkpoint, rate)))
             for p in POLICIES:
                 rows.append(LossPoint(p, tp, float(frac), max(0.0, 1.0 - caps[p])))
     return rows

@@ -1,0 +1,132 @@
+"""What a degraded replica really costs: whole sequences, its most loaded rank, the gradient exchange.
+
+A replica does not take an arbitrary fraction of the global batch: the engine's batch planner
+(``ntp_ds.batch.planner.plan_batch``) gives it whole sequences, ``round(share * t'/t)`` of a healthy
+replica's ``share``, and none at all when that rounds to zero.  Inside the replica the engine's layout
+(``ntp_ds.layout.ShardLayout.balanced(...).without_ranks(...)``) hands the lost ranks' heads, KV heads,
+FFN columns and vocabulary rows to the survivors, unevenly when the counts do not divide: 128 heads over
+30 ranks leave 8 ranks with 5 heads where TP32 gives every rank 4.  The slowest rank sets the group's
+pace.  Before the data-parallel reduction the degraded replica reshards its gradients into the healthy
+layout over the scale-up link and reshards the update back, mostly hidden behind the backward pass.
+
+Pure functions; the layout and planner imports are the engine's own pure modules.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from ntp_ds.batch.planner import BatchError, plan_batch
+from ntp_ds.layout import units as U
+from ntp_ds.layout.shard_layout import ModelUnits, ShardLayout
+
+from .config import ModelConfig
+
+
+def model_units(m: ModelConfig) -> ModelUnits:
+    """Sharding units of the simulated model: query heads, KV heads, FFN columns, vocabulary rows."""
+    return ModelUnits(heads=m.heads, kv_heads=m.kv_heads or m.heads,
+                      ffn=m.ffn_hidden or 4 * m.hidden, vocab=m.vocab)
+
+
+def unit_flops(m: ModelConfig) -> dict[str, float]:
+    """Forward FLOPs per token of one unit of each kind, per layer (vocabulary rows spread over layers).
+
+    A query head of width ``d = hidden/heads`` projects Q and O (``4 h d``) and attends over the
+    sequence (``4 s d``); a KV head projects K and V (``4 h d``) on every rank that holds it; an FFN
+    column is one column of the up and one row of the down projection (``4 h``); a vocabulary row of
+    the output layer is ``2 h``, once per model.
+    """
+    d = m.hidden / m.heads
+    return {"heads": 4.0 * m.hidden * d + 4.0 * m.seq_len * d, "kv": 4.0 * m.hidden * d,
+            "ffn": 4.0 * m.hidden, "vocab": 2.0 * m.hidden / m.layers}
+
+
+def rank_units(units: ModelUnits, tp: int, degree: int) -> list[dict[str, int]]:
+    """Units per rank of a TP-``tp`` replica that runs at ``degree`` ranks, as the engine assigns them."""
+    layout = _layout(units, tp, degree)
+    return [{k: U.count(layout.owned(k, r)) for k in ("heads", "kv", "ffn", "vocab")}
+            for r in range(layout.tp)]
+
+
+@lru_cache(maxsize=256)
+def _layout(units: ModelUnits, tp: int, degree: int) -> ShardLayout:
+    healthy = ShardLayout.balanced(units, tp)
+    return healthy if degree == tp else healthy.without_ranks(frozenset(range(degree, tp)))
+
+
+@lru_cache(maxsize=256)
+def _max_rank_work(units: ModelUnits, flops: tuple, tp: int, degree: int) -> float:
+    w = dict(flops)
+    return max(sum(w[k] * n for k, n in r.items()) for r in rank_units(units, tp, degree))
+
+
+def load_ratio(m: ModelConfig, tp: int, degree: int) -> float:
+    """Most loaded rank's work at ``degree`` over a healthy TP-``tp`` rank's, same tokens."""
+    units = model_units(m)
+    flops = tuple(sorted(unit_flops(m).items()))
+    return _max_rank_work(units, flops, tp, degree) / _max_rank_work(units, flops, tp, tp)
+
+
+def planned_samples(share: int, tp: int, degree: int) -> int:
+    """Sequences the engine's planner gives a replica at ``degree`` next to healthy ones (0: none)."""
+    if degree <= 0:
+        return 0
+    if degree >= tp:
+        return share
+    try:
+        plan = plan_batch((tp, degree), tp, 2 * share, 1, "proportional")
+    except BatchError:
+        return 0
+    return plan.replicas[1].samples
+
+
+def sequences_per_replica(m: ModelConfig, replicas: int) -> float:
+    return m.tokens_per_batch / m.seq_len / replicas
+
+
+@dataclass(frozen=True)
+class LevelCost:
+    """Per level ``K``: batch share and step time of a replica, relative to a healthy one."""
+
+    share: np.ndarray     # sequences / healthy sequences (0: the replica takes no part)
+    time: np.ndarray      # its step time / a healthy step (the job waits for the slowest)
+    compute: np.ndarray   # part of ``time`` that faster clocks shorten
+
+
+def level_cost(degree: np.ndarray, tp: int, share: int, m: ModelConfig, parts: dict,
+               rebalance: bool, exchange_overlap: float, scaleup_gbps: float,
+               grad_bytes: int, params: float, slowdown=None) -> LevelCost:
+    """Share and step time of a replica at each level's ``degree`` (0 = stopped).
+
+    ``parts`` holds the healthy step's seconds: ``compute`` (with the bubble), ``tp_comm`` and
+    ``fixed`` (the exposed DP all-reduce) and ``step``.  With ``rebalance`` the planner's share is
+    used, else every running replica takes the healthy share.  ``slowdown(x)``, when given, is the
+    engine's measured step-time ratio at ``x = degree/tp`` and replaces the layout and exchange model.
+    """
+    deg = np.asarray(degree)
+    n = deg.size
+    shr, time, comp = np.zeros(n), np.zeros(n), np.zeros(n)
+    step = parts["step"]
+    for k, t1 in enumerate(deg.tolist()):
+        if t1 <= 0:
+            continue
+        samples = planned_samples(share, tp, t1) if rebalance else share
+        if samples <= 0:
+            continue
+        sigma = samples / share
+        shr[k] = sigma
+        if t1 == tp:
+            time[k], comp[k] = 1.0, parts["compute"] / step
+            continue
+        if slowdown is not None:
+            time[k] = sigma * float(slowdown(t1 / tp))
+            comp[k] = time[k] * parts["compute"] / step
+            continue
+        c = parts["compute"] * sigma * load_ratio(m, tp, t1)
+        exchange = 2.0 * params * grad_bytes / (t1 * scaleup_gbps * 1e9) * (1.0 - exchange_overlap)
+        time[k] = (c + parts["tp_comm"] * sigma + parts["fixed"] + exchange) / step
+        comp[k] = c / step
+    return LevelCost(share=shr, time=time, compute=comp)
