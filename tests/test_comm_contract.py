@@ -86,7 +86,7 @@ def test_equivalence_run_keeps_the_contract(stage):
     records = {r: res.pop("records") for r, res in enumerate(results)}
     assert check_calls(records) == []
     ops = {rec.op for recs in records.values() for rec in recs}
-    assert {"all_reduce", "grad_bucket", "exchange", "vote", "copy_data"} <= ops, ops
+    assert {"all_reduce", "grad_bucket", "param_sync", "vote", "copy_data"} <= ops, ops
     # Small buckets: the contributor's gradients cross in several messages per anchor rank and step.
     assert sum(len(rec.sends) for rec in records[3] if rec.op == "grad_bucket") > 2 * 4
     assert_matches_reference(results, train_reference("adamw", results[0]["global_samples"], 4), "adamw")
@@ -113,4 +113,4 @@ def test_recovery_keeps_the_contract():
     records = {res["tp_rank"] + 3 * res["replica"]: res.pop("records") for res in results.values()}
     assert check_calls(records) == []
     ops = {rec.op for recs in records.values() for rec in recs}
-    assert {"exchange", "reslice", "grad_bucket", "copy_data", "vote"} <= ops, ops
+    assert {"reshard", "param_sync", "reslice", "grad_bucket", "copy_data", "vote"} <= ops, ops

@@ -122,7 +122,7 @@ class UnitExchange:
 
     # -- whole exchanges -------------------------------------------------------------------------------------------
     def run(self, send: dict[str, torch.Tensor] | None, receive: dict[str, torch.Tensor] | None,
-            dtype=None, device=None) -> int:
+            dtype=None, device=None, op: str = "exchange") -> int:
         """Send every outgoing bucket out of `send` and receive every incoming one into `receive`, bucket round by
         bucket round (each round posts both directions together); return the bytes received."""
         rounds = max([len(b) for b in self.outgoing.values()] + [len(b) for b in self.incoming.values()] + [0])
@@ -131,7 +131,7 @@ class UnitExchange:
             sends = {p: self.pack(bs[k], send, dtype) for p, bs in self.outgoing.items() if k < len(bs)}
             recvs = {p: self.receive_buffer(bs[k], receive, dtype, device)
                      for p, bs in self.incoming.items() if k < len(bs)}
-            wire.exchange(sends, recvs).wait()
+            wire.exchange(sends, recvs, op=op).wait()
             for p, buf in recvs.items():
                 self.unpack(self.incoming[p][k], buf, receive)
                 received += buf.numel() * buf.element_size()

@@ -14,14 +14,18 @@ The rules NCCL imposes, kept on gloo too, so one code path is right on both:
   NCCL work's `wait` only orders the current stream; a blocked NCCL kernel is ended by aborting the communicators
   (`peer_failed`).
 
-Every call is offered to the recorders (`recording()`), which tests use to check the rules above on real runs.
+Every call is offered to the recorders (`recording()`), which tests use to check the rules above on real runs,
+and counted by the traffic meter (`traffic()`): bytes this rank posted to send and to receive, per call name,
+measured on the tensors (and pickled objects) handed to torch.distributed, so a report never quotes a plan.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import pickle
 import threading
+from collections import Counter
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -68,6 +72,7 @@ class _State:
     control: object = None
     generation: int = 0
     recorders: list = field(default_factory=list)
+    traffic: Counter = field(default_factory=Counter)
 
 
 _state = _State()
@@ -157,6 +162,26 @@ def recording():
         _state.recorders.remove(records.append)
 
 
+def traffic() -> dict[tuple[str, str], int]:
+    """Bytes this process has posted so far, per (call name, "sent" or "received"); subtract two readings to
+    measure a stretch of work."""
+    return dict(_state.traffic)
+
+
+def traffic_since(before: dict[tuple[str, str], int]) -> dict[tuple[str, str], int]:
+    """Bytes posted since the reading `before`, per (call name, direction), leaving out zeros."""
+    return {k: v - before.get(k, 0) for k, v in _state.traffic.items() if v - before.get(k, 0)}
+
+
+def _count(op: str, sent: int, received: int) -> None:
+    _state.traffic[(op, "sent")] += sent
+    _state.traffic[(op, "received")] += received
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def _check(op: str, group, tensors, sends=(), recvs=()) -> None:
     expected = device_of(group)
     if _state.recorders:
@@ -214,6 +239,7 @@ def all_reduce(tensor: torch.Tensor, group, op: str = "sum", name: str = "all_re
     if group is not None and dist.get_world_size(group) == 1:
         return tensor
     _check(name, group, [tensor])
+    _count(name, _nbytes([tensor]), _nbytes([tensor]))
     wait(dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=True), group, name)
     return tensor
 
@@ -251,6 +277,7 @@ def exchange(sends: Mapping[int, torch.Tensor | Sequence[torch.Tensor]],
     tensors = [t for ts in sends.values() for t in ts] + [t for ts in recvs.values() for t in ts]
     _check(op, group, tensors, sends=[(p, t.numel()) for p, ts in sorted(sends.items()) for t in ts],
            recvs=[(p, t.numel()) for p, ts in sorted(recvs.items()) for t in ts])
+    _count(op, _nbytes(t for ts in sends.values() for t in ts), _nbytes(t for ts in recvs.values() for t in ts))
     ops, peers = [], []
     for kind, table, fn in (("send", sends, dist.isend), ("recv", recvs, dist.irecv)):
         for p, ts in sorted(table.items()):
@@ -288,6 +315,8 @@ def all_gather_object(obj, group=None) -> list:
     _check("all_gather_object", group, [])
     out = [None] * dist.get_world_size(group)
     _bounded(lambda: dist.all_gather_object(out, obj, group=group), "all_gather_object")
+    mine = _pickled(obj)
+    _count("all_gather_object", mine * (len(out) - 1), sum(_pickled(o) for o in out) - mine)
     return out
 
 
@@ -297,6 +326,11 @@ def gather_object(obj, dst: int, group=None) -> list | None:
     _check("gather_object", group, [])
     out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
     _bounded(lambda: dist.gather_object(obj, out, dst=dst, group=group), "gather_object")
+    mine = _pickled(obj)
+    if out is None:
+        _count("gather_object", mine, 0)
+    else:
+        _count("gather_object", 0, sum(_pickled(o) for o in out) - mine)
     return out
 
 
@@ -306,7 +340,15 @@ def broadcast_object(obj, src: int, group=None):
     _check("broadcast_object", group, [])
     box = [obj]
     _bounded(lambda: dist.broadcast_object_list(box, src=src, group=group), "broadcast_object")
+    size = _pickled(box[0])
+    _count("broadcast_object", size * (dist.get_world_size(group) - 1) if dist.get_rank() == src else 0,
+           0 if dist.get_rank() == src else size)
     return box[0]
+
+
+def _pickled(obj) -> int:
+    """Bytes of an object as torch's object collectives send it (pickled)."""
+    return len(pickle.dumps(obj))
 
 
 def _bounded(call: Callable[[], None], what: str) -> None:

@@ -96,7 +96,7 @@ class NTPEngine(DeepSpeedEngine):
         """Copy the anchors' parameters onto the contributor replicas, now."""
         self.settle_parameters()
         params = {n: p.data for n, p in self.named_shards().items()}
-        self._params.run(params, params)
+        self._params.run(params, params, op="param_sync")
 
     def settle_parameters(self) -> None:
         """Complete the parameter copy still in flight to this contributor (streamed during its forward).

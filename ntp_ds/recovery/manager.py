@@ -125,6 +125,7 @@ class Recovery:
 
     def _attempt(self, snapshot, old_members, error, failed_at) -> RecoveryOutcome:
         t0 = time.time()
+        traffic_before = wire.traffic()
         self.heartbeat.watch([])  # the old generation's peers are judged by the detection below, not the watcher
         # Closing our connections fails every collective a live peer still waits on with us, so it joins the
         # recovery at once instead of at its process-group timeout (gloo closes them once unreferenced; NCCL
@@ -173,15 +174,17 @@ class Recovery:
         rereplicated = rereplicated_moves(snapshot.topology, new_topology, old_rank_of, moves)
         engine = build_engine(self.job, new_topology,
                               lambda groups: self._reshard(groups, snapshot, moves, moved, rereplicated), self.store)
-        state = reslice(engine, snapshot)
+        dead_owners = {old_members.index(g) for g in gone}
+        state = reslice(engine, snapshot, dead_owners)
         engine.global_steps, engine.global_samples = snapshot.global_steps, snapshot.global_samples
         engine.refresh_copies()
         # Lossless is what was installed: every element of every new fragment written, from a copy of the last step,
         # with intact payloads; a rank that died inside the optimizer left that step half done.
         whole = (state["covered"] == state["wanted"] and state["checksums_ok"] and state["fresh"]
                  and not snapshot.mid_step)
+        received = _received_by_kind(wire.traffic_since(traffic_before))
         totals = wire.sum_counts([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), state["bytes_received"],
-                                  int(whole)])
+                                  state["restored_bytes"], int(whole)] + list(received.values()))
         self.heartbeat.watch(self._peers(engine), set(new_members) - {self.rank})
         barrier(self.store, f"recovery/{change.generation}/done", self.rank, new_members, self.job.ntp.timeout_s)
         t_done = time.time()
@@ -196,7 +199,9 @@ class Recovery:
             "bytes_moved": int(totals[0]), "lost_shard_bytes": lost_bytes,
             "kv_rereplicated_bytes": int(totals[1]), "rank_bytes_received": moved.get("bytes", 0),
             "optimizer_bytes_moved": int(totals[2]),
-            "lossless": int(totals[3]) == len(new_members),
+            "optimizer_bytes_restored": int(totals[3]), "lost_optimizer_bytes": state["lost_bytes"],
+            "traffic_bytes": dict(zip(received, map(int, totals[5:]))),
+            "lossless": int(totals[4]) == len(new_members),
             "reason": change.reason,
         }
         self.engine = engine
@@ -279,7 +284,23 @@ class Recovery:
                                 Side(groups.layout, groups.tp_rank), self.job.ntp.bucket_size)
         dtype = next(iter(snapshot.params.values())).dtype
         return exchange.run(snapshot.params, {n: p.data for n, p in new_params.items()}, dtype=dtype,
-                            device=wire.device_of())
+                            device=wire.device_of(), op="reshard")
+
+
+TRAFFIC_KINDS = {"parameters": ("reshard", "param_sync"), "optimizer": ("reslice",),
+                 "redundancy": ("copy_data", "copy_piece", "copy_layout"),
+                 "objects": ("all_gather_object", "gather_object", "broadcast_object")}
+"""How recovery's measured traffic is reported: call names of the wire layer by kind; the rest is "control"."""
+
+
+def _received_by_kind(traffic: dict[tuple[str, str], int]) -> dict[str, int]:
+    """Bytes this rank received, per kind of traffic, from a reading of the wire's meter."""
+    kind_of = {op: kind for kind, ops in TRAFFIC_KINDS.items() for op in ops}
+    out = dict.fromkeys([*TRAFFIC_KINDS, "control"], 0)
+    for (op, direction), n in traffic.items():
+        if direction == "received":
+            out[kind_of.get(op, "control")] += n
+    return out
 
 
 def _lost_shard_bytes(topology: Topology, members, gone, rebuilt, engine) -> int:

@@ -88,6 +88,12 @@ class StateIndex:
                 entries.sort()
         self._sources: dict[tuple[int, str], list] = {}
 
+    def state_elements(self, owners) -> int:
+        """Elements of optimizer state (per tensor: masters, or one moment) the given old ranks held."""
+        owners = set(owners)
+        return sum(numel for entries in self.fragments.values() for _, numel, group in entries
+                   if owners & set(group))
+
     def sources(self, tp_rank: int, kind: str) -> list[tuple[int, U.Ranges]]:
         key = (tp_rank, kind)
         if key not in self._sources:
@@ -188,10 +194,10 @@ def _checksum(payload: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...]) -> dict:
+def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...], dead: set[int] = frozenset()) -> dict:
     """Run this rank's moves (one pairwise exchange on the data device) and install what arrives into this new
-    anchor's live optimizer state; return measured figures: bytes sent and received, elements covered, checksum
-    agreement."""
+    anchor's live optimizer state; return measured figures: bytes sent and received, bytes installed from the
+    copies of `dead` owners, elements covered, checksum agreement, freshness; and the dead owners' state bytes."""
     me = engine.ntp_groups.rank
     device = wire.device_of()
     served = {owner: {n: (f.start, f.numel) for n, f in frags.items()} for owner, (_, frags) in held.items()}
@@ -225,7 +231,8 @@ def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...]) -> 
 
     figures = {"bytes_sent": sum(t.numel() * t.element_size() for t in sends.values()),
                "bytes_received": sum(t.numel() * t.element_size() for t in recvs.values()),
-               "checksums_ok": True, "covered": 0, "wanted": sum(n for _, n in wanted), "fresh": True}
+               "checksums_ok": True, "covered": 0, "wanted": sum(n for _, n in wanted), "fresh": True,
+               "restored_bytes": 0, "lost_bytes": index.state_elements(dead) * width * 4}
     if not engine.is_anchor:
         return figures
     S.reset_state(engine, index.step, keys)
@@ -245,13 +252,16 @@ def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...]) -> 
                     payload[pos:pos + n].view(m.block.row1 - m.block.row0, m.block.cols))
                 pos += n
             _region(masks[m.name], target.start, g.width, m.block, m.block.dst_col).fill_(True)
+            if m.owner in dead:
+                figures["restored_bytes"] += n * width * 4
             figures["fresh"] &= m.step == index.step
     figures["covered"] = int(sum(int(mask.sum()) for mask in masks.values()))
     return figures
 
 
-def reslice(engine, snapshot) -> dict:
-    """Give every new anchor rank the optimizer state of its new fragments; return this rank's measured figures."""
+def reslice(engine, snapshot, dead: set[int] = frozenset()) -> dict:
+    """Give every new anchor rank the optimizer state of its new fragments; return this rank's measured figures.
+    `dead`: old global ranks that died, whose state comes from copies."""
     held = {}  # owner old global rank -> (step, {name: Fragment}) this rank can serve
     if snapshot.fragments:
         held[snapshot.rank] = (snapshot.optimizer_step, snapshot.fragments)
@@ -264,4 +274,4 @@ def reslice(engine, snapshot) -> dict:
     keys = next((tuple(g["offer"]["keys"]) for g in gathered if g["offer"]["keys"]), ())
     index = StateIndex(gathered, snapshot.topology, engine.ntp_groups.topology, engine.param_specs,
                        engine.full_shapes)
-    return move_state(engine, index, held, keys)
+    return move_state(engine, index, held, keys, set(dead))
