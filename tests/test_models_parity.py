@@ -136,7 +136,10 @@ def test_save_pretrained_round_trip(tmp_path, tied):
         assert torch.equal(a, b), name
 
 
-def test_seeded_init_is_layout_independent():
+@pytest.mark.parametrize("chunk", [64, 2])
+def test_seeded_init_is_layout_independent(chunk, monkeypatch):
+    # With chunks of 2 units, uneven ranges start and end inside chunks: a rank draws whole chunks and keeps its part.
+    monkeypatch.setattr("ntp_ds.models.llama.INIT_CHUNK_UNITS", chunk)
     config = LlamaConfig(**SMALL)
     torch.manual_seed(5)
     full = Llama(config).state_dict()

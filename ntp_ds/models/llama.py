@@ -20,11 +20,32 @@ from safetensors.torch import save_file
 from ntp_ds.layout import units as U
 from ntp_ds.layout.shard_layout import LayoutError, ParamSpec, ShardLayout
 from ntp_ds.models.config import LlamaConfig
-from ntp_ds.layout.sharding import shard_tensor
 from ntp_ds.models.tp_layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
                                      index_table, vocab_parallel_cross_entropy)
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+INIT_CHUNK_UNITS = 64
+"""Units drawn from one generator by `Llama.init_weights`."""
+
+
+def _draw_shard(name: str, spec: ParamSpec, shape: tuple[int, ...], layout: ShardLayout, tp_rank: int, seed: int,
+                std: float, device) -> torch.Tensor:
+    """`tp_rank`'s shard of a normal tensor whose chunks of units are drawn from their own seeded generators."""
+    total = layout.units.count(spec.kind)
+    pieces = []
+    for a, b in layout.owned(spec.kind, tp_rank):
+        for chunk in range(a // INIT_CHUNK_UNITS, (b - 1) // INIT_CHUNK_UNITS + 1):
+            lo, hi = chunk * INIT_CHUNK_UNITS, min((chunk + 1) * INIT_CHUNK_UNITS, total)
+            key = f"{seed}/{name}/{chunk}".encode()
+            gen = torch.Generator(device=device).manual_seed(zlib.crc32(key) * 1_000_003 + seed % 1_000_003)
+            block_shape = list(shape)
+            block_shape[spec.dim] = (hi - lo) * spec.unit_size
+            block = torch.empty(block_shape, device=device).normal_(0.0, std, generator=gen)
+            start, stop = max(a, lo) - lo, min(b, hi) - lo
+            pieces.append(block.narrow(spec.dim, start * spec.unit_size, (stop - start) * spec.unit_size))
+    return torch.cat(pieces, dim=spec.dim)
 
 
 class RMSNorm(nn.Module):
@@ -200,7 +221,12 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0):
-        """Normal(0, initializer_range) matrices and unit norms, each drawn full from a per-name seed, then sharded."""
+        """Normal(0, initializer_range) matrices and unit norms; this rank draws only its own units.
+
+        Units are drawn in fixed chunks of `INIT_CHUNK_UNITS`, each from a generator seeded by (seed, name, chunk),
+        so a unit's values do not depend on the layout (any layout gets the same model) and a rank never builds a
+        full tensor: it draws the chunks its units fall in, at most two more than its own per contiguous range.
+        """
         for name, (spec, shape) in self.param_specs().items():
             p = self.get_parameter(name)
             if spec.kind == "replicated":
@@ -208,9 +234,8 @@ class Llama(nn.Module):
                 continue
             if p.is_meta:
                 continue
-            gen = torch.Generator(device=p.device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-            full = torch.empty(shape, device=p.device).normal_(0.0, self.config.initializer_range, generator=gen)
-            p.copy_(shard_tensor(full, spec, self.layout, self.tp_rank))
+            p.copy_(_draw_shard(name, spec, shape, self.layout, self.tp_rank, seed, self.config.initializer_range,
+                                p.device))
 
     @classmethod
     def from_pretrained(cls, path, layout: ShardLayout | None = None, tp_rank: int = 0, tp_group=None, dtype=None,
