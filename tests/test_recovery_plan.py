@@ -33,3 +33,30 @@ def test_stale_units_are_fetched_again_and_never_served():
     assert all(not (m.src == 3 and m.kind == "vocab" and U.intersect(m.units, ((0, 4),))) for m in moves)
     without = plan_unit_moves(old, new, old_rank_of)
     assert _fetched(without, 3, "vocab") == []
+
+
+def test_last_good_writers_share_the_model_and_fetch_every_unit_once():
+    import math
+
+    import pytest
+
+    from ntp_ds.models import Llama, LlamaConfig
+    from ntp_ds.recovery.plan import plan_last_good
+
+    config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    specs = {n: s for n, (s, _) in Llama(config, init=False, device="meta").param_specs().items()}
+    shapes = {n: shape for n, (_, shape) in Llama(config, init=False, device="meta").param_specs().items()}
+    old = Topology.from_degrees(config.units(), (2, 2))
+    # Survivors: TP rank 0 of replica 0 and TP rank 1 of replica 1 hold every unit between them.
+    writer, moves = plan_last_good(old, [0, 3], specs, shapes)
+    load = [sum(math.prod(shapes[n]) for n, w in writer.items() if w == i) for i in (0, 1)]
+    assert max(load) < sum(load) * 0.75, load
+    for name, spec in specs.items():
+        got = [m for m in moves if m.name == name]
+        assert {m.dst for m in got} == {writer[name]}
+        units = [m.units for m in got]
+        total = config.units().count(spec.kind)
+        assert sum(U.count(r) for r in units) == total and U.union(*units) == ((0, total),), name
+    with pytest.raises(LookupError, match="no longer hold all of"):
+        plan_last_good(old, [0, 2], specs, shapes)  # both TP rank 0: the units of TP rank 1 are gone

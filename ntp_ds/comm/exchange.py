@@ -72,8 +72,8 @@ class Side:
 
 
 class UnitExchange:
-    """This rank's part of planned unit transfers (objects with src, dst, kind, units), for every parameter whose
-    kind a transfer names."""
+    """This rank's part of planned unit transfers (objects with src, dst, kind, units and optionally name), for the
+    parameter a transfer names or else every parameter of its kind."""
 
     def __init__(self, transfers, rank: int, specs: dict[str, ParamSpec], full_shapes: dict[str, tuple[int, ...]],
                  send_side: Side, recv_side: Side, bucket_numel: int | None = None, forward: bool = False):
@@ -83,7 +83,9 @@ class UnitExchange:
         for t in transfers:
             side = outgoing[t.dst] if t.src == rank else incoming[t.src] if t.dst == rank else None
             if side is not None and t.src != t.dst:
-                side += [(name, t.units) for name, spec in specs.items() if spec.kind == t.kind]
+                # A transfer that names one parameter moves only that one; otherwise every parameter of its kind.
+                names = [t.name] if getattr(t, "name", None) else [n for n, sp in specs.items() if sp.kind == t.kind]
+                side += [(name, t.units) for name in names]
         self.outgoing = plan_buckets(dict(outgoing), specs, full_shapes, bucket_numel, forward)
         self.incoming = plan_buckets(dict(incoming), specs, full_shapes, bucket_numel, forward)
 

@@ -335,6 +335,22 @@ class NTPEngine(DeepSpeedEngine):
         wire.barrier(self.ntp_groups.tp_control)
 
 
+def write_hf_shard(path, tensors: dict[str, torch.Tensor], file: str) -> None:
+    """Write whole tensors into one file of a sharded HF directory."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / file), metadata={"format": "pt"})
+
+
+def write_hf_index(path, config, weight_map: dict[str, str], total_size: int) -> None:
+    """Write config.json and the index of a sharded HF directory (what `from_pretrained` reads first)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
 def write_hf_dir(path, config, state: dict[str, torch.Tensor]) -> None:
     """Write unsharded weights as an HF Llama directory."""
     path = Path(path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -22,13 +23,13 @@ from ntp_ds.comm.exchange import Side, UnitExchange
 from ntp_ds.control.heartbeat import Heartbeat, LivenessMonitor, mark_exited, poll_liveness, request_fence
 from ntp_ds.control.membership import Membership, barrier, replica_membership
 from ntp_ds.engine.config import ConfigError
-from ntp_ds.engine.engine import write_hf_dir
+from ntp_ds.engine.engine import write_hf_index, write_hf_shard
 from ntp_ds.engine.initialize import JobSpec, build_engine, join_world
-from ntp_ds.layout import Topology
+from ntp_ds.layout import ShardLayout, Topology
 from ntp_ds.layout import units as U
-from ntp_ds.layout.sharding import gather_units, packed_numel, scatter_units, unshard_into
+from ntp_ds.layout.sharding import gather_units, packed_numel, scatter_units
 from ntp_ds.models import Llama
-from ntp_ds.recovery.plan import plan_unit_moves, rereplicated_moves
+from ntp_ds.recovery.plan import plan_last_good, plan_unit_moves, rereplicated_moves
 from ntp_ds.recovery.reslice import reslice
 
 log = logging.getLogger("ntp_ds.recovery")
@@ -211,33 +212,44 @@ class Recovery:
         return RecoveryOutcome(engine, event)
 
     def _save_last_good(self, snapshot, change) -> str:
-        """Assemble the survivors' shards of the last completed step on the lowest survivor and write them."""
+        """Write the survivors' shards of the last completed step as a sharded HF directory: each survivor
+        assembles and writes about 1/n of the tensors (never the whole model), the lowest writes the index."""
         if self.last_good_dir is None:
             return "no last_good_dir to write the last good state to"
         survivors = change.survivors
-        join_world(self.job.ntp, self.store, change.generation, survivors.index(self.rank), len(survivors))
-        payload = {"rank": snapshot.rank, "params": {n: t.float().cpu() for n, t in snapshot.params.items()}}
-        gathered = wire.gather_object(payload, 0)
-        message = f"the last good state is in {self.last_good_dir}"
-        if gathered is not None:
-            specs = Llama(self.job.model_config, init=False, device="meta").param_specs()
-            full = {n: torch.empty(shape) for n, (_, shape) in specs.items()}
-            seen = {n: set() for n in specs}
-            for item in gathered:
-                replica, tp = snapshot.topology.locate(item["rank"])
-                layout = snapshot.topology.layouts[replica]
-                for name, (spec, _) in specs.items():
-                    unshard_into(full[name], item["params"][name], spec, layout, tp)
-                    seen[name] |= set(U.units_of(layout.owned(spec.kind, tp)))
-            missing = [n for n, (spec, _) in specs.items()
-                       if len(seen[n]) < self.job.model_config.units().count(spec.kind)]
-            if missing:
-                message = f"the survivors no longer hold all of {missing[0]}, so no last good state was written"
-            else:
-                write_hf_dir(self.last_good_dir, self.job.model_config, full)
-        told = wire.broadcast_object(message, 0)
+        me = survivors.index(self.rank)
+        holders = [self.members.index(r) for r in survivors]
+        model = Llama(self.job.model_config, init=False, device="meta")
+        specs = {n: s for n, (s, _) in model.param_specs().items()}
+        shapes = {n: shape for n, (_, shape) in model.param_specs().items()}
+        try:
+            writer, moves = plan_last_good(snapshot.topology, holders, specs, shapes)
+        except LookupError as missing:  # every survivor computes the same plan, so all stop here alike
+            return f"{missing}, so no last good state was written"
+        join_world(self.job.ntp, self.store, change.generation, me, len(survivors))
+        replica, tp = snapshot.topology.locate(snapshot.rank)
+        whole = Side(ShardLayout.balanced(self.job.model_config.units(), 1), 0)
+        device = wire.device_of()
+        full = {n: torch.empty(shapes[n], device=device) for n, w in writer.items() if w == me}
+        params = {n: t.float() for n, t in snapshot.params.items()}
+        with torch.no_grad():
+            for m in moves:
+                if m.src == me and m.dst == me:
+                    buf = gather_units(params[m.name], specs[m.name], snapshot.topology.layouts[replica], tp, m.units)
+                    scatter_units(full[m.name], buf, specs[m.name], whole.layout, 0, m.units)
+            UnitExchange(moves, me, specs, shapes, Side(snapshot.topology.layouts[replica], tp), whole,
+                         self.job.ntp.bucket_size).run(params, full, dtype=torch.float32, device=device,
+                                                       op="last_good")
+        files = {w: i for i, w in enumerate(sorted(set(writer.values())))}
+        name_of = {w: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for w, i in files.items()}
+        if full:
+            write_hf_shard(self.last_good_dir, {n: t.cpu() for n, t in full.items()}, name_of[me])
+        if me == 0:
+            write_hf_index(self.last_good_dir, self.job.model_config, {n: name_of[w] for n, w in writer.items()},
+                           sum(math.prod(s) * 4 for s in shapes.values()))
+        wire.barrier()
         wire.teardown()
-        return told
+        return f"the last good state is in {self.last_good_dir}"
 
     # -- detection ----------------------------------------------------------------------------------------------
     def _detect(self, error: BaseException) -> tuple[frozenset[int], str]:
