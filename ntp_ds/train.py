@@ -151,19 +151,27 @@ def run_worker(cfg, started: float) -> int:
     from ntp_ds.comm import wire
     from ntp_ds.control.heartbeat import mark_exited
     from ntp_ds.recovery.manager import QuiescedExit, RecoveryImpossible
-    from ntp_ds.run.records import RunRecorder
+    from ntp_ds.control.job import publish_job
+    from ntp_ds.run.records import CHECKPOINTS, RunRecorder
     from ntp_ds.run.recovery import LiveRecovery
+    from ntp_ds.run.rundir import run_dir_of
+    from ntp_ds.run.stop import StopSignals
     from ntp_ds.run.trainer import Trainer, is_writer, seed_everything
 
     rank = int(os.environ["RANK"])
+    stop = StopSignals().install()
     console = setup_logging(rank, cfg.logging.level, cfg.logging.other_ranks_level)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     seed_everything(cfg.seed)
     store, hosts_store = job_store(cfg.parallel.timeout_s)
+    stop.store = store
     engine = ntp_ds.initialize(model=cfg.model.llama_config(), config=cfg.ds_config(), ntp=cfg.parallel.ntp(),
                                seq_len=cfg.data.seq_len, store=store)
-    run_dir = agree_run_dir(os.environ.get("NTP_RUN_DIR") or cfg.run_dir)
+    run_dir = agree_run_dir(run_dir_of(cfg))
     add_file_log(run_dir, rank, cfg.logging.level)
+    if cfg.existing_run == "resume":
+        engine.load_checkpoint(run_dir / CHECKPOINTS)  # checked before the workers started: same degrees
+        engine.refresh_copies()  # the buddies' copies of the loaded optimizer state, as after every step
     g = engine.ntp_groups
     console.setLevel(cfg.logging.level if is_writer(engine) else cfg.logging.other_ranks_level)
     log.info("replica %d, TP rank %d of %d (%s)", g.replica, g.tp_rank, len(g.tp_ranks),
@@ -173,6 +181,8 @@ def run_worker(cfg, started: float) -> int:
         log.warning("no store to coordinate through: a failure ends the run")
     recorder, progress = RunRecorder(None), None
     if is_writer(engine):
+        if store is not None:
+            publish_job(store, cfg.world_size, cfg.train.steps, engine.global_steps)
         recorder = open_records(cfg, run_dir, store, resume=False)
         log.info("run directory %s; TP degrees %s (%d ranks, %d GPUs allocated); W&B %s", run_dir,
                  list(g.topology.degrees), cfg.world_size, cfg.allocated_gpus, cfg.logging.wandb.mode)
@@ -186,8 +196,8 @@ def run_worker(cfg, started: float) -> int:
         return open_records(cfg, run_dir, store, resume=True) if writer else RunRecorder(None)
 
     trainer = Trainer(cfg, engine, recorder, run_dir=run_dir, recovery=live,
-                      injector=live.injector if live else None, switch_writer=switch_writer, progress=progress,
-                      startup_s=time.perf_counter() - started)
+                      injector=live.injector if live else None, switch_writer=switch_writer, stop=stop,
+                      progress=progress, startup_s=time.perf_counter() - started)
     del engine, g  # only the trainer may hold the engine: a recovery releases it, closing its connections
     try:
         trainer.train()
@@ -218,7 +228,7 @@ def run_worker(cfg, started: float) -> int:
         mark_exited(store, rank, "finished")
         if hosts_store:
             outlive_peers(store, rank, cfg.world_size, cfg.parallel.heartbeat_timeout_s)
-    return 0
+    return stop.exit_code if trainer.stopped_by is not None else 0
 
 
 def launch_local(cfg, argv: list[str]) -> int:
@@ -233,9 +243,37 @@ def launch_local(cfg, argv: list[str]) -> int:
     spec = LaunchSpec([sys.executable, "-u", "-m", "ntp_ds.train", *argv], nproc, lc.nnodes, lc.node_rank,
                       lc.store, str(run_dir), lc.grace_s)
     code = launch(spec)
-    if (run_dir / "summary.json").is_file():
+    summary = read_summary(run_dir)
+    if summary.get("status") == "stopped":
+        print(f"{PROG}: stopped after step {summary.get('last_step')}; see the run with: ntp-ds report {run_dir}; "
+              f"continue it with the same command and existing_run=resume", file=sys.stderr, flush=True)
+    elif summary:
         print(f"{PROG}: done; see the run with: ntp-ds report {run_dir}", file=sys.stderr, flush=True)
     return code
+
+
+def read_summary(run_dir: Path) -> dict:
+    """The summary a finished or stopped run wrote ({} when there is none, or it is unreadable)."""
+    import json
+
+    from ntp_ds.run.records import SUMMARY
+
+    try:
+        summary = json.loads((run_dir / SUMMARY).read_text())
+    except (OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
+
+
+def prepare_run_dir(cfg, clear: bool) -> None:
+    """Check the run directory before any worker starts (see `ntp_ds.run.rundir`); with `existing_run=overwrite`,
+    `clear` deletes the earlier run's outputs (done once: by `ntp-ds train`, or by rank 0 under a launcher)."""
+    from ntp_ds.run.rundir import check_run_dir, clear_run, run_dir_of
+
+    run_dir = run_dir_of(cfg)
+    check_run_dir(run_dir, cfg.existing_run, cfg.parallel.replica_degrees, cfg.train.steps)
+    if cfg.existing_run == "overwrite" and clear:
+        clear_run(run_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,14 +289,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     under_launcher = "RANK" in os.environ
+    first = int(os.environ.get("RANK", "0")) == 0
     try:
         cfg = load_config(argv)
         world = int(os.environ.get("WORLD_SIZE", "0")) if under_launcher and not cfg.dry_run else 0
         cfg.validate(world or None)
+        if not cfg.dry_run:
+            prepare_run_dir(cfg, clear=first)
     except BAD_INPUT as e:
-        return fail(PROG, e) if int(os.environ.get("RANK", "0")) == 0 else 2
+        return fail(PROG, e) if first else 2
     if cfg.dry_run:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if first:
             from ntp_ds.run.dry_run import describe
 
             print(describe(cfg))

@@ -15,6 +15,10 @@ METRICS = "metrics.jsonl"
 EVENTS = "events.jsonl"
 SUMMARY = "summary.json"
 FINAL_WEIGHTS = "final"
+CHECKPOINTS = "checkpoints"
+"""DeepSpeed checkpoints of the run (`global_stepN/` and `latest`), which `existing_run=resume` continues from."""
+LAST_GOOD = "last_good"
+"""Where the survivors write the last good weights when training cannot go on in memory."""
 
 
 class RunRecorder:
