@@ -40,7 +40,10 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     """Dispatch `ntp-ds COMMAND ARGS` to the command's `main(ARGS)`; return its exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if not argv:
+        print(f"ntp-ds: error: give a command: {', '.join(COMMANDS)} (ntp-ds --help)", file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]

@@ -234,6 +234,7 @@ def run_worker(cfg, started: float) -> int:
 def launch_local(cfg, argv: list[str]) -> int:
     """Start this node's workers of `python -m ntp_ds.train ARGV` and wait for them."""
     from ntp_ds.launch import LaunchSpec, launch
+    from ntp_ds.run.records import SUMMARY, read_summary
 
     run_dir = Path(cfg.run_dir).resolve()
     lc = cfg.launcher
@@ -243,26 +244,13 @@ def launch_local(cfg, argv: list[str]) -> int:
     spec = LaunchSpec([sys.executable, "-u", "-m", "ntp_ds.train", *argv], nproc, lc.nnodes, lc.node_rank,
                       lc.store, str(run_dir), lc.grace_s)
     code = launch(spec)
-    summary = read_summary(run_dir)
+    summary = read_summary(run_dir / SUMMARY)
     if summary.get("status") == "stopped":
         print(f"{PROG}: stopped after step {summary.get('last_step')}; see the run with: ntp-ds report {run_dir}; "
               f"continue it with the same command and existing_run=resume", file=sys.stderr, flush=True)
     elif summary:
         print(f"{PROG}: done; see the run with: ntp-ds report {run_dir}", file=sys.stderr, flush=True)
     return code
-
-
-def read_summary(run_dir: Path) -> dict:
-    """The summary a finished or stopped run wrote ({} when there is none, or it is unreadable)."""
-    import json
-
-    from ntp_ds.run.records import SUMMARY
-
-    try:
-        summary = json.loads((run_dir / SUMMARY).read_text())
-    except (OSError, ValueError):
-        return {}
-    return summary if isinstance(summary, dict) else {}
 
 
 def prepare_run_dir(cfg, clear: bool) -> None:

@@ -171,3 +171,9 @@ def test_launcher_kills_a_stopped_worker_once_the_others_are_done(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "rank 1 stopped (SIGSTOP) while the others are done; killing it" in result.stderr
     assert "rank 1 killed by SIGKILL" in result.stderr
+
+
+def test_bare_command_is_a_usage_error(capsys):
+    assert cli([]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "give a command: train, launch, inject, simulate, report" in err

@@ -131,6 +131,9 @@ class FakeEngine:
     def save_pretrained(self, path):
         self.saved = path
 
+    def save_checkpoint(self, path):
+        self.checkpoint = (path, self.global_steps)
+
 
 class FakeRecovery:
     def __init__(self):
