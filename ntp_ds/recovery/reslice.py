@@ -160,4 +160,5 @@ def reslice(engine, snapshot) -> tuple[int, bool]:
     step = max((s for g in gathered for s in g["offer"]["steps"].values()), default=0)
     moves, lossless = plan_state_moves(gathered, snapshot.topology, engine.ntp_groups.topology,
                                        engine.param_specs, engine.full_shapes, step)
-    return move_state(engine, moves, held, keys, step), lossless
+    # Before the first optimizer step the fallback (the parameter, zero moments) is the exact state: nothing is lost.
+    return move_state(engine, moves, held, keys, step), lossless or snapshot.global_steps == 0
