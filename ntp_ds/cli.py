@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         code = module.main(rest)
     except SystemExit as e:  # argparse's --help and usage errors
         code = e.code
+    except KeyboardInterrupt:  # Ctrl-C before a command took charge of its signals (e.g. while composing a config)
+        print(f"ntp-ds {command}: interrupted", file=sys.stderr)
+        return 130
     return code if isinstance(code, int) else (0 if code is None else 2)
 
 

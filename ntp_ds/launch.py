@@ -197,7 +197,8 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1) -> int:
                 codes[rank] = proc.returncode
                 reason = _describe_exit(proc.returncode)
                 if proc.returncode != 0 and not stop.expected(proc.returncode):
-                    _say(f"rank {rank} {reason}" + ("" if stop.signum else "; the other workers keep running"))
+                    going = not stop.signum and any(p.poll() is None for p in procs.values())
+                    _say(f"rank {rank} {reason}" + ("; the other workers keep running" if going else ""))
                 try:
                     mark_exited(store, rank, reason)
                 except Exception as e:  # the store is ours; a failed write must not take the survivors down

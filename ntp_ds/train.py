@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 import warnings
@@ -143,7 +144,7 @@ def open_records(cfg, run_dir: Path, store, resume: bool):
     return RunRecorder(run_dir, wandb, resume=resume)
 
 
-def run_worker(cfg, started: float) -> int:
+def run_worker(cfg, started: float, stop) -> int:
     """Be one rank: build the engine, run the Trainer with live recovery, write the records and the final weights."""
     from tqdm import tqdm
 
@@ -155,11 +156,9 @@ def run_worker(cfg, started: float) -> int:
     from ntp_ds.run.records import CHECKPOINTS, RunRecorder
     from ntp_ds.run.recovery import LiveRecovery
     from ntp_ds.run.rundir import run_dir_of
-    from ntp_ds.run.stop import StopSignals
     from ntp_ds.run.trainer import Trainer, is_writer, seed_everything
 
     rank = int(os.environ["RANK"])
-    stop = StopSignals().install()
     console = setup_logging(rank, cfg.logging.level, cfg.logging.other_ranks_level)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     seed_everything(cfg.seed)
@@ -266,6 +265,11 @@ def prepare_run_dir(cfg, clear: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
+    under_launcher = "RANK" in os.environ
+    early: list[int] = []
+    if under_launcher:  # hold a stop signal that arrives during the imports below; StopSignals takes it over
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, lambda signum, _frame: early.append(signum))
     from ntp_ds.launch import set_cpu_accelerator
 
     set_cpu_accelerator()  # before the first deepspeed import
@@ -276,8 +280,13 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0
 
-    under_launcher = "RANK" in os.environ
     first = int(os.environ.get("RANK", "0")) == 0
+    if under_launcher:
+        from ntp_ds.run.stop import StopSignals
+
+        stop = StopSignals().install()  # a signal during start-up stops the run after its first step
+        for signum in early:
+            stop.receive(signum)
     try:
         cfg = load_config(argv)
         world = int(os.environ.get("WORLD_SIZE", "0")) if under_launcher and not cfg.dry_run else 0
@@ -294,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not under_launcher:
         return launch_local(cfg, argv)
-    return run_worker(cfg, started)
+    return run_worker(cfg, started, stop)
 
 
 if __name__ == "__main__":

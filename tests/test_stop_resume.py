@@ -158,3 +158,50 @@ def test_overwrite_deletes_only_what_a_run_wrote(tmp_path):
     clear_run(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
     assert check_run_dir(tmp_path, "refuse", (1, 1), 4) is None
+
+
+# -- signals, with fakes (no process group) ----------------------------------------------------------------------
+class FakeStore:
+    """The few TCPStore calls the stop agreement makes, in memory."""
+
+    def __init__(self):
+        self.data = {}
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def get(self, key):
+        return self.data[key]
+
+    def set(self, key, value):
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def compare_set(self, key, expected, desired):
+        if self.data.get(key, b"").decode() == expected:
+            self.data[key] = desired.encode()
+        return self.data[key]
+
+
+def test_ranks_stop_after_the_same_step_and_a_later_second_signal_stops_at_once():
+    from ntp_ds.control.job import read_job, publish_job
+    from ntp_ds.run.stop import DUPLICATE_S, StopSignals
+
+    store, now, exits = FakeStore(), [0.0], []
+    publish_job(store, world_size=2, steps=10)
+    writer = StopSignals(store, clock=lambda: now[0], exit_now=exits.append)
+    other = StopSignals(store, clock=lambda: now[0], exit_now=exits.append)
+    assert not writer.should_stop(3, publish=True) and not other.should_stop(3)
+    writer.receive(signal.SIGTERM)
+    writer.receive(signal.SIGINT)  # the same request delivered twice (terminal and launcher): no second signal
+    assert exits == []
+    assert not other.should_stop(4), "the other rank may already be in step 5: nobody stops after step 4"
+    assert not writer.should_stop(4, publish=True)  # proposes to stop after step 5
+    assert other.should_stop(5) and writer.should_stop(5, publish=True)
+    assert (writer.exit_code, other.exit_code) == (143, 143), "the rank that got no signal exits as stopped too"
+    assert read_job(store).step == 5
+    now[0] = DUPLICATE_S + 0.1
+    writer.receive(signal.SIGINT)
+    assert exits == [128 + signal.SIGINT]
+    alone = StopSignals(None)
+    alone.receive(signal.SIGINT)
+    assert alone.should_stop(1) and alone.exit_code == 130

@@ -8,6 +8,12 @@ rebuilt engine and its timings; the trainer accounts them (detection, recovery, 
 step again and records a `recovery` event in events.jsonl and W&B once that step has completed (with the time from
 the failure to it). Without a recovery an error ends the run.
 
+Stop requests (SIGINT, SIGTERM) come in through `stop`: after every completed step the trainer asks whether the job
+stops there (every rank gets the same answer, `ntp_ds.run.stop`); a stopped run writes the weights and checkpoint
+of that step, a `run_stopped` event and a summary with status `stopped`. A run started from a checkpoint
+(`existing_run=resume`: the engine has loaded it, so `engine.global_steps` is its step) records `run_resumed`
+instead of `run_start` and goes on from the next step.
+
 One rank writes the run's records (`is_writer`): TP rank 0 of the first anchor replica, the rank that also
 consolidates the final weights. Its step timings stand for the job's (an anchor runs the full DeepSpeed step; a
 contributor waits on its anchor). A recovery can move that role (the writer died, or its replica became a
@@ -126,6 +132,8 @@ class Trainer:
         if dist.is_initialized():
             wire.barrier()  # start the clocks together, after rank 0's W&B and file set-up
         self._last_end = self.clock()
+        if self.stop is not None:  # a request made during start-up: stop after the first step
+            self.stop.should_stop(self.step, publish=self.writer)
         log_every = max(1, self.cfg.train.steps // 10)
         step = self.step + 1
         while step <= self.cfg.train.steps:
@@ -138,11 +146,12 @@ class Trainer:
             metrics = {**self.meter.record_step(timing), "loss": loss}
             self.recorder.step(metrics)
             self._record_recovery(step)
-            self._report_step(metrics, verbose=step % log_every == 0 or step == self.cfg.train.steps)
             if self.stop is not None and self.stop.should_stop(step, publish=self.writer) \
                     and step < self.cfg.train.steps:
                 self.stopped_by = self.stop.signal
+                self._report_step(metrics, verbose=True)
                 break
+            self._report_step(metrics, verbose=step % log_every == 0 or step == self.cfg.train.steps)
             every = self.cfg.train.checkpoint_every
             if every and step % every == 0 and step < self.cfg.train.steps:
                 self.save_checkpoint()
