@@ -205,3 +205,21 @@ def test_ranks_stop_after_the_same_step_and_a_later_second_signal_stops_at_once(
     alone = StopSignals(None)
     alone.receive(signal.SIGINT)
     assert alone.should_stop(1) and alone.exit_code == 130
+
+
+def test_resume_needs_a_checkpoint_of_the_same_degrees_short_of_train_steps(tmp_path):
+    from ntp_ds.engine.config import ConfigError
+    from ntp_ds.run.rundir import check_run_dir
+
+    (tmp_path / "events.jsonl").write_text('{"event": "run_start", "step": 0}\n')
+    with pytest.raises(ConfigError, match=r"holds no readable checkpoint to resume from \(checkpoints/latest\)"):
+        check_run_dir(tmp_path, "resume", (2, 2), 10)
+    ckpt = tmp_path / "checkpoints"
+    (ckpt / "global_step6").mkdir(parents=True)
+    (ckpt / "latest").write_text("global_step6")
+    (ckpt / "global_step6" / "ntp_topology.json").write_text('{"degrees": [2, 1], "global_steps": 6}')
+    with pytest.raises(ConfigError, match=r"written by TP degrees \[2, 1\], this config gives \[2, 2\]; set "
+                                          r"parallel.degrees=\[2, 1\]"):
+        check_run_dir(tmp_path, "resume", (2, 2), 10)
+    point = check_run_dir(tmp_path, "resume", (2, 1), 10)
+    assert (point.step, point.degrees, point.path) == (6, [2, 1], ckpt)

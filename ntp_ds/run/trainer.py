@@ -309,8 +309,12 @@ class Trainer:
         if self.progress is not None:
             self.progress.close()
         if self.writer and self.stopped_by is not None:
-            log.warning("stopped by %s after step %d of %d: weights, checkpoint and summary written; continue with "
-                        "existing_run=resume", signal_name(self.stopped_by), self.step, self.cfg.train.steps)
+            written = [w for w, on in (("weights", self.cfg.train.save_final),
+                                       ("checkpoint", self.cfg.train.save_checkpoint)) if on] + ["summary"]
+            resume = ("continue with existing_run=resume" if self.cfg.train.save_checkpoint
+                      else "no checkpoint (train.save_checkpoint=false): it cannot be resumed")
+            log.warning("stopped by %s after step %d of %d: %s written; %s", signal_name(self.stopped_by), self.step,
+                        self.cfg.train.steps, ", ".join(written), resume)
         elif self.writer:
             log.info("done: %d steps, goodput %.3f, %.0f tokens/s (%.2f of failure-free), active GPUs %.0f%%, "
                      "final loss %.4f", summary["steps"], summary["goodput"], summary["tokens_per_s"],
