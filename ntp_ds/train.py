@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -153,7 +154,7 @@ def run_worker(cfg, started: float, stop) -> int:
     from ntp_ds.control.heartbeat import mark_exited
     from ntp_ds.recovery.manager import QuiescedExit, RecoveryImpossible
     from ntp_ds.control.job import publish_job
-    from ntp_ds.run.records import CHECKPOINTS, RunRecorder
+    from ntp_ds.run.records import CHECKPOINTS, RUN_CONFIG, RunRecorder
     from ntp_ds.run.recovery import LiveRecovery
     from ntp_ds.run.rundir import run_dir_of
     from ntp_ds.run.trainer import Trainer, is_writer, seed_everything
@@ -182,6 +183,7 @@ def run_worker(cfg, started: float, stop) -> int:
     if is_writer(engine):
         if store is not None:
             publish_job(store, cfg.world_size, cfg.train.steps, engine.global_steps)
+        (run_dir / RUN_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2, default=str) + "\n")
         recorder = open_records(cfg, run_dir, store, resume=False)
         log.info("run directory %s; TP degrees %s (%d ranks, %d GPUs allocated); W&B %s", run_dir,
                  list(g.topology.degrees), cfg.world_size, cfg.allocated_gpus, cfg.logging.wandb.mode)
@@ -258,7 +260,7 @@ def prepare_run_dir(cfg, clear: bool) -> None:
     from ntp_ds.run.rundir import check_run_dir, clear_run, run_dir_of
 
     run_dir = run_dir_of(cfg)
-    check_run_dir(run_dir, cfg.existing_run, cfg.parallel.replica_degrees, cfg.train.steps)
+    check_run_dir(run_dir, cfg.existing_run, cfg.parallel.replica_degrees, cfg.train.steps, config=cfg.to_dict())
     if cfg.existing_run == "overwrite" and clear:
         clear_run(run_dir)
 

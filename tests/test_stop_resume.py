@@ -103,6 +103,12 @@ def test_a_directory_holding_a_run_is_refused_before_any_worker_starts(stopped, 
     summary = json.loads((run_dir / SUMMARY).read_text())
     assert main([*ARGS, f"train.steps={summary['last_step']}", f"run_dir={run_dir}", "existing_run=resume"]) == 2
     assert f"has already completed step {summary['last_step']} of train.steps" in capsys.readouterr().err
+    assert main([*ARGS, f"train.steps={STEPS}", f"run_dir={run_dir}", "existing_run=resume",
+                 "parallel.zero_stage=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "existing_run=resume: parallel.zero_stage=2 differs from the run in" in err, err
+    after = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    assert after == before, "a refused resume must not touch the earlier run's files either"
 
 
 def test_a_stopped_run_resumed_ends_equal_to_the_uninterrupted_run(stopped, tmp_path, capsys):

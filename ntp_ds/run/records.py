@@ -17,6 +17,8 @@ SUMMARY = "summary.json"
 FINAL_WEIGHTS = "final"
 CHECKPOINTS = "checkpoints"
 """DeepSpeed checkpoints of the run (`global_stepN/` and `latest`), which `existing_run=resume` continues from."""
+RUN_CONFIG = "config.json"
+"""The composed config of the run (of its latest segment when resumed), written by the writer at the start."""
 LAST_GOOD = "last_good"
 """Where the survivors write the last good weights when training cannot go on in memory."""
 

@@ -18,12 +18,18 @@ from pathlib import Path
 
 from ntp_ds.engine.config import ConfigError
 from ntp_ds.engine.engine import TOPOLOGY_FILE
-from ntp_ds.run.records import CHECKPOINTS, EVENTS, FINAL_WEIGHTS, LAST_GOOD, METRICS, SUMMARY
+from ntp_ds.run.records import CHECKPOINTS, EVENTS, FINAL_WEIGHTS, LAST_GOOD, METRICS, RUN_CONFIG, SUMMARY
 
 RUN_MARKS = (METRICS, EVENTS, SUMMARY, FINAL_WEIGHTS, CHECKPOINTS)
 """Entries that show a directory holds a run."""
-RUN_OUTPUTS = RUN_MARKS + (LAST_GOOD, "logs", "wandb", "goodput_timeline.png")
+RUN_OUTPUTS = RUN_MARKS + (RUN_CONFIG, LAST_GOOD, "logs", "wandb", "goodput_timeline.png")
 """Everything a run (and its report) writes into its directory: what `overwrite` deletes."""
+
+
+KEPT_ON_RESUME = ("seed", "model", "data", "optim.name", "parallel.zero_stage", "train.precision",
+                  "train.global_batch", "train.micro_batch")
+"""Settings a resumed run must share with the run it continues: they shape its checkpoint, its data or its
+numbers (the rest, such as train.steps, the failure bounds or logging, may change)."""
 
 
 @dataclass(frozen=True)
@@ -35,9 +41,11 @@ class Checkpoint:
     degrees: list
 
 
-def check_run_dir(run_dir: str | Path, existing_run: str, degrees, steps: int, *, create: bool = True) -> \
-        Checkpoint | None:
+def check_run_dir(run_dir: str | Path, existing_run: str, degrees, steps: int, *, config: dict | None = None,
+                  create: bool = True) -> Checkpoint | None:
     """Check `run_dir` for a run of TP degrees `degrees` and `steps` steps; return the checkpoint to resume from.
+
+    `config`: the new run's config (`RunConfig.to_dict()`), compared on KEPT_ON_RESUME with the run it resumes.
 
     `create`: make the directory (and probe that it takes a file) now, so an unwritable place is found before any
     worker starts.
@@ -62,7 +70,10 @@ def check_run_dir(run_dir: str | Path, existing_run: str, degrees, steps: int, *
     if existing_run == "resume":
         if held is None:
             raise ConfigError(f"existing_run=resume: {where} holds no run to resume")
-        return _resume_point(path, where, list(degrees), steps)
+        point = _resume_point(path, where, list(degrees), steps)
+        if config is not None:
+            _check_kept(path, where, config)
+        return point
     if held is not None and existing_run != "overwrite":
         raise ConfigError(f"{where} already holds a run ({held}); pass existing_run=resume to continue it or "
                           f"existing_run=overwrite to replace it, or choose another run_dir")
@@ -96,6 +107,25 @@ def _resume_point(path: Path, where: str, degrees: list, steps: int) -> Checkpoi
         raise ConfigError(f"existing_run=resume: the run in {where} has already completed step {step} of "
                           f"train.steps={steps}; raise train.steps to train further")
     return Checkpoint(ckpt, step, written_by)
+
+
+def _check_kept(path: Path, where: str, config: dict) -> None:
+    """Refuse a resume whose settings differ from the earlier run's on KEPT_ON_RESUME (when it wrote its config)."""
+    try:
+        earlier = json.loads((path / RUN_CONFIG).read_text())
+    except (OSError, ValueError):
+        return  # a run that did not write its config: only the checkpoint's own checks apply
+    for dotted in KEPT_ON_RESUME:
+        old, new = _lookup(earlier, dotted), _lookup(config, dotted)
+        if old != new:
+            raise ConfigError(f"existing_run=resume: {dotted}={json.dumps(new)} differs from the run in {where} "
+                              f"({json.dumps(old)}); a resumed run keeps {', '.join(KEPT_ON_RESUME)}")
+
+
+def _lookup(data, dotted: str):
+    for part in dotted.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
 
 
 def clear_run(run_dir: str | Path) -> None:
