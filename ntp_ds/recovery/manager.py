@@ -175,9 +175,11 @@ class Recovery:
                               lambda groups: self._reshard(groups, snapshot, moves, moved, rereplicated), self.store)
         opt_moved, lossless = reslice(engine, snapshot)
         engine.global_steps, engine.global_samples = snapshot.global_steps, snapshot.global_samples
-        engine.refresh_copies()
         whole = lossless and not snapshot.mid_step  # a rank that died inside the optimizer left the step half done
-        totals = wire.sum_counts([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), opt_moved, int(whole)])
+        totals = wire.sum_counts([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), opt_moved, int(whole),
+                                  len(engine.optimizer_keys())])
+        if totals[4]:  # before any optimizer step there is no state to copy; the first step sends it, layout included
+            engine.refresh_copies()
         self.heartbeat.watch(self._peers(engine), set(new_members) - {self.rank})
         barrier(self.store, f"recovery/{change.generation}/done", self.rank, new_members, self.job.ntp.timeout_s)
         t_done = time.time()
