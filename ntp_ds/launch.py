@@ -265,7 +265,6 @@ class _StopRequests:
         self._clock = clock
         self._received: list[int] = []
         self._first_at = self._deadline = 0.0
-        self._forwarded = 0
 
     def receive(self, signum, _frame=None) -> None:
         """Signal handler: only record (acted on by the launcher's loop)."""

@@ -152,8 +152,8 @@ def run_worker(cfg, started: float, stop) -> int:
     import ntp_ds
     from ntp_ds.comm import wire
     from ntp_ds.control.heartbeat import mark_exited
-    from ntp_ds.recovery.manager import QuiescedExit, RecoveryImpossible
     from ntp_ds.control.job import publish_job
+    from ntp_ds.recovery.manager import QuiescedExit, RecoveryImpossible
     from ntp_ds.run.records import CHECKPOINTS, RUN_CONFIG, RunRecorder
     from ntp_ds.run.recovery import LiveRecovery
     from ntp_ds.run.rundir import run_dir_of
