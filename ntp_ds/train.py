@@ -31,6 +31,8 @@ worker per GPU (the sum of the replicas' TP degrees) on this machine and waits f
   KEY=VALUE          set one field, e.g. parallel.tp=2 parallel.replicas=2 parallel.zero_stage=1
                      train.steps=20 train.global_batch=8 seed=0 fault=none logging.wandb.mode=disabled
   hydra.run.dir=DIR  run directory (or run_dir=DIR); default outputs/DATE/TIME
+  existing_run=resume|overwrite   the run directory holds a run: continue it from its last checkpoint (e.g.
+                     after Ctrl-C or SIGTERM, which stop every worker cleanly), or replace it; default: refuse
   dry_run=true       print shapes, per-GPU memory (healthy and degraded) and the group layout; start nothing
   deepspeed_config=PATH.json   use this DeepSpeed config whole instead of generating one
 
@@ -40,7 +42,8 @@ Examples:
   ntp-ds train parallel.tp=2 parallel.replicas=2 fault=none train.steps=20 hydra.run.dir=runs/a
   ntp-ds report runs/a
 
-The run directory gets metrics.jsonl, events.jsonl, summary.json, logs/, wandb/ and final/ (HF weights).
+The run directory gets metrics.jsonl, events.jsonl, summary.json, config.json, logs/, wandb/, final/ (HF weights)
+and checkpoints/ (DeepSpeed's, for existing_run=resume).
 Other launchers: ntp-ds launch --nproc-per-node N -m ntp_ds.train ..., deepspeed --num_gpus N --module
 ntp_ds.train ..., torchrun --nproc-per-node N -m ntp_ds.train ... (see docs/usage.md for their limits).
 """
