@@ -271,8 +271,9 @@ class _StopRequests:
         self._received.append(signum)
 
     def expected(self, code: int) -> bool:
-        """Whether a worker's exit status is that of a clean stop for the signal received."""
-        return bool(self.signum) and code == 128 + self.signum
+        """Whether a worker's exit status is that of a clean stop (for this signal, or another stop signal the
+        worker received itself)."""
+        return bool(self.signum) and code in {128 + s for s in SIGNALS}
 
     def act(self, running: dict, grace_s: float) -> None:
         """Pass new signals on to the running workers; kill them after the second signal or the grace period."""
