@@ -19,7 +19,7 @@ import pytest
 from ntp_ds.run.records import SUMMARY
 from tests.test_cli import REPO, ntp_ds
 
-STEPS = 40
+STEPS = 60
 ARGS = ("parallel.tp=1", "parallel.replicas=2", "parallel.timeout_s=20", "train.global_batch=4", "train.micro_batch=2",
         "data.seq_len=16", "logging.progress=false", "logging=disabled")
 
