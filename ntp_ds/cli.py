@@ -40,7 +40,10 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     """Dispatch `ntp-ds COMMAND ARGS` to the command's `main(ARGS)`; return its exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if not argv:
+        print(f"ntp-ds: error: give a command: {', '.join(COMMANDS)} (ntp-ds --help)", file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
@@ -60,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         code = module.main(rest)
     except SystemExit as e:  # argparse's --help and usage errors
         code = e.code
+    except KeyboardInterrupt:  # Ctrl-C before a command took charge of its signals (e.g. while composing a config)
+        print(f"ntp-ds {command}: interrupted", file=sys.stderr)
+        return 130
     return code if isinstance(code, int) else (0 if code is None else 2)
 
 

@@ -12,8 +12,11 @@ Each worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (the
 MASTER_PORT (for the default env:// rendezvous), and NTP_RUN_DIR when a run directory is given.
 
 Exit status: 0 when at least one worker finished successfully (exit 0), the others' deaths being printed; else the
-status of the first worker that failed (128 + N for signal N); 2 for a usage mistake; 130 when interrupted. With
-several nodes, each node's launcher judges only its own workers.
+status of the first worker that failed (128 + N for signal N); 2 for a usage mistake; 128 + N when stopped by
+signal N (SIGINT: 130, SIGTERM: 143). With several nodes, each node's launcher judges only its own workers.
+
+SIGINT and SIGTERM: the first is passed to every worker (an `ntp_ds.train` worker then stops cleanly at a step
+every rank agrees on); workers still running `--grace-s` later are killed, and so are they at a second signal.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from ntp_ds.run.stop import DUPLICATE_S, SIGNALS
 
 PROG = "ntp-ds launch"
 MASTER_PORT_KEY = "launch/master_port"
@@ -44,10 +49,12 @@ A worker that dies is reported (rank, exit code or signal); the others keep runn
   --store HOST:PORT    the job's store: node 0 listens on PORT, the others connect (required with --nnodes > 1;
                        default on one node: 127.0.0.1 and a free port)
   --run-dir DIR        passed to the workers as NTP_RUN_DIR
-  --grace-s S          seconds workers get after SIGTERM when the launcher is stopped (default: 10)
+  --grace-s S          seconds workers get to stop cleanly after a SIGINT or SIGTERM to the launcher (finish the
+                       step in flight, write weights and summary), then they are killed (default: 60)
 
 Example: {PROG} --nproc-per-node 4 -m ntp_ds.train recipe=cpu_demo
-Exit status: 0 if at least one worker finished successfully, else the first failure's status; 2 for bad usage.
+Exit status: 0 if at least one worker finished successfully, else the first failure's status; 2 for bad usage;
+128 + N when stopped by signal N (a second signal kills the workers at once).
 """
 
 
@@ -65,7 +72,7 @@ class LaunchSpec:
     node_rank: int = 0
     store: str | None = None
     run_dir: str | None = None
-    grace_s: float = 10.0
+    grace_s: float = 60.0
 
     def __post_init__(self):
         for name in ("nproc_per_node", "nnodes"):
@@ -175,23 +182,23 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1) -> int:
     first = spec.node_rank * spec.nproc_per_node
     _say(f"store at {address} (NTP_STORE); starting ranks {first}-{first + spec.nproc_per_node - 1} of "
          f"{spec.world_size}: {' '.join(spec.command[1:])}")
-    procs = {first + i: subprocess.Popen(spec.command, env=worker_env(spec, i, address, master))
-             for i in range(spec.nproc_per_node)}
-    codes: dict[int, int] = {}
-
-    def stop(signum, _frame):
-        raise KeyboardInterrupt(signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
+    stop = _StopRequests()
+    previous = {s: signal.signal(s, stop.receive) for s in SIGNALS}
     try:
+        procs = {first + i: subprocess.Popen(spec.command, env=worker_env(spec, i, address, master))
+                 for i in range(spec.nproc_per_node)}
+        codes: dict[int, int] = {}
         while len(codes) < len(procs):
+            left = {r: p for r, p in procs.items() if r not in codes}
+            stop.act(left, spec.grace_s)
             for rank, proc in procs.items():
                 if rank in codes or proc.poll() is None:
                     continue
                 codes[rank] = proc.returncode
                 reason = _describe_exit(proc.returncode)
-                if proc.returncode != 0:
-                    _say(f"rank {rank} {reason}; the other workers keep running")
+                if proc.returncode != 0 and not stop.expected(proc.returncode):
+                    going = not stop.signum and any(p.poll() is None for p in procs.values())
+                    _say(f"rank {rank} {reason}" + ("; the other workers keep running" if going else ""))
                 try:
                     mark_exited(store, rank, reason)
                 except Exception as e:  # the store is ours; a failed write must not take the survivors down
@@ -205,12 +212,13 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1) -> int:
                 for p in left.values():
                     p.kill()
             time.sleep(poll_s)
-    except KeyboardInterrupt:
-        _say("stopping: SIGTERM to the workers")
-        _terminate([p for r, p in procs.items() if r not in codes], spec.grace_s)
-        return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if stop.signum:
+        clean = sorted(r for r, c in codes.items() if c == 0 or stop.expected(c))
+        _say(f"stopped by {signal.Signals(stop.signum).name}: {len(clean)} of {len(codes)} workers stopped cleanly")
+        return 128 + stop.signum
     ok = [r for r, c in codes.items() if c == 0]
     failed = {r: c for r, c in codes.items() if c != 0}
     if not failed:
@@ -247,17 +255,56 @@ def _stopped(proc) -> bool:
         return False
 
 
-def _terminate(procs: list, grace_s: float) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+class _StopRequests:
+    """SIGINT and SIGTERM to the launcher: the first is passed to every worker, which stop cleanly at a step they
+    agree on (`ntp_ds.run.stop`) within `--grace-s`, else they are killed; a second one (at least DUPLICATE_S
+    later: the same Ctrl-C reaches the launcher and its workers together) kills them at once."""
+
+    def __init__(self, clock=time.monotonic):
+        self.signum = 0
+        self._clock = clock
+        self._received: list[int] = []
+        self._first_at = self._deadline = 0.0
+
+    def receive(self, signum, _frame=None) -> None:
+        """Signal handler: only record (acted on by the launcher's loop)."""
+        self._received.append(signum)
+
+    def expected(self, code: int) -> bool:
+        """Whether a worker's exit status is that of a clean stop (for this signal, or another stop signal the
+        worker received itself)."""
+        return bool(self.signum) and code in {128 + s for s in SIGNALS}
+
+    def act(self, running: dict, grace_s: float) -> None:
+        """Pass new signals on to the running workers; kill them after the second signal or the grace period."""
+        now = self._clock()
+        while self._received:
+            signum = self._received.pop(0)
+            if not self.signum:
+                self.signum, self._first_at, self._deadline = signum, now, now + grace_s
+                _say(f"{signal.Signals(signum).name}: the workers stop after the step in flight (within --grace-s="
+                     f"{grace_s:g} s); a second signal stops them at once")
+                for p in running.values():
+                    _send(p, signum)
+            elif now - self._first_at >= DUPLICATE_S:
+                _say(f"{signal.Signals(signum).name} again: killing the workers")
+                self._kill(running)
+        if self.signum and running and now > self._deadline:
+            _say(f"the workers did not stop within --grace-s={grace_s:g} s; killing them")
+            self._kill(running)
+
+    def _kill(self, running: dict) -> None:
+        for p in running.values():
+            if p.poll() is None:
+                p.kill()
+        self._deadline = float("inf")
+
+
+def _send(proc, signum: int) -> None:
+    try:
+        proc.send_signal(signum)
+    except ProcessLookupError:
+        pass
 
 
 def parse_args(argv: list[str]) -> LaunchSpec:
@@ -273,7 +320,7 @@ def parse_args(argv: list[str]) -> LaunchSpec:
     parser.add_argument("--node-rank", type=int, default=0)
     parser.add_argument("--store")
     parser.add_argument("--run-dir")
-    parser.add_argument("--grace-s", type=float, default=10.0)
+    parser.add_argument("--grace-s", type=float, default=60.0)
     args = parser.parse_args(options)
     if not command:
         raise LaunchError("nothing to launch: give -m MODULE or SCRIPT, e.g. -m ntp_ds.train recipe=cpu_demo")

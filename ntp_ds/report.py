@@ -1,7 +1,8 @@
 """`ntp-ds report RUN_DIR`: a goodput timeline PNG and a summary table of a training run.
 
 The timeline has three panels over the training step: throughput against the failure-free rate, the TP degree of
-every replica, and goodput with the active GPU fraction; failures and recoveries are marked.
+every replica, and goodput with the active GPU fraction; failures, recoveries and resumptions are marked. Damaged
+lines of the records are skipped with a warning that says which; a resumed run is shown segment by segment.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from ntp_ds.run.records import read_run
 PROG = "ntp-ds report"
 TIMELINE = "goodput_timeline.png"
 # Step s covers the x interval (s - 1, s]: a failure and its recovery happen inside the step they interrupt.
-MARKERS = {"failure": ("tab:red", "-", "failure", 0.6), "recovery": ("tab:green", "--", "recovery", 0.3)}
+MARKERS = {"failure": ("tab:red", "-", "failure", 0.6), "recovery": ("tab:green", "--", "recovery", 0.3),
+           "run_resumed": ("tab:gray", ":", "resumed", 0.0)}
 
 
 def _replica_keys(metrics: list[dict]) -> list[str]:
@@ -26,6 +28,8 @@ def _replica_keys(metrics: list[dict]) -> list[str]:
 
 def summary_table(metrics: list[dict], events: list[dict], summary: dict, run_dir: Path) -> str:
     """The run at a glance, as aligned `name  value` rows."""
+    parts = segments(metrics, events)
+    metrics = latest_per_step(metrics)
     last = metrics[-1] if metrics else {}
     first = metrics[0] if metrics else {}
     s = summary or {"steps": len(metrics), "goodput": last.get("goodput", 0.0),
@@ -39,10 +43,17 @@ def summary_table(metrics: list[dict], events: list[dict], summary: dict, run_di
     counts: dict[str, int] = {}
     for e in events:
         counts[e.get("event", "?")] = counts.get(e.get("event", "?"), 0) + 1
-    rows = [("run", str(run_dir)), ("status", "finished" if summary else "unfinished (no summary.json)"),
-            ("steps", str(s.get("steps", len(metrics))))]
+    status = "unfinished (no readable summary.json)"
+    if summary:
+        status = summary.get("status", "finished")
+        if "stopped_by" in summary:
+            status += f" by {summary['stopped_by']} after step {summary.get('last_step')}"
+    rows = [("run", str(run_dir)), ("status", status),
+            ("steps", str(summary.get("last_step", s.get("steps", len(metrics)))))]
+    if len(parts) > 1:
+        rows += [(f"segment {i}", text) for i, text in enumerate(parts, 1)]
     if "wall_s" in s:
-        rows.append(("wall time", f"{s['wall_s']:.2f} s (+ {s.get('startup_s', 0.0):.1f} s start-up, not counted)"))
+        rows.append(("wall time" if len(parts) <= 1 else "wall time (last segment)", f"{s['wall_s']:.2f} s (+ {s.get('startup_s', 0.0):.1f} s start-up, not counted)"))
     rows += [("goodput", f"{s.get('goodput', 0.0):.3f}"),
              ("tokens/s", (f"{s.get('tokens_per_s', 0.0):.0f} ({s.get('throughput_ratio', 0.0):.2f} of failure-free "
                            f"{s.get('failure_free_tokens_per_s', 0.0):.0f})")),
@@ -54,7 +65,7 @@ def summary_table(metrics: list[dict], events: list[dict], summary: dict, run_di
     for e in events:
         if e.get("event") == "recovery":
             rows.append((f"  at step {e.get('step')}", _recovery_row(e)))
-        elif e.get("event") == "run_stopped":
+        elif e.get("event") == "run_stopped" and len(parts) <= 1:
             rows.append(("stopped", f"at step {e.get('step')}: {e.get('reason', '')}"))
     if "final_loss" in s:
         rows.append(("final loss", f"{s['final_loss']:.4f}"))
@@ -62,6 +73,34 @@ def summary_table(metrics: list[dict], events: list[dict], summary: dict, run_di
         rows.append(("final weights", str(s["final_weights"])))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def segments(metrics: list[dict], events: list[dict]) -> list[str]:
+    """One line per run segment: a run resumed from its checkpoint (`existing_run=resume`) has one per start."""
+    starts = sorted((e for e in events if e.get("event") in ("run_start", "run_resumed")),
+                    key=lambda e: e.get("time", 0.0))
+    out = []
+    for i, start in enumerate(starts):
+        until = starts[i + 1].get("time", float("inf")) if i + 1 < len(starts) else float("inf")
+        inside = [r for r in metrics + events if start.get("time", 0.0) <= r.get("time", 0.0) < until]
+        steps = [r["step"] for r in inside if "event" not in r]
+        ends = [r for r in inside if r.get("event") in ("run_end", "run_stopped")]
+        how = ("finished" if ends[-1]["event"] == "run_end" else ends[-1].get("reason", "stopped")) if ends \
+            else "no end recorded"
+        span = f"steps {min(steps)}-{max(steps)}" if steps else "no step"
+        resumed = f" (resumed from the checkpoint of step {start.get('step')})" \
+            if start.get("event") == "run_resumed" else ""
+        out.append(f"{span}{resumed}, {how}")
+    return out
+
+
+def latest_per_step(metrics: list[dict]) -> list[dict]:
+    """The last record of every step, in step order (a resumed run may have recorded steps past its checkpoint
+    before it stopped; the later segment's records replace them)."""
+    latest: dict = {}
+    for m in sorted(metrics, key=lambda m: m.get("time", 0.0)):
+        latest[m["step"]] = m
+    return [latest[k] for k in sorted(latest)]
 
 
 def _recovery_row(e: dict) -> str:
@@ -144,14 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     if not run_dir.is_dir():
         print(f"{PROG}: error: RUN_DIR={str(run_dir)!r} is not a directory", file=sys.stderr)
         return 2
-    metrics, events, summary = read_run(run_dir)
+    warnings: list[str] = []
+    metrics, events, summary = read_run(run_dir, warnings)
+    for warning in warnings:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr)
     if not metrics:
         print(f"{PROG}: error: RUN_DIR={str(run_dir)!r} holds no step in metrics.jsonl (not a run directory, or the "
               f"run stopped before its first step)", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else run_dir / TIMELINE
     try:
-        plot_timeline(metrics, events, out, title=f"{run_dir.name}: {summary.get('model', '')}".rstrip(": "))
+        plot_timeline(latest_per_step(metrics), events, out, title=f"{run_dir.name}: {summary.get('model', '')}".rstrip(": "))
     except OSError as e:
         print(f"{PROG}: error: --out={str(out)!r}: {e.strerror or e}", file=sys.stderr)
         return 2

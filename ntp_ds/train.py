@@ -9,8 +9,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import signal
 import sys
 import time
 import warnings
@@ -29,6 +31,8 @@ worker per GPU (the sum of the replicas' TP degrees) on this machine and waits f
   KEY=VALUE          set one field, e.g. parallel.tp=2 parallel.replicas=2 parallel.zero_stage=1
                      train.steps=20 train.global_batch=8 seed=0 fault=none logging.wandb.mode=disabled
   hydra.run.dir=DIR  run directory (or run_dir=DIR); default outputs/DATE/TIME
+  existing_run=resume|overwrite   the run directory holds a run: continue it from its last checkpoint (e.g.
+                     after Ctrl-C or SIGTERM, which stop every worker cleanly), or replace it; default: refuse
   dry_run=true       print shapes, per-GPU memory (healthy and degraded) and the group layout; start nothing
   deepspeed_config=PATH.json   use this DeepSpeed config whole instead of generating one
 
@@ -38,7 +42,8 @@ Examples:
   ntp-ds train parallel.tp=2 parallel.replicas=2 fault=none train.steps=20 hydra.run.dir=runs/a
   ntp-ds report runs/a
 
-The run directory gets metrics.jsonl, events.jsonl, summary.json, logs/, wandb/ and final/ (HF weights).
+The run directory gets metrics.jsonl, events.jsonl, summary.json, config.json, logs/, wandb/, final/ (HF weights)
+and checkpoints/ (DeepSpeed's, for existing_run=resume).
 Other launchers: ntp-ds launch --nproc-per-node N -m ntp_ds.train ..., deepspeed --num_gpus N --module
 ntp_ds.train ..., torchrun --nproc-per-node N -m ntp_ds.train ... (see docs/usage.md for their limits).
 """
@@ -143,16 +148,18 @@ def open_records(cfg, run_dir: Path, store, resume: bool):
     return RunRecorder(run_dir, wandb, resume=resume)
 
 
-def run_worker(cfg, started: float) -> int:
+def run_worker(cfg, started: float, stop) -> int:
     """Be one rank: build the engine, run the Trainer with live recovery, write the records and the final weights."""
     from tqdm import tqdm
 
     import ntp_ds
     from ntp_ds.comm import wire
     from ntp_ds.control.heartbeat import mark_exited
+    from ntp_ds.control.job import publish_job
     from ntp_ds.recovery.manager import QuiescedExit, RecoveryImpossible
-    from ntp_ds.run.records import RunRecorder
+    from ntp_ds.run.records import CHECKPOINTS, RUN_CONFIG, RunRecorder
     from ntp_ds.run.recovery import LiveRecovery
+    from ntp_ds.run.rundir import run_dir_of
     from ntp_ds.run.trainer import Trainer, is_writer, seed_everything
 
     rank = int(os.environ["RANK"])
@@ -160,10 +167,14 @@ def run_worker(cfg, started: float) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     seed_everything(cfg.seed)
     store, hosts_store = job_store(cfg.parallel.timeout_s)
+    stop.store = store
     engine = ntp_ds.initialize(model=cfg.model.llama_config(), config=cfg.ds_config(), ntp=cfg.parallel.ntp(),
                                seq_len=cfg.data.seq_len, store=store)
-    run_dir = agree_run_dir(os.environ.get("NTP_RUN_DIR") or cfg.run_dir)
+    run_dir = agree_run_dir(run_dir_of(cfg))
     add_file_log(run_dir, rank, cfg.logging.level)
+    if cfg.existing_run == "resume":
+        engine.load_checkpoint(run_dir / CHECKPOINTS)  # checked before the workers started: same degrees
+        engine.refresh_copies()  # the buddies' copies of the loaded optimizer state, as after every step
     g = engine.ntp_groups
     console.setLevel(cfg.logging.level if is_writer(engine) else cfg.logging.other_ranks_level)
     log.info("replica %d, TP rank %d of %d (%s)", g.replica, g.tp_rank, len(g.tp_ranks),
@@ -173,6 +184,9 @@ def run_worker(cfg, started: float) -> int:
         log.warning("no store to coordinate through: a failure ends the run")
     recorder, progress = RunRecorder(None), None
     if is_writer(engine):
+        if store is not None:
+            publish_job(store, cfg.world_size, cfg.train.steps, engine.global_steps)
+        (run_dir / RUN_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2, default=str) + "\n")
         recorder = open_records(cfg, run_dir, store, resume=False)
         log.info("run directory %s; TP degrees %s (%d ranks, %d GPUs allocated); W&B %s", run_dir,
                  list(g.topology.degrees), cfg.world_size, cfg.allocated_gpus, cfg.logging.wandb.mode)
@@ -186,8 +200,8 @@ def run_worker(cfg, started: float) -> int:
         return open_records(cfg, run_dir, store, resume=True) if writer else RunRecorder(None)
 
     trainer = Trainer(cfg, engine, recorder, run_dir=run_dir, recovery=live,
-                      injector=live.injector if live else None, switch_writer=switch_writer, progress=progress,
-                      startup_s=time.perf_counter() - started)
+                      injector=live.injector if live else None, switch_writer=switch_writer, stop=stop,
+                      progress=progress, startup_s=time.perf_counter() - started)
     del engine, g  # only the trainer may hold the engine: a recovery releases it, closing its connections
     try:
         trainer.train()
@@ -218,12 +232,13 @@ def run_worker(cfg, started: float) -> int:
         mark_exited(store, rank, "finished")
         if hosts_store:
             outlive_peers(store, rank, cfg.world_size, cfg.parallel.heartbeat_timeout_s)
-    return 0
+    return stop.exit_code if trainer.stopped_by is not None else 0
 
 
 def launch_local(cfg, argv: list[str]) -> int:
     """Start this node's workers of `python -m ntp_ds.train ARGV` and wait for them."""
     from ntp_ds.launch import LaunchSpec, launch
+    from ntp_ds.run.records import SUMMARY, read_summary
 
     run_dir = Path(cfg.run_dir).resolve()
     lc = cfg.launcher
@@ -233,13 +248,33 @@ def launch_local(cfg, argv: list[str]) -> int:
     spec = LaunchSpec([sys.executable, "-u", "-m", "ntp_ds.train", *argv], nproc, lc.nnodes, lc.node_rank,
                       lc.store, str(run_dir), lc.grace_s)
     code = launch(spec)
-    if (run_dir / "summary.json").is_file():
+    summary = read_summary(run_dir / SUMMARY)
+    if summary.get("status") == "stopped":
+        print(f"{PROG}: stopped after step {summary.get('last_step')}; see the run with: ntp-ds report {run_dir}; "
+              f"continue it with the same command and existing_run=resume", file=sys.stderr, flush=True)
+    elif summary:
         print(f"{PROG}: done; see the run with: ntp-ds report {run_dir}", file=sys.stderr, flush=True)
     return code
 
 
+def prepare_run_dir(cfg, clear: bool) -> None:
+    """Check the run directory before any worker starts (see `ntp_ds.run.rundir`); with `existing_run=overwrite`,
+    `clear` deletes the earlier run's outputs (done once: by `ntp-ds train`, or by rank 0 under a launcher)."""
+    from ntp_ds.run.rundir import check_run_dir, clear_run, run_dir_of
+
+    run_dir = run_dir_of(cfg)
+    check_run_dir(run_dir, cfg.existing_run, cfg.parallel.replica_degrees, cfg.train.steps, config=cfg.to_dict())
+    if cfg.existing_run == "overwrite" and clear:
+        clear_run(run_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
+    under_launcher = "RANK" in os.environ
+    early: list[int] = []
+    if under_launcher:  # hold a stop signal that arrives during the imports below; StopSignals takes it over
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, lambda signum, _frame: early.append(signum))
     from ntp_ds.launch import set_cpu_accelerator
 
     set_cpu_accelerator()  # before the first deepspeed import
@@ -250,22 +285,30 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0
 
-    under_launcher = "RANK" in os.environ
+    first = int(os.environ.get("RANK", "0")) == 0
+    if under_launcher:
+        from ntp_ds.run.stop import StopSignals
+
+        stop = StopSignals().install()  # a signal during start-up stops the run after its first step
+        for signum in early:
+            stop.receive(signum)
     try:
         cfg = load_config(argv)
         world = int(os.environ.get("WORLD_SIZE", "0")) if under_launcher and not cfg.dry_run else 0
         cfg.validate(world or None)
+        if not cfg.dry_run:
+            prepare_run_dir(cfg, clear=first)
     except BAD_INPUT as e:
-        return fail(PROG, e) if int(os.environ.get("RANK", "0")) == 0 else 2
+        return fail(PROG, e) if first else 2
     if cfg.dry_run:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if first:
             from ntp_ds.run.dry_run import describe
 
             print(describe(cfg))
         return 0
     if not under_launcher:
         return launch_local(cfg, argv)
-    return run_worker(cfg, started)
+    return run_worker(cfg, started, stop)
 
 
 if __name__ == "__main__":

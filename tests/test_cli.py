@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,41 @@ def test_launcher_kills_a_stopped_worker_once_the_others_are_done(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "rank 1 stopped (SIGSTOP) while the others are done; killing it" in result.stderr
     assert "rank 1 killed by SIGKILL" in result.stderr
+
+
+def test_bare_command_is_a_usage_error(capsys):
+    assert cli([]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "give a command: train, launch, inject, simulate, report" in err
+
+
+def test_launcher_passes_a_stop_signal_on_and_kills_workers_that_outlast_the_grace(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys, time
+        from pathlib import Path
+        rank = os.environ["RANK"]
+        if rank == "0":
+            signal.signal(signal.SIGTERM, lambda s, f: (Path(sys.argv[1], "got").write_text(str(s)), sys.exit(143)))
+        else:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        Path(sys.argv[1], f"ready{rank}").write_text("")
+        time.sleep(60)
+    """))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "ntp_ds.cli", "launch", "--nproc-per-node", "2", "--grace-s", "1",
+                             str(script), str(tmp_path)], stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not ((tmp_path / "ready0").exists() and (tmp_path / "ready1").exists()):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    assert proc.returncode == 143, err
+    assert (tmp_path / "got").read_text() == str(int(signal.SIGTERM)), "the signal reaches the worker"
+    assert "did not stop within --grace-s=1 s; killing them" in err
+    assert "rank 1 killed by SIGKILL" in err and "1 of 2 workers stopped cleanly" in err

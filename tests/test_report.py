@@ -62,3 +62,18 @@ def test_report_of_a_directory_without_a_run(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds no step in metrics.jsonl" in err
     assert cli(["report", str(tmp_path / "missing")]) == 2
+
+
+def test_report_reads_damaged_records_and_says_what_it_skipped(tmp_path, capsys):
+    fake_run(tmp_path)
+    summary = tmp_path / "summary.json"
+    summary.write_text(summary.read_text()[:40])  # truncated
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "goodp\n[1, 2]\n')
+    assert cli(["report", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    warnings = captured.err.strip().splitlines()
+    assert len(warnings) == 2 and "Traceback" not in captured.err, captured.err
+    assert warnings[0].startswith("ntp-ds report: warning: metrics.jsonl: skipped 2 damaged lines (lines 7, 8 of 8)")
+    assert warnings[1].startswith("ntp-ds report: warning: summary.json is damaged (")
+    assert "unfinished" in captured.out and re.search(r"^steps +6$", captured.out, re.MULTILINE)

@@ -131,6 +131,9 @@ class FakeEngine:
     def save_pretrained(self, path):
         self.saved = path
 
+    def save_checkpoint(self, path):
+        self.checkpoint = (path, self.global_steps)
+
 
 class FakeRecovery:
     def __init__(self):
@@ -251,3 +254,30 @@ def test_a_writer_that_loses_the_role_hands_its_records_over(tmp_path):
     assert Recorder.handed_over and not trainer.recorder.active
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1]
+
+
+def test_a_stop_request_ends_the_run_after_the_agreed_step_with_weights_checkpoint_and_summary(tmp_path):
+    class StopAfter:
+        signal = None
+
+        def __init__(self, after):
+            self.after, self.asked = after, []
+
+        def should_stop(self, completed, publish=False):
+            self.asked.append(completed)
+            if completed >= self.after:
+                self.signal = 15
+            return self.signal is not None
+
+    stop = StopAfter(1)
+    trainer = fake_trainer(tmp_path, None)
+    trainer.engine.fail_at_step = None
+    trainer.stop = stop
+    summary = trainer.train()
+    assert stop.asked == [0, 1], "asked before the first step and after each step, until it stops"
+    assert trainer.engine.saved == tmp_path / "final" and trainer.engine.checkpoint == (tmp_path / "checkpoints", 1)
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["run_start", "run_stopped"]
+    assert events[1]["step"] == 1 and events[1]["signal"] == "SIGTERM"
+    assert summary["status"] == "stopped" and summary["last_step"] == 1 and summary["stopped_by"] == "SIGTERM"
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "stopped"

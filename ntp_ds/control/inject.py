@@ -2,8 +2,10 @@
 
     ntp-ds inject --store HOST:PORT --rank R --step S --phase P --kind K
 
-The target rank fires it at the first boundary of phase P at or after step S. A mistake is reported on one line
-that names the option at fault, with exit status 2.
+The target rank fires it at the first boundary of phase P at or after step S. The fault is checked against the
+running job first (its world size, steps, the ranks that have left: `ntp_ds.control.job`), and every wait is
+bounded by --timeout-s, also against an address that accepts connections but is no store. A mistake is reported on
+one line that names the option at fault, with exit status 2.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import argparse
 import sys
 
 from ntp_ds.control.faults import KINDS, PHASES, Fault, send_fault
+from ntp_ds.control.heartbeat import read_exits
+from ntp_ds.control.job import read_job
 from ntp_ds.control.store import connect_store, parse_address
 
 USAGE_ERROR = 2
@@ -36,12 +40,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--phase", required=True, choices=PHASES, help="phase boundary at which it fails")
     parser.add_argument("--kind", required=True, choices=KINDS,
                         help="crash (SIGKILL), hang (SIGSTOP) or device_error (DeviceError raised)")
-    parser.add_argument("--timeout-s", type=float, default=10.0, help="bound on reaching the store")
+    parser.add_argument("--timeout-s", type=float, default=10.0,
+                        help="bound on every wait: reaching the store and each call to it (default: 10)")
     return parser
 
 
+def check_against_job(store, fault: Fault) -> str:
+    """Check `fault` against the job running on `store`; return how it will fire, or raise _UsageError."""
+    job = read_job(store)
+    if job is None:
+        raise _UsageError("no ntp_ds job has published itself in this store yet (it does once its workers start "
+                          "training); check --store, or wait for the first step")
+    if fault.rank >= job.world_size:
+        raise _UsageError(f"--rank={fault.rank} does not exist (the job's world size is {job.world_size}: ranks "
+                          f"0..{job.world_size - 1})")
+    exits = read_exits(store)
+    if fault.rank in exits:
+        raise _UsageError(f"--rank={fault.rank} has already left the job ({exits[fault.rank]})")
+    if fault.step > job.steps:
+        raise _UsageError(f"--step={fault.step} does not exist (the job runs steps 1..{job.steps})")
+    if fault.step <= job.step:
+        when = f"at the first {fault.phase} boundary after step {job.step} (the job has completed step {job.step})"
+    else:
+        when = f"at the first {fault.phase} boundary of step {fault.step} or later"
+    if fault.phase == "recovery":
+        when = f"in the first recovery at step {max(fault.step, job.step + 1)} or later, if one happens"
+    return f"{when}; job at step {job.step} of {job.steps}, world size {job.world_size}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Send one fault; return 0 on success, 2 on a usage mistake or an unreachable store."""
+    """Send one fault; return 0 on success, 2 on a usage mistake, an unreachable store or a fault the job cannot
+    take. Every wait (connecting, the handshake, each store call) is bounded by --timeout-s."""
     try:
         args = build_parser().parse_args(argv)
         try:
@@ -54,14 +83,18 @@ def main(argv: list[str] | None = None) -> int:
             fault = Fault(args.rank, args.step, args.phase, args.kind)
         except ValueError as err:
             raise _UsageError("--" + str(err).removeprefix("fault.")) from None
+        if fault.step < 1:
+            raise _UsageError(f"--step={fault.step} does not exist: steps count from 1")
         try:
-            n = send_fault(connect_store(args.store, args.timeout_s), fault)
+            store = connect_store(args.store, args.timeout_s)
+            when = check_against_job(store, fault)
+            n = send_fault(store, fault)
         except (ConnectionError, RuntimeError) as err:
             raise _UsageError(f"--store={args.store}: {' '.join(str(err).split())[:300]}") from None
     except _UsageError as err:
         print(f"ntp-ds inject: error: {err}", file=sys.stderr)
         return USAGE_ERROR
-    print(f"sent fault {n}: rank {fault.rank} {fault.kind} at step {fault.step}, phase {fault.phase}")
+    print(f"sent fault {n}: {fault.kind} on rank {fault.rank}, {when}")
     return 0
 
 

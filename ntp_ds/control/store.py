@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import threading
 import time
 
 import torch.distributed as dist
@@ -64,11 +65,28 @@ def connect_store(address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.St
     Raise ValueError for a malformed address and ConnectionError when nothing answers within `timeout_s`.
     """
     host, port = parse_address(address)
+    deadline = time.monotonic() + timeout_s
     _await_listener(host, port, address, timeout_s)
-    try:
-        return dist.TCPStore(host, port, is_master=False, timeout=_timedelta(timeout_s), wait_for_workers=False)
-    except (dist.DistError, RuntimeError) as err:
-        raise ConnectionError(f"cannot reach the store at {address} within {timeout_s}s: {err}") from err
+    # The client's handshake does not honour its timeout against a peer that accepts and never answers (a port
+    # that is not a store): run it aside and give up at the deadline.
+    outcome: list = []
+
+    def handshake():
+        try:
+            outcome.append(dist.TCPStore(host, port, is_master=False, timeout=_timedelta(timeout_s),
+                                         wait_for_workers=False))
+        except (dist.DistError, RuntimeError) as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=handshake, name="ntp-store-connect", daemon=True)
+    thread.start()
+    thread.join(max(0.05, deadline - time.monotonic()))
+    if not outcome:
+        raise ConnectionError(f"{address} accepts connections but did not answer as a store within {timeout_s}s "
+                              f"(is it the job's store?)")
+    if isinstance(outcome[0], BaseException):
+        raise ConnectionError(f"cannot reach the store at {address} within {timeout_s}s: {outcome[0]}") from outcome[0]
+    return outcome[0]
 
 
 def _await_listener(host: str, port: int, address: str, timeout_s: float) -> None:

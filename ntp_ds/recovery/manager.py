@@ -178,11 +178,14 @@ class Recovery:
         dead_owners = {old_members.index(g) for g in gone}
         state = reslice(engine, snapshot, dead_owners)
         engine.global_steps, engine.global_samples = snapshot.global_steps, snapshot.global_samples
-        engine.refresh_copies()
+        # Before any optimizer step there is no state to copy (the first step sends it, layout included).
+        if wire.sum_counts([len(engine.optimizer_keys())])[0]:
+            engine.refresh_copies()
         # Lossless is what was installed: every element of every new fragment written, from a copy of the last step,
-        # with intact payloads; a rank that died inside the optimizer left that step half done.
-        whole = (state["covered"] == state["wanted"] and state["checksums_ok"] and state["fresh"]
-                 and not snapshot.mid_step)
+        # with intact payloads; a rank that died inside the optimizer left that step half done. Before the first
+        # step the fallback (the parameter, zero moments) is the exact state: nothing is lost.
+        whole = ((state["covered"] == state["wanted"] and state["checksums_ok"] and state["fresh"]
+                  and not snapshot.mid_step) or snapshot.global_steps == 0)
         received = _received_by_kind(wire.traffic_since(traffic_before))
         totals = wire.sum_counts([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), state["bytes_received"],
                                   state["restored_bytes"], int(whole)] + list(received.values()))

@@ -22,6 +22,7 @@ _NOT_NTP = ("zero_stage", "heartbeat_interval_s", "heartbeat_timeout_s")
 OPTIMIZERS = ("adamw", "sgd")
 PRECISIONS = ("fp32", "bf16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+EXISTING_RUN = ("refuse", "resume", "overwrite")
 
 
 @dataclass
@@ -171,8 +172,8 @@ class LauncherConfig:
     """Workers per node; null: the world size (sum of the replicas' degrees) divided by nnodes."""
     store: str | None = None
     """HOST:PORT of the store node 0 hosts; null on a single node: a free local port."""
-    grace_s: float = 10.0
-    """Seconds workers get to exit after SIGTERM when the launcher is stopped."""
+    grace_s: float = 60.0
+    """Seconds workers get to stop cleanly (finish the step, write weights and summary) after SIGINT or SIGTERM."""
 
 
 @dataclass
@@ -188,7 +189,11 @@ class TrainSection:
     precision: str = "fp32"
     """fp32 or bf16."""
     save_final: bool = True
-    """Write the consolidated weights to run_dir/final (HF form) at the end."""
+    """Write the consolidated weights to run_dir/final (HF form) at the end (also when stopped by a signal)."""
+    save_checkpoint: bool = True
+    """Write DeepSpeed's checkpoint to run_dir/checkpoints at the end and when stopped (`existing_run=resume`)."""
+    checkpoint_every: int = 0
+    """Also write it every this many steps; 0: only at the end and when stopped."""
 
 
 @dataclass
@@ -205,6 +210,9 @@ class RunConfig:
     """Path of a DeepSpeed JSON used whole instead of the one generated from train/optim/parallel."""
     run_dir: str | None = None
     """Where the run writes metrics, events, summary, W&B files and weights; null: hydra.run.dir."""
+    existing_run: str = "refuse"
+    """When run_dir already holds a run: `refuse` (exit 2, nothing touched), `resume` (continue from its last
+    checkpoint, appending to its records) or `overwrite` (delete its records, weights and checkpoints first)."""
     train: TrainSection = field(default_factory=TrainSection)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -258,6 +266,10 @@ class RunConfig:
         _check_choice("optim.name", self.optim.name, OPTIMIZERS)
         _check_choice("train.precision", self.train.precision, PRECISIONS)
         _check_choice("data.name", self.data.name, ("synthetic",))
+        _check_choice("existing_run", self.existing_run, EXISTING_RUN)
+        if self.train.checkpoint_every < 0:
+            raise ConfigError(f"train.checkpoint_every={self.train.checkpoint_every} must be 0 (only at the end) or "
+                              f"a positive number of steps")
         _check_choice("parallel.batch_policy", self.parallel.batch_policy, POLICIES)
         _check_choice("parallel.zero_stage", self.parallel.zero_stage, (0, 1, 2))
         for name in ("train.steps", "train.global_batch", "train.micro_batch", "data.seq_len", "data.size",

@@ -15,6 +15,12 @@ METRICS = "metrics.jsonl"
 EVENTS = "events.jsonl"
 SUMMARY = "summary.json"
 FINAL_WEIGHTS = "final"
+CHECKPOINTS = "checkpoints"
+"""DeepSpeed checkpoints of the run (`global_stepN/` and `latest`), which `existing_run=resume` continues from."""
+RUN_CONFIG = "config.json"
+"""The composed config of the run (of its latest segment when resumed), written by the writer at the start."""
+LAST_GOOD = "last_good"
+"""Where the survivors write the last good weights when training cannot go on in memory."""
 
 
 class RunRecorder:
@@ -91,21 +97,48 @@ def _open_append(path: Path):
     return f
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """Read a JSON-lines file, skipping a torn last line (a run killed mid-write)."""
+def read_jsonl(path: Path, key: str, warnings: list[str] | None = None) -> list[dict]:
+    """Read a JSON-lines file of records that each carry `key`, skipping damaged lines (a torn last line of a run
+    killed mid-write, or a file damaged later); say what was skipped in `warnings`, when given."""
     if not path.is_file():
         return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
+    out, damaged = [], []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
             continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict) and key in record:
+            out.append(record)
+        else:
+            damaged.append(number)
+    if damaged and warnings is not None:
+        shown = ", ".join(map(str, damaged[:5])) + (", ..." if len(damaged) > 5 else "")
+        warnings.append(f"{path.name}: skipped {len(damaged)} damaged line{'s' if len(damaged) > 1 else ''} "
+                        f"(line{'s' if len(damaged) > 1 else ''} {shown} of {number}); the rest is read")
     return out
 
 
-def read_run(run_dir: Path) -> tuple[list[dict], list[dict], dict]:
-    """Return (metrics, events, summary) of a run directory; summary is {} for a run that did not finish."""
-    summary_path = run_dir / SUMMARY
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    return read_jsonl(run_dir / METRICS), read_jsonl(run_dir / EVENTS), summary
+def read_summary(path: Path, warnings: list[str] | None = None) -> dict:
+    """Read summary.json; {} when there is none, or when it is damaged (said in `warnings`, when given)."""
+    if not path.is_file():
+        return {}
+    try:
+        summary = json.loads(path.read_text(errors="replace"))
+        if isinstance(summary, dict):
+            return summary
+        problem = "not a JSON object"
+    except json.JSONDecodeError as e:
+        problem = str(e)
+    if warnings is not None:
+        warnings.append(f"{path.name} is damaged ({problem}); the run is read as unfinished")
+    return {}
+
+
+def read_run(run_dir: Path, warnings: list[str] | None = None) -> tuple[list[dict], list[dict], dict]:
+    """Return (metrics, events, summary) of a run directory; summary is {} for a run that did not finish. What
+    had to be skipped as damaged is described in `warnings`, when given."""
+    return (read_jsonl(run_dir / METRICS, "step", warnings), read_jsonl(run_dir / EVENTS, "event", warnings),
+            read_summary(run_dir / SUMMARY, warnings))

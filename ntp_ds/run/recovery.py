@@ -21,14 +21,13 @@ from pathlib import Path
 from ntp_ds.control.faults import DeviceError, FaultInjector, fired_key
 from ntp_ds.recovery.manager import Recovery
 from ntp_ds.run.config import RunConfig
+from ntp_ds.run.records import LAST_GOOD
 from ntp_ds.run.trainer import RecoveryReport
 
 log = logging.getLogger("ntp_ds.train")
 
 PEER_FAILURES = (RuntimeError, TimeoutError, ConnectionError)
 """What a survivor sees when a peer dies or hangs: a failed or timed-out collective, a closed connection."""
-LAST_GOOD = "last_good"
-"""Directory of the run where the survivors write the last good weights when training cannot go on in memory."""
 TRAINER_FIELDS = ("detection_s", "degrees_before", "degrees_after")
 """Fields of the recovery's event that the Trainer measures itself (on its own clock) and records."""
 

@@ -8,6 +8,12 @@ rebuilt engine and its timings; the trainer accounts them (detection, recovery, 
 step again and records a `recovery` event in events.jsonl and W&B once that step has completed (with the time from
 the failure to it). Without a recovery an error ends the run.
 
+Stop requests (SIGINT, SIGTERM) come in through `stop`: after every completed step the trainer asks whether the job
+stops there (every rank gets the same answer, `ntp_ds.run.stop`); a stopped run writes the weights and checkpoint
+of that step, a `run_stopped` event and a summary with status `stopped`. A run started from a checkpoint
+(`existing_run=resume`: the engine has loaded it, so `engine.global_steps` is its step) records `run_resumed`
+instead of `run_start` and goes on from the next step.
+
 One rank writes the run's records (`is_writer`): TP rank 0 of the first anchor replica, the rank that also
 consolidates the final weights. Its step timings stand for the job's (an anchor runs the full DeepSpeed step; a
 contributor waits on its anchor). A recovery can move that role (the writer died, or its replica became a
@@ -32,7 +38,8 @@ from ntp_ds.batch.loader import GlobalBatchSampler, SyntheticTokens, replica_mic
 from ntp_ds.comm import wire
 from ntp_ds.goodput import GoodputMeter, StepTiming, split_failure_time
 from ntp_ds.run.config import RunConfig
-from ntp_ds.run.records import FINAL_WEIGHTS, RunRecorder
+from ntp_ds.run.records import CHECKPOINTS, FINAL_WEIGHTS, RunRecorder
+from ntp_ds.run.stop import signal_name
 
 log = logging.getLogger("ntp_ds.train")
 
@@ -63,15 +70,27 @@ class Injector(Protocol):
     def check(self, step: int, phase: str) -> None: ...
 
 
+class Stop(Protocol):
+    """Stop requests (`ntp_ds.run.stop.StopSignals`): whether the job stops once this rank completed `step`."""
+
+    signal: int | None
+
+    def should_stop(self, completed: int, publish: bool = False) -> bool: ...
+
+
 class Trainer:
     """Run `cfg.train.steps` steps of this rank's replica and account their goodput."""
 
     def __init__(self, cfg: RunConfig, engine, recorder: RunRecorder, *, run_dir: Path,
                  recovery: Recovery | None = None, injector: Injector | None = None,
-                 switch_writer: Callable[[bool], RunRecorder] | None = None,
+                 switch_writer: Callable[[bool], RunRecorder] | None = None, stop: Stop | None = None,
                  clock: Callable[[], float] = time.perf_counter, progress=None, startup_s: float = 0.0):
         self.cfg, self.engine, self.recorder, self.run_dir = cfg, engine, recorder, Path(run_dir)
         self.startup_s = startup_s
+        self.stop = stop
+        """Asked after every completed step whether the job stops there (SIGINT/SIGTERM, `ntp_ds.run.stop`)."""
+        self.stopped_by: int | None = None
+        """Number of the signal the run stopped for, if it stopped before `train.steps`."""
         self.recovery, self.injector, self.clock, self.progress = recovery, injector, clock, progress
         self.switch_writer = switch_writer
         """After a recovery, called with True when this rank becomes the writer (returns the resumed records) and
@@ -80,7 +99,9 @@ class Trainer:
                                        cfg.data.seed)
         self.sampler = GlobalBatchSampler(cfg.data.size, cfg.data.seed)
         self.meter = GoodputMeter(cfg.allocated_gpus, cfg.parallel.tp)
-        self.step = 0
+        self.step = int(getattr(engine, "global_steps", 0))
+        """Last completed step: 0 for a new run, the checkpoint's step for a resumed one."""
+        self.resumed_from = self.step
         self.recoveries = 0
         self.last_loss = math.nan
         self._last_end = clock()
@@ -111,6 +132,8 @@ class Trainer:
         if dist.is_initialized():
             wire.barrier()  # start the clocks together, after rank 0's W&B and file set-up
         self._last_end = self.clock()
+        if self.stop is not None:  # a request made during start-up: stop after the first step
+            self.stop.should_stop(self.step, publish=self.writer)
         log_every = max(1, self.cfg.train.steps // 10)
         step = self.step + 1
         while step <= self.cfg.train.steps:
@@ -123,10 +146,20 @@ class Trainer:
             metrics = {**self.meter.record_step(timing), "loss": loss}
             self.recorder.step(metrics)
             self._record_recovery(step)
+            if self.stop is not None and self.stop.should_stop(step, publish=self.writer) \
+                    and step < self.cfg.train.steps:
+                self.stopped_by = self.stop.signal
+                self._report_step(metrics, verbose=True)
+                break
             self._report_step(metrics, verbose=step % log_every == 0 or step == self.cfg.train.steps)
+            every = self.cfg.train.checkpoint_every
+            if every and step % every == 0 and step < self.cfg.train.steps:
+                self.save_checkpoint()
             step += 1
         if self.cfg.train.save_final:
             self.save_final()
+        if self.cfg.train.save_checkpoint:
+            self.save_checkpoint()
         return self.finish()
 
     def train_step(self, step: int) -> tuple[StepTiming, float]:
@@ -218,11 +251,15 @@ class Trainer:
             self.engine.on_phase = self.injector.check
 
     def _announce(self) -> None:
+        """Record the start of the run, or of a resumed segment of it (`run_resumed`, at the checkpoint's step)."""
         cfg = self.cfg
         faults = cfg.fault_schedule().faults
-        self.recorder.event("run_start", self.step, degrees=list(self.degrees), world_size=cfg.world_size,
+        self.recorder.event("run_resumed" if self.resumed_from else "run_start", self.step,
+                            degrees=list(self.degrees), world_size=cfg.world_size,
                             allocated_gpus=cfg.allocated_gpus, live_recovery=self.recovery is not None,
                             faults=[dict(rank=f.rank, step=f.step, phase=f.phase, kind=f.kind) for f in faults])
+        if self.resumed_from and self.writer:
+            log.info("resuming the run in %s from its checkpoint at step %d", self.run_dir, self.resumed_from)
         if faults and self.writer:
             log.info("faults scheduled: %s", _describe(faults))
 
@@ -239,19 +276,46 @@ class Trainer:
             log.info("final weights: %s", path)
         return path
 
+    def save_checkpoint(self) -> Path:
+        """Write DeepSpeed's checkpoint of this step to RUN_DIR/checkpoints (what `existing_run=resume` loads)."""
+        path = self.run_dir / CHECKPOINTS
+        t = self.clock()
+        self.engine.save_checkpoint(path)
+        self.meter.record_lost("checkpoint", self.clock() - t, active_gpus=sum(self.degrees))
+        if self.writer:
+            log.info("checkpoint of step %d: %s", self.step, path)
+        return path
+
     def finish(self) -> dict:
         self._record_recovery(None)
-        summary = {**self.meter.summary(), "final_loss": self.last_loss, "degrees_end": list(self.degrees),
+        status = "stopped" if self.stopped_by is not None else "finished"
+        summary = {**self.meter.summary(), "status": status, "last_step": self.step,
+                   "resumed_from_step": self.resumed_from, "final_loss": self.last_loss,
+                   "degrees_end": list(self.degrees),
                    "world_size": self.cfg.world_size, "model": self.cfg.model.name, "recipe": self.cfg.recipe,
                    "startup_s": self.startup_s, "recoveries": self.recoveries,
                    "live_recovery": self.recovery is not None,
                    "faults_scheduled": len(self.cfg.fault_schedule().faults), "run_dir": str(self.run_dir),
-                   "final_weights": str(self.run_dir / FINAL_WEIGHTS) if self.cfg.train.save_final else None}
-        self.recorder.event("run_end", self.step, degrees=list(self.degrees))
+                   "final_weights": str(self.run_dir / FINAL_WEIGHTS) if self.cfg.train.save_final else None,
+                   "checkpoint": str(self.run_dir / CHECKPOINTS) if self.cfg.train.save_checkpoint else None}
+        if self.stopped_by is not None:
+            name = signal_name(self.stopped_by)
+            summary["stopped_by"] = name
+            self.recorder.event("run_stopped", self.step, reason=f"stopped by {name}", signal=name,
+                                degrees=list(self.degrees))
+        else:
+            self.recorder.event("run_end", self.step, degrees=list(self.degrees))
         self.recorder.finish(summary)
         if self.progress is not None:
             self.progress.close()
-        if self.writer:
+        if self.writer and self.stopped_by is not None:
+            written = [w for w, on in (("weights", self.cfg.train.save_final),
+                                       ("checkpoint", self.cfg.train.save_checkpoint)) if on] + ["summary"]
+            resume = ("continue with existing_run=resume" if self.cfg.train.save_checkpoint
+                      else "no checkpoint (train.save_checkpoint=false): it cannot be resumed")
+            log.warning("stopped by %s after step %d of %d: %s written; %s", signal_name(self.stopped_by), self.step,
+                        self.cfg.train.steps, ", ".join(written), resume)
+        elif self.writer:
             log.info("done: %d steps, goodput %.3f, %.0f tokens/s (%.2f of failure-free), active GPUs %.0f%%, "
                      "final loss %.4f", summary["steps"], summary["goodput"], summary["tokens_per_s"],
                      summary["throughput_ratio"], 100 * summary["active_gpu_fraction"], self.last_loss)

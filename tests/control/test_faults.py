@@ -25,6 +25,8 @@ from ntp_ds.control.faults import (
     send_fault,
     trigger,
 )
+from ntp_ds.control.heartbeat import mark_exited
+from ntp_ds.control.job import publish_job, publish_step
 from ntp_ds.control.store import host_store
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -206,12 +208,13 @@ def test_fault_happens_in_a_child_at_its_step_and_phase(kind, phase):
 @pytest.mark.timeout(60)
 def test_fault_sent_by_the_cli_reaches_a_running_job():
     store, address = host_store(timeout_s=20.0)
+    publish_job(store, world_size=2, steps=1000)
     proc = _spawn("[]", address)
     try:
         deadline = time.monotonic() + 40.0
         while not proc.stdout.readline().startswith("3 "):  # the job is running
             assert time.monotonic() < deadline and proc.poll() is None
-        assert inject.main(["--store", address, "--rank", "1", "--step", "0", "--phase", "optimizer",
+        assert inject.main(["--store", address, "--rank", "1", "--step", "1", "--phase", "optimizer",
                             "--kind", "crash"]) == 0
         out, _ = proc.communicate(timeout=20.0)
         assert proc.returncode == -signal.SIGKILL
@@ -228,10 +231,49 @@ def test_fault_sent_by_the_cli_reaches_a_running_job():
     (["--store", "h:1", "--rank", "1", "--step", "-1", "--phase", "forward", "--kind", "crash"], "--step=-1"),
     (["--store", "h:1", "--rank", "1", "--step", "0", "--phase", "fwd", "--kind", "crash"], "--phase"),
     (["--store", "h:1", "--rank", "1", "--step", "0", "--phase", "forward"], "--kind"),
-    (["--store", "127.0.0.1:1", "--rank", "1", "--step", "0", "--phase", "forward", "--kind", "hang",
+    (["--store", "127.0.0.1:1", "--rank", "1", "--step", "1", "--phase", "forward", "--kind", "hang",
       "--timeout-s", "0.2"], "--store=127.0.0.1:1"),
 ])
 def test_cli_errors_are_one_line_naming_the_field(argv, field, capsys):
     assert inject.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and field in err, err
+
+
+def test_cli_checks_the_fault_against_the_running_job(capsys):
+    store, address = host_store(timeout_s=5.0)
+    base = ["--store", address, "--phase", "forward", "--kind", "crash", "--timeout-s", "5"]
+    assert inject.main([*base, "--rank", "1", "--step", "3"]) == 2
+    assert "no ntp_ds job has published itself" in capsys.readouterr().err
+    publish_job(store, world_size=4, steps=20)
+    publish_step(store, 6)
+    mark_exited(store, 2, "killed by SIGKILL")
+    for argv, message in ((["--rank", "4", "--step", "8"], "--rank=4 does not exist (the job's world size is 4"),
+                          (["--rank", "1", "--step", "0"], "--step=0 does not exist: steps count from 1"),
+                          (["--rank", "1", "--step", "21"], "--step=21 does not exist (the job runs steps 1..20)"),
+                          (["--rank", "2", "--step", "8"], "--rank=2 has already left the job (killed by SIGKILL)")):
+        assert inject.main([*base, *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert store.add(FAULT_COUNT_KEY, 0) == 0, "a refused fault is not sent"
+    assert inject.main([*base, "--rank", "3", "--step", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "after step 6 (the job has completed step 6)" in out
+    assert Fault.decode(store.get(fault_key(1))) == Fault(3, 4, "forward", "crash")
+
+
+@pytest.mark.timeout(30)
+def test_cli_against_a_port_that_is_no_store_gives_up_within_its_timeout(capsys):
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        started = time.monotonic()
+        assert inject.main(["--store", f"127.0.0.1:{port}", "--rank", "1", "--step", "3", "--phase", "forward",
+                            "--kind", "crash", "--timeout-s", "1.5"]) == 2
+        elapsed = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert elapsed < 1.5 + 1.0, f"took {elapsed:.1f} s"
+    assert err.count("\n") == 1 and "did not answer as a store within 1.5s" in err, err
