@@ -14,19 +14,41 @@ IGNORE_INDEX = -100
 
 @dataclass
 class SyntheticTokens:
-    """Random token sequences drawn from a seed: a self-contained dataset for demos and tests."""
+    """A seeded generated language: a Markov chain over the vocabulary that a tiny model learns within a few steps.
+
+    Each token has `branching` successors with probabilities 1/2, 1/4, ... (the last two share the rest), drawn from
+    `seed`, so the next-token entropy is under 2 bits whatever the vocabulary: the loss falls from ln(vocab_size)
+    towards it as the model learns. Sample i is a pure function of (seed, i), so any replica can read any sample.
+    `branching=0` gives uniform random tokens (nothing to learn).
+    """
 
     vocab_size: int
     seq_len: int
     size: int = 4096
     seed: int = 0
+    branching: int = 4
+
+    def __post_init__(self):
+        g = torch.Generator().manual_seed(self.seed)
+        self._next = torch.randint(0, self.vocab_size, (self.vocab_size, max(self.branching, 1)), generator=g).tolist()
+        weights = [2.0 ** -min(k + 1, self.branching - 1) for k in range(self.branching)]
+        self._probs = torch.tensor(weights or [1.0])
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        ids = torch.randint(0, self.vocab_size, (self.seq_len,), generator=g)
+        if self.branching == 0:
+            ids = torch.randint(0, self.vocab_size, (self.seq_len,), generator=g)
+        else:
+            token = int(torch.randint(0, self.vocab_size, (1,), generator=g))
+            choices = torch.multinomial(self._probs, self.seq_len - 1, replacement=True, generator=g).tolist()
+            walk = [token]
+            for c in choices:
+                token = self._next[token][c]
+                walk.append(token)
+            ids = torch.tensor(walk)
         return {"input_ids": ids, "labels": ids.clone()}
 
 
