@@ -3,6 +3,7 @@ crash and ends with the failure-free run's weights."""
 
 import json
 import random
+import runpy
 import sys
 
 import numpy as np
@@ -139,6 +140,12 @@ def test_the_tool_writes_every_document_followed_by_eos(token_file):
     assert ids[-1] == eos and eos not in second
     assert tokenizer.convert_ids_to_tokens(first) == docs[0]
     assert tokenizer.convert_ids_to_tokens(second) == docs[1]
+
+
+def test_the_tool_refuses_a_missing_input_in_one_line(tmp_path, capsys):
+    tool = runpy.run_path(str(REPO / "tools" / "tokenize_text.py"), run_name="tokenize_text")
+    assert tool["main"](["--tokenizer", "t", "--input", str(tmp_path / "none.txt"), "--output", "o.bin"]) == 2
+    assert capsys.readouterr().err == f"tokenize_text.py: error: --input {tmp_path / 'none.txt'}: no such file\n"
 
 
 def test_a_crash_while_training_on_a_token_file_ends_with_the_failure_free_weights(token_file, tmp_path):

@@ -105,7 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.push:
         print(describe(workspace))
         return 0
-    workspace.save()
+    try:
+        workspace.save()
+    except Exception as e:  # no login, no network, no such entity or project
+        text = str(e).strip().splitlines()
+        print(f"dashboard: error: saving the view to {args.entity}/{args.project} failed: "
+              f"{type(e).__name__}: {text[0] if text else ''}", file=sys.stderr)
+        return 1
     print(workspace.url)
     return 0
 
