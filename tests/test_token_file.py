@@ -86,7 +86,8 @@ def test_config_errors_name_the_field_before_any_worker(tmp_path):
              (["data=tokens", f"data.path={tmp_path}/none.bin"], r"^data.path=.*none.bin: no such file"),
              (["data=tokens", f"data.path={path}"], r"^data.path=.*t.bin holds token id 299 but model.vocab_size=256"),
              (["data=tokens", f"data.path={path}", "data.dtype=int8"], r"^data.dtype='int8' must be one of"),
-             (["data.branching=-1"], r"^data.branching=-1 must be 0")]
+             (["data.branching=-1"], r"^data.branching=-1 must lie in 0 \(uniform tokens\)..model.vocab_size=256"),
+             (["data.branching=300"], r"^data.branching=300 must lie in")]
     for overrides, message in cases:
         with pytest.raises(ConfigError, match=message):
             load_config(["fault=none", *overrides]).validate()

@@ -16,9 +16,10 @@ IGNORE_INDEX = -100
 class SyntheticTokens:
     """A seeded generated language: a Markov chain over the vocabulary that a tiny model learns within a few steps.
 
-    Each token has `branching` successors with probabilities 1/2, 1/4, ... (the last two share the rest), drawn from
-    `seed`, so the next-token entropy is under 2 bits whatever the vocabulary: the loss falls from ln(vocab_size)
-    towards it as the model learns. Sample i is a pure function of (seed, i), so any replica can read any sample.
+    The next token is the current one plus one of `branching` seeded offsets (mod vocab_size), taken with
+    probabilities 1/2, 1/4, ... (the last two share the rest), so the next-token entropy is under 2 bits whatever
+    the vocabulary: the loss falls from ln(vocab_size) towards it as the model learns. A sample is a cumulative sum
+    of offsets, drawn in one go from (seed, index), so any replica can read any sample, quickly at any length.
     `branching=0` gives uniform random tokens (nothing to learn).
     """
 
@@ -30,7 +31,7 @@ class SyntheticTokens:
 
     def __post_init__(self):
         g = torch.Generator().manual_seed(self.seed)
-        self._next = torch.randint(0, self.vocab_size, (self.vocab_size, max(self.branching, 1)), generator=g).tolist()
+        self._offsets = torch.randperm(self.vocab_size, generator=g)[:max(self.branching, 1)]
         weights = [2.0 ** -min(k + 1, self.branching - 1) for k in range(self.branching)]
         self._probs = torch.tensor(weights or [1.0])
 
@@ -42,13 +43,9 @@ class SyntheticTokens:
         if self.branching == 0:
             ids = torch.randint(0, self.vocab_size, (self.seq_len,), generator=g)
         else:
-            token = int(torch.randint(0, self.vocab_size, (1,), generator=g))
-            choices = torch.multinomial(self._probs, self.seq_len - 1, replacement=True, generator=g).tolist()
-            walk = [token]
-            for c in choices:
-                token = self._next[token][c]
-                walk.append(token)
-            ids = torch.tensor(walk)
+            start = torch.randint(0, self.vocab_size, (1,), generator=g)
+            choices = torch.multinomial(self._probs, self.seq_len - 1, replacement=True, generator=g)
+            ids = torch.cat([start, start + self._offsets[choices].cumsum(0)]) % self.vocab_size
         return {"input_ids": ids, "labels": ids.clone()}
 
 

@@ -304,8 +304,9 @@ class RunConfig:
         d = self.data
         if d.size is not None or d.name == "synthetic":
             _check_positive("data.size", d.size)
-        if d.name == "synthetic" and d.branching < 0:
-            raise ConfigError(f"data.branching={d.branching} must be 0 (uniform tokens) or more")
+        if d.name == "synthetic" and not 0 <= d.branching <= vocab_size:
+            raise ConfigError(f"data.branching={d.branching} must lie in 0 (uniform tokens)..model.vocab_size="
+                              f"{vocab_size}")
         if d.name == "tokens" and not d.path:
             raise ConfigError("data.path=null: data=tokens reads a token file; set data.path=FILE")
         if d.name == "tokens":
