@@ -75,6 +75,7 @@ def test_the_generated_language_is_a_pure_function_of_seed_and_index_with_low_en
         for a, b in zip(ids, ids[1:]):
             pairs.setdefault(a, set()).add(b)
     assert max(len(s) for s in pairs.values()) <= 4, "each token has at most `branching` successors"
+    assert SyntheticTokens(256, 1)[0]["input_ids"].shape == (1,)
     uniform = SyntheticTokens(256, 64, 100, 5, branching=0)
     assert len({t for i in range(20) for t in uniform[i]["input_ids"].tolist()}) > 200
 

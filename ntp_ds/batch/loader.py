@@ -40,7 +40,7 @@ class SyntheticTokens:
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        if self.branching == 0:
+        if self.branching == 0 or self.seq_len == 1:
             ids = torch.randint(0, self.vocab_size, (self.seq_len,), generator=g)
         else:
             start = torch.randint(0, self.vocab_size, (1,), generator=g)
