@@ -21,7 +21,7 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run") / "r"
-    result = ntp_ds("train", "parallel.tp=2", "parallel.replicas=2", "parallel.timeout_s=20", f"train.steps={STEPS}",
+    result = ntp_ds("train", "recipe=cpu_demo", "parallel.tp=2", "parallel.replicas=2", "parallel.timeout_s=20", f"train.steps={STEPS}",
                     "train.global_batch=8", "train.micro_batch=2", "data.seq_len=16", "logging.progress=false",
                     "fault.faults=[{rank:3,step:2,phase:backward,kind:crash}]", f"hydra.run.dir={run_dir}",
                     timeout=240)
@@ -61,6 +61,8 @@ def test_run_directory_holds_every_record(trained):
     assert sum(summary[f"time/{b}_s"] for b in BUCKETS) == pytest.approx(summary["wall_s"])
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == [f"rank{r}.log" for r in range(4)]
     assert f"done: {STEPS} steps, goodput" in result.stderr
+    assert f"loss {summary['first_loss']:.4f} at the first step, {summary['final_loss']:.4f} at the last" in result.stderr
+    assert summary["final_loss"] < summary["first_loss"], "the demo's generated language is learnable"
     assert "3 of 4 workers finished successfully" in result.stderr
 
 
@@ -72,6 +74,17 @@ def test_wandb_offline_run_holds_goodput_keys_and_the_recovery(trained):
     assert GOODPUT_KEYS <= set(steps[-1]) and "loss" in steps[-1]
     (event,) = [r for r in rows if "event/bytes_moved" in r]
     assert event["step"] == 2 and event["event/bytes_moved"] > 0
+
+
+def test_every_dashboard_panel_plots_a_key_the_run_logs(trained):
+    from ntp_ds.goodput.dashboard import build_workspace, plotted_keys
+
+    run_dir, _ = trained
+    workspace = build_workspace("offline", "ntp-ds-test", replicas=2)
+    logged = {k for row in read_history(run_dir) for k in row}
+    keys = plotted_keys(workspace)
+    assert len(keys) > 15 and {"goodput", "loss", "tp_degree/replica_1", "active_gpus", "event/recovery_s"} <= keys
+    assert keys <= logged, f"plotted but never logged: {sorted(keys - logged)}"
 
 
 def test_final_weights_load_in_transformers(trained):

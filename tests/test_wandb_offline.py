@@ -99,3 +99,14 @@ def test_disabled_mode_writes_no_wandb_files(tmp_path):
     recorder.finish({"goodput": 0.5})
     assert not (tmp_path / "wandb").exists()
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_dashboard_lists_its_panels_offline_and_push_needs_an_entity(capsys):
+    from ntp_ds.goodput.dashboard import main
+
+    assert main(["--replicas", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "TP degree per replica (0: dropped): tp_degree/replica_0, tp_degree/replica_1\n" in out
+    assert "Bytes moved against the lost shard: event/bytes_moved, event/lost_shard_bytes" in out
+    assert main(["--push"]) == 2 and "--push needs --entity" in capsys.readouterr().err
+    assert main(["--replicas", "0"]) == 2

@@ -20,6 +20,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 _NOT_NTP = ("zero_stage", "heartbeat_interval_s", "heartbeat_timeout_s")
 """`parallel` fields read by DeepSpeed and the liveness checks rather than by `NTPConfig`."""
 OPTIMIZERS = ("adamw", "sgd")
+DATASETS = ("synthetic", "tokens")
 PRECISIONS = ("fp32", "bf16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 EXISTING_RUN = ("refuse", "resume", "overwrite")
@@ -85,16 +86,34 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    """The token stream: seeded synthetic sequences, read in the same order by every run."""
+    """The token stream: a seeded generated language or a token file, read in the same order by every run."""
 
     name: str = "synthetic"
-    """Dataset; only `synthetic` (ntp_ds.batch.loader.SyntheticTokens) for now."""
+    """`synthetic` (ntp_ds.batch.loader.SyntheticTokens) or `tokens` (ntp_ds.batch.token_file.TokenFile)."""
     seq_len: int = 64
     """Tokens per sample."""
-    size: int = 4096
-    """Samples in the dataset; the sampler wraps around into a new seeded permutation."""
+    size: int | None = 4096
+    """Samples in the dataset; the sampler wraps around into a new seeded permutation. null (tokens): the whole file."""
     seed: int = 0
-    """Seed of the tokens and of the sample order."""
+    """Seed of the generated language and of the sample order."""
+    branching: int = 4
+    """synthetic: successors per token in the generated language (lower is easier); 0: uniform random tokens."""
+    path: str | None = None
+    """tokens: the flat binary token file (ids back to back); FILE.json beside it may give dtype and vocabulary."""
+    dtype: str | None = None
+    """tokens: uint16 or uint32; null: the dtype of the sidecar FILE.json."""
+
+    def dataset(self, vocab_size: int):
+        """The dataset the loader reads; the token file is checked against the model's vocabulary."""
+        if self.name == "tokens":
+            from ntp_ds.batch.token_file import TokenFile
+
+            data = TokenFile(self.path, self.seq_len, self.dtype, self.size)
+            data.check_vocab(vocab_size)
+            return data
+        from ntp_ds.batch.loader import SyntheticTokens
+
+        return SyntheticTokens(vocab_size, self.seq_len, self.size, self.seed, self.branching)
 
 
 @dataclass
@@ -265,15 +284,14 @@ class RunConfig:
         _check_choice("logging.wandb.mode", self.logging.wandb.mode, WANDB_MODES)
         _check_choice("optim.name", self.optim.name, OPTIMIZERS)
         _check_choice("train.precision", self.train.precision, PRECISIONS)
-        _check_choice("data.name", self.data.name, ("synthetic",))
+        _check_choice("data.name", self.data.name, DATASETS)
         _check_choice("existing_run", self.existing_run, EXISTING_RUN)
         if self.train.checkpoint_every < 0:
             raise ConfigError(f"train.checkpoint_every={self.train.checkpoint_every} must be 0 (only at the end) or "
                               f"a positive number of steps")
         _check_choice("parallel.batch_policy", self.parallel.batch_policy, POLICIES)
         _check_choice("parallel.zero_stage", self.parallel.zero_stage, (0, 1, 2))
-        for name in ("train.steps", "train.global_batch", "train.micro_batch", "data.seq_len", "data.size",
-                     "launcher.nnodes"):
+        for name in ("train.steps", "train.global_batch", "train.micro_batch", "data.seq_len", "launcher.nnodes"):
             _check_positive(name, _get(self, name))
         if self.optim.lr <= 0:
             raise ConfigError(f"optim.lr={self.optim.lr} must be positive")
@@ -284,6 +302,7 @@ class RunConfig:
         if self.data.seq_len > llama.max_position_embeddings:
             raise ConfigError(f"data.seq_len={self.data.seq_len} exceeds model.max_position_embeddings="
                               f"{llama.max_position_embeddings}")
+        self._check_data(llama.vocab_size)
         ntp = self._check_parallel(llama)
         self._check_world(world_size)
         ds = self.ds_config()
@@ -292,6 +311,23 @@ class RunConfig:
         except ConfigError as e:
             raise ConfigError(f"train.global_batch/micro_batch: {e}") from None
         self._check_faults()
+
+    def _check_data(self, vocab_size: int) -> None:
+        d = self.data
+        if d.size is not None or d.name == "synthetic":
+            _check_positive("data.size", d.size)
+        if d.name == "synthetic" and not 0 <= d.branching <= vocab_size:
+            raise ConfigError(f"data.branching={d.branching} must lie in 0 (uniform tokens)..model.vocab_size="
+                              f"{vocab_size}")
+        if d.name == "tokens" and not d.path:
+            raise ConfigError("data.path=null: data=tokens reads a token file; set data.path=FILE")
+        if d.name == "tokens":
+            from ntp_ds.batch.token_file import TokenFileError
+
+            try:
+                d.dataset(vocab_size)
+            except TokenFileError as e:
+                raise ConfigError(str(e)) from None
 
     def _check_parallel(self, llama: LlamaConfig) -> NTPConfig:
         p = self.parallel

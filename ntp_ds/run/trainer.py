@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ntp_ds.batch.loader import GlobalBatchSampler, SyntheticTokens, replica_micro_batches
+from ntp_ds.batch.loader import GlobalBatchSampler, replica_micro_batches
 from ntp_ds.comm import wire
 from ntp_ds.goodput import GoodputMeter, StepTiming, split_failure_time
 from ntp_ds.run.config import RunConfig
@@ -95,15 +95,14 @@ class Trainer:
         self.switch_writer = switch_writer
         """After a recovery, called with True when this rank becomes the writer (returns the resumed records) and
         with False when it stops being the writer (returns the recorder of a rank that writes nothing)."""
-        self.dataset = SyntheticTokens(cfg.model.llama_config().vocab_size, cfg.data.seq_len, cfg.data.size,
-                                       cfg.data.seed)
-        self.sampler = GlobalBatchSampler(cfg.data.size, cfg.data.seed)
+        self.dataset = cfg.data.dataset(cfg.model.llama_config().vocab_size)
+        self.sampler = GlobalBatchSampler(len(self.dataset), cfg.data.seed)
         self.meter = GoodputMeter(cfg.allocated_gpus, cfg.parallel.tp)
         self.step = int(getattr(engine, "global_steps", 0))
         """Last completed step: 0 for a new run, the checkpoint's step for a resumed one."""
         self.resumed_from = self.step
         self.recoveries = 0
-        self.last_loss = math.nan
+        self.first_loss = self.last_loss = math.nan
         self._last_end = clock()
         self._unfinished: dict | None = None
         """The latest recovery's event, recorded once the step it interrupted has completed."""
@@ -143,6 +142,7 @@ class Trainer:
                 step = self._recover(step, error)
                 continue
             self.step, self.last_loss = step, loss
+            self.first_loss = loss if math.isnan(self.first_loss) else self.first_loss
             metrics = {**self.meter.record_step(timing), "loss": loss}
             self.recorder.step(metrics)
             self._record_recovery(step)
@@ -290,7 +290,7 @@ class Trainer:
         self._record_recovery(None)
         status = "stopped" if self.stopped_by is not None else "finished"
         summary = {**self.meter.summary(), "status": status, "last_step": self.step,
-                   "resumed_from_step": self.resumed_from, "final_loss": self.last_loss,
+                   "resumed_from_step": self.resumed_from, "first_loss": self.first_loss, "final_loss": self.last_loss,
                    "degrees_end": list(self.degrees),
                    "world_size": self.cfg.world_size, "model": self.cfg.model.name, "recipe": self.cfg.recipe,
                    "startup_s": self.startup_s, "recoveries": self.recoveries,
@@ -317,8 +317,9 @@ class Trainer:
                         self.cfg.train.steps, ", ".join(written), resume)
         elif self.writer:
             log.info("done: %d steps, goodput %.3f, %.0f tokens/s (%.2f of failure-free), active GPUs %.0f%%, "
-                     "final loss %.4f", summary["steps"], summary["goodput"], summary["tokens_per_s"],
-                     summary["throughput_ratio"], 100 * summary["active_gpu_fraction"], self.last_loss)
+                     "loss %.4f at the first step, %.4f at the last", summary["steps"], summary["goodput"],
+                     summary["tokens_per_s"], summary["throughput_ratio"], 100 * summary["active_gpu_fraction"],
+                     self.first_loss, self.last_loss)
         return summary
 
     def _report_step(self, metrics: dict, verbose: bool) -> None:
