@@ -14,10 +14,17 @@ backward pass of step K of N.
 
 Recovery time runs from the crash (the wall time the injector recorded) to the completion of step K, the step the
 failure interrupted: the job is then back where it was. Lost steps are the completed steps the resumed state lacks.
-The last line reads
-`recovery_speedup=<restart time / ntp time> ntp_s=<x> restart_s=<y> ntp_lost_steps=<n> restart_lost_steps=<m>`.
 
-    python benchmarks/recovery.py --steps 20 --fail-step 14 --checkpoint-every 5
+The physical bound, measured in the same run: the crash detection floor (the soonest any survivor's step failed
+after the crash), plus the median degraded step after the recovery (step K has to be done again at the new degree),
+plus the dead rank's parameter and optimizer bytes over the point-to-point bandwidth measured between two ranks of
+the job before training. `failure_cost_speedup` compares what each approach loses beyond the step it had to finish
+anyway: (restart_s - step) / (ntp_s - step), with the healthy median step. The last line reads
+`recovery_speedup=<restart / ntp> ntp_s=<x> restart_s=<y> ntp_lost_steps=<n> restart_lost_steps=<m> bound_s=<b>
+bound_ratio=<ntp / bound> failure_cost_speedup=<f>`.
+
+    python benchmarks/recovery.py               # about 17M parameters (hidden 512, 5 layers)
+    python benchmarks/recovery.py --size large  # about 100M: the restart reads that model's checkpoint
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ import time
 from ntp_ds.testing.spawn import run_ranks
 
 WORLD, TP, REPLICAS, CRASH_RANK = 4, 2, 2, 3
+SIZES = {"default": (512, 5), "large": (1024, 8)}
+"""Presets of (hidden, layers): about 17M and 100M parameters."""
+BANDWIDTH_BYTES = 32 << 20
 
 
 def _model(args):
@@ -39,6 +49,28 @@ def _model(args):
     return LlamaConfig(vocab_size=1024, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
                        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
                        max_position_embeddings=args.seq)
+
+
+def _bandwidth(rank: int) -> float | None:
+    """Bytes per second one way between ranks 0 and 2 (different replicas), best of three timed exchanges."""
+    import torch
+
+    from ntp_ds.comm import wire
+
+    peer = {0: 2, 2: 0}.get(rank)
+    send = torch.ones(BANDWIDTH_BYTES // 4, device=wire.device_of())
+    recv = torch.empty_like(send)
+    best = None
+    for _ in range(3):
+        wire.barrier()
+        t = time.perf_counter()
+        if peer is not None:
+            wire.exchange({peer: send}, {peer: recv}, op="bandwidth").wait()
+        elapsed = time.perf_counter() - t
+        wire.barrier()
+        if peer is not None:
+            best = max(best or 0.0, BANDWIDTH_BYTES / elapsed)
+    return best
 
 
 def _ds_config(args) -> dict:
@@ -70,12 +102,13 @@ def ntp_worker(rank, world_size, args):
     config = _model(args)
     engine = ntp_ds.initialize(model=config, config=_ds_config(args), seq_len=args.seq,
                                ntp={"tp": TP, "replicas": REPLICAS, "timeout_s": args.timeout_s})
+    bandwidth = _bandwidth(rank)
     recovery = Recovery(engine, engine.store, rank, heartbeat_timeout_s=args.heartbeat_timeout_s)
     injector = FaultInjector(FaultSchedule.from_config(_faults(args), world_size), rank, engine.store)
     engine.on_phase = recovery.on_phase = injector.check
     data = SyntheticTokens(config.vocab_size, args.seq, size=4096, seed=0)
     sampler = GlobalBatchSampler(len(data), seed=0)
-    done, resumed_at_steps = {}, None
+    done, resumed_at_steps, noticed = {}, None, None
     while engine.global_steps < args.steps:
         step = engine.global_steps
         try:
@@ -83,14 +116,15 @@ def ntp_worker(rank, world_size, args):
                 engine.backward(engine(batch))
                 engine.step()
         except (RuntimeError, TimeoutError, ConnectionError) as error:
+            noticed = time.time()
             engine = recovery.recover(error).engine
             engine.on_phase = injector.check
             resumed_at_steps = engine.global_steps
             continue
         done[step + 1] = time.time()
     recovery.close()
-    return {"done": done, "resumed_at_steps": resumed_at_steps, "fired": _fired(engine.store),
-            "event": recovery.events[-1] if recovery.events else None}
+    return {"done": done, "resumed_at_steps": resumed_at_steps, "fired": _fired(engine.store), "noticed": noticed,
+            "bandwidth": bandwidth, "event": recovery.events[-1] if recovery.events else None}
 
 
 # -- DeepSpeed: checkpoint-restart -------------------------------------------------------------------------------
@@ -162,9 +196,16 @@ def measure_ntp(args) -> dict:
     first = max(s["done"][args.fail_step] for s in survivors)
     lost = (args.fail_step - 1) - survivors[0]["resumed_at_steps"]
     done = survivors[0]["done"]
-    gaps = sorted(done[s] - done[s - 1] for s in done if s - 1 in done and s != args.fail_step)
-    return {"seconds": first - fired, "lost_steps": lost, "event": survivors[0]["event"],
-            "step_s": gaps[len(gaps) // 2]}
+    healthy = sorted(done[s] - done[s - 1] for s in done if s - 1 in done and s < args.fail_step)
+    degraded = sorted(done[s] - done[s - 1] for s in done if s - 1 in done and s > args.fail_step)
+    event = survivors[0]["event"] or {}
+    lost_bytes = event.get("lost_shard_bytes", 0) + event.get("lost_optimizer_bytes", 0)
+    bandwidth = max(s["bandwidth"] for s in survivors if s["bandwidth"])
+    floor = min(s["noticed"] - fired for s in survivors if s["noticed"] is not None)
+    degraded_step = degraded[len(degraded) // 2] if degraded else float("nan")
+    return {"seconds": first - fired, "lost_steps": lost, "event": event, "step_s": healthy[len(healthy) // 2],
+            "detection_floor_s": floor, "degraded_step_s": degraded_step, "lost_bytes": lost_bytes,
+            "bandwidth": bandwidth, "bound_s": floor + degraded_step + lost_bytes / bandwidth}
 
 
 def measure_restart(args) -> dict:
@@ -194,8 +235,10 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="steps N of each job")
     parser.add_argument("--fail-step", type=int, default=14, help="step K in whose backward rank 3 crashes")
     parser.add_argument("--checkpoint-every", type=int, default=5, help="checkpoint interval C of the restart job")
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--size", choices=sorted(SIZES), default="default",
+                        help="model preset: default about 17M parameters (hidden 512, 5 layers), large about 100M")
+    parser.add_argument("--hidden", type=int, help="override the preset's hidden size")
+    parser.add_argument("--layers", type=int, help="override the preset's layer count")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--micro", type=int, default=2)
@@ -203,19 +246,31 @@ def main(argv=None) -> int:
     parser.add_argument("--heartbeat-timeout-s", type=float, default=3.0)
     parser.add_argument("--timeout", type=float, default=300.0, help="hard limit on each multi-process run")
     args = parser.parse_args(argv)
+    args.hidden = args.hidden or SIZES[args.size][0]
+    args.layers = args.layers or SIZES[args.size][1]
+    if args.fail_step + 2 > args.steps:
+        parser.error(f"--fail-step={args.fail_step} leaves fewer than two degraded steps to time before --steps="
+                     f"{args.steps}")
     if not 1 < args.fail_step <= args.steps or args.checkpoint_every < 1:
         parser.error(f"need 1 < --fail-step <= --steps and --checkpoint-every >= 1; got --fail-step={args.fail_step} "
                      f"--steps={args.steps} --checkpoint-every={args.checkpoint_every}")
 
-    print(f"tiny Llama (hidden {args.hidden}, {args.layers} layers), {REPLICAS} replicas x TP {TP}, rank {CRASH_RANK} "
-          f"crashes (SIGKILL) in the backward of step {args.fail_step} of {args.steps}", flush=True)
+    from ntp_ds.models import Llama
+
+    params = sum(p.numel() for p in Llama(_model(args), init=False, device="meta").parameters())
+    print(f"Llama of {params / 1e6:.1f}M parameters (hidden {args.hidden}, {args.layers} layers), {REPLICAS} replicas "
+          f"x TP {TP}, rank {CRASH_RANK} crashes (SIGKILL) in the backward of step {args.fail_step} of {args.steps}",
+          flush=True)
     ntp = measure_ntp(args)
     e = ntp["event"] or {}
     print(f"ntp_ds in-memory recovery: {ntp['seconds']:.2f} s from the crash to step {args.fail_step} completed; "
           f"{ntp['lost_steps']} steps lost; TP degrees {e.get('degrees_before')} -> {e.get('degrees_after')}, "
           f"agreement {e.get('agreement_s', 0):.2f} s, regroup {e.get('regroup_s', 0):.2f} s, reshard "
-          f"{e.get('reshard_s', 0):.2f} s, lossless {e.get('lossless')}; a step takes {ntp['step_s']:.2f} s",
-          flush=True)
+          f"{e.get('reshard_s', 0):.2f} s, lossless {e.get('lossless')}; a step takes {ntp['step_s']:.2f} s "
+          f"({ntp['degraded_step_s']:.2f} s degraded)", flush=True)
+    print(f"bound: detection floor {ntp['detection_floor_s']:.2f} s + a degraded step {ntp['degraded_step_s']:.2f} s "
+          f"+ {ntp['lost_bytes'] / 2**20:.1f} MiB lost at {ntp['bandwidth'] / 2**20:.0f} MiB/s point to point = "
+          f"{ntp['bound_s']:.2f} s", flush=True)
     restart = measure_restart(args)
     print(f"DeepSpeed checkpoint-restart (checkpoint every {args.checkpoint_every} steps): {restart['seconds']:.2f} s "
           f"from the crash to step {args.fail_step} completed ({restart['first_step_s']:.2f} s to the first step "
@@ -226,8 +281,12 @@ def main(argv=None) -> int:
           f"checkpoint writes cost "
           f"{restart['save_s']:.2f} s over the first {args.fail_step - 1} steps", flush=True)
     speedup = restart["seconds"] / ntp["seconds"] if ntp["seconds"] > 0 else float("inf")
+    step = ntp["step_s"]
+    cost = (restart["seconds"] - step) / (ntp["seconds"] - step) if ntp["seconds"] > step else float("inf")
     print(f"recovery_speedup={speedup:.1f} ntp_s={ntp['seconds']:.2f} restart_s={restart['seconds']:.2f} "
-          f"ntp_lost_steps={ntp['lost_steps']} restart_lost_steps={restart['lost_steps']}")
+          f"ntp_lost_steps={ntp['lost_steps']} restart_lost_steps={restart['lost_steps']} "
+          f"bound_s={ntp['bound_s']:.2f} bound_ratio={ntp['seconds'] / ntp['bound_s']:.2f} "
+          f"failure_cost_speedup={cost:.1f}")
     return 0
 
 

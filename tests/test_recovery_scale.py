@@ -55,7 +55,8 @@ def plan_70b() -> dict:
         received += sum(m.block.numel for m in mine if m.src != rank)
     assert incoming == outgoing, "senders and receivers disagree"
     dead_elements = sum(n for _, n in zero_addresses(old, DEAD, specs, shapes).values())
-    return {"seconds": time.monotonic() - start, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"seconds": time.monotonic() - start, "max_rss_mb": rss_mb,
             "unit_moves": len(moves), "state_moves": sum(incoming.values()),
             "state_elements_moved": received, "dead_rank_state_elements": dead_elements}
 

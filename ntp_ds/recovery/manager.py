@@ -319,19 +319,16 @@ def _received_by_kind(traffic: dict[tuple[str, str], int]) -> dict[str, int]:
 
 
 def _lost_shard_bytes(topology: Topology, members, gone, rebuilt, engine) -> int:
-    """Parameter bytes the dead ranks of the rebuilt replicas held that no survivor of their replica holds."""
+    """Parameter bytes the dead ranks of the rebuilt replicas held that no survivor of their replica holds (a unit
+    two dead ranks shared, a GQA KV head, counts once)."""
     total = 0
     width = next(engine.module.parameters()).element_size()
-    for g in gone:
-        replica, tp = topology.locate(members.index(g))
-        if replica not in rebuilt:
-            continue
-        lay = topology.layouts[replica]
-        alive = [t for t in range(lay.tp) if topology.ranks_of(replica)[t] not in {members.index(x) for x in gone}]
+    dead = {members.index(g) for g in gone}
+    for replica in rebuilt:
+        lay, ranks = topology.layouts[replica], topology.ranks_of(replica)
         for name, spec in engine.param_specs.items():
-            units = lay.owned(spec.kind, tp)
-            for t in alive:
-                units = U.subtract(units, lay.owned(spec.kind, t))
+            lost = U.union(*(lay.owned(spec.kind, t) for t in range(lay.tp) if ranks[t] in dead))
+            units = U.subtract(lost, U.union(*(lay.owned(spec.kind, t) for t in range(lay.tp) if ranks[t] not in dead)))
             if units:
                 total += packed_numel(spec, engine.full_shapes[name], units) * width
     return total

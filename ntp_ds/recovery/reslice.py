@@ -140,7 +140,8 @@ def plan_incoming(index: StateIndex, me: int) -> tuple[list[StateMove], list[tup
         wanted.append((i, need[1]))
         for old_tp, units in index.sources(tp, spec.kind):
             mine, theirs = index.new_grid(name, tp, units), index.old_grid(name, old_tp)
-            for start, numel, owners in index.overlapping(index.fragments[(old_tp, name)], *span_in(mine, need, theirs)):
+            found = index.overlapping(index.fragments[(old_tp, name)], *span_in(mine, need, theirs))
+            for start, numel, owners in found:
                 owner, server, step = index.pick(owners, me)
                 moves += [StateMove(server, me, owner, name, b, step)
                           for b in blocks(theirs, (start, numel), mine, need)]
