@@ -76,7 +76,8 @@ class Recovery:
         self.events: list[dict] = []
         self.job: JobSpec = engine.job
         self.on_phase = lambda step, phase: None
-        """Called with phase "recovery" once the new membership is agreed: the fault-injection seam."""
+        """Called with phase "recovery" once the new membership is agreed and "transfer" as the lost units move:
+        the fault-injection seams."""
 
     def close(self) -> None:
         self.heartbeat.stop()
@@ -285,6 +286,7 @@ class Recovery:
                 if keep:
                     buf = gather_units(snapshot.params[name].float(), spec, old_layout, old_tp, keep)
                     scatter_units(new_params[name].data, buf, spec, groups.layout, groups.tp_rank, keep)
+            self.on_phase(snapshot.global_steps + 1, "transfer")  # its peers are blocked in this exchange with it
             moved["bytes"] = self._exchange_units(moves, groups, snapshot, old_layout, old_tp, specs, full_shapes,
                                                   new_params)
         width = next(iter(snapshot.params.values())).element_size()
