@@ -67,17 +67,18 @@ def test_a_forked_worker_starts_as_a_fresh_process(tmp_path):
     listening = socket.socket()  # as the launcher's store
     listening.bind(("127.0.0.1", 0))
     listening.listen()
+    fd = listening.fileno()
     previous = signal.signal(signal.SIGTERM, lambda *_: None)  # as the launcher's stop handler
     env = {"RANK": "2", "WORLD_SIZE": "4", "OMP_NUM_THREADS": "3", "PATH": os.environ.get("PATH", "")}
     try:
-        worker, out = _fork(tmp_path, "return3", env, listening.fileno())
+        worker, out = _fork(tmp_path, "return3", env, fd)
     finally:
         signal.signal(signal.SIGTERM, previous)
         listening.close()
     assert _wait(worker) == 3
     report = json.loads(out.read_text())
     assert report["env"] == env
-    assert report["argv"] == [__name__, str(out), "return3", str(listening.fileno())]
+    assert report["argv"] == [__name__, str(out), "return3", str(fd)]
     assert report["threads"] == 3
     assert report["sigint_default"] and report["sigterm_default"]
     assert report["fd_open"] is False

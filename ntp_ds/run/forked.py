@@ -5,11 +5,11 @@ optimizer check import it) and ntp_ds: about 3 s of CPU each. Four fresh interpr
 import all of it four times over, side by side. `preload` imports it once in the launcher, and `fork_worker`
 starts each worker as a fork of it that runs `ntp_ds.train`'s `main` as `python -u -m ntp_ds.train ARGS` would.
 
-A forked worker is made to look like a fresh process: it closes the descriptors it inherited (as `subprocess`
-does: the launcher's store sockets must not outlive the launcher in its workers), takes the worker environment,
-the default signal handlers and the thread count the environment asks for (the OpenMP runtime read its settings
-when the launcher loaded it), and exits as an interpreter does (non-daemon threads joined, exit handlers run).
-The launcher keeps a `ForkedWorker` per worker, with the parts of `subprocess.Popen` it uses.
+A forked worker is made to look like a fresh process: it closes the descriptors it inherited, its standard streams
+aside (as `subprocess` does: the launcher's store sockets must not outlive the launcher in its workers), takes the
+worker environment, the default signal handlers and the thread count the environment asks for (the OpenMP runtime
+read its settings when the launcher loaded it), and exits as an interpreter does (non-daemon threads joined, exit
+handlers run). The launcher keeps a `ForkedWorker` per worker, with the parts of `subprocess.Popen` it uses.
 """
 
 from __future__ import annotations
@@ -91,7 +91,9 @@ def _module_command(command: list[str]) -> tuple[str, list[str]]:
 
 def _become_worker(env: dict) -> None:
     """Shed what the worker inherited from the launcher but would not have as a fresh process."""
-    os.closerange(3, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536)
+    keep = sorted({0, 1, 2} | {fd for fd in map(_fileno, (sys.stdin, sys.stdout, sys.stderr)) if fd is not None})
+    for low, high in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
+        os.closerange(low + 1, high)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ.clear()
@@ -103,6 +105,14 @@ def _become_worker(env: dict) -> None:
         torch.set_num_threads(int(threads))
     for stream in (sys.stdout, sys.stderr):  # as `python -u`
         stream.reconfigure(line_buffering=True, write_through=True)
+
+
+def _fileno(stream) -> int | None:
+    """The descriptor under a standard stream (which a test harness may have moved off 0, 1 and 2)."""
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def _run(module: str, args: list[str]) -> int:
