@@ -181,14 +181,24 @@ def plot_timeline(metrics: list[dict], events: list[dict], path: Path, title: st
     return path
 
 
-def loss_difference(metrics: list[dict], other: list[dict]) -> tuple[float, int | None, int]:
-    """Compare the losses of two runs at the steps both recorded (their latest record of each step).
+def loss_key(*runs: list[dict]) -> str:
+    """The loss to compare runs on: `global_loss` (over the whole global batch) when every run recorded it, else
+    `loss` (over the writer's replica's share of the batch, which a recovery changes)."""
+    has = [any(isinstance(m.get("global_loss"), (int, float)) for m in metrics) for metrics in runs]
+    return "global_loss" if all(has) else "loss"
+
+
+def _losses(metrics: list[dict], key: str) -> dict[int, float]:
+    return {m["step"]: m[key] for m in latest_per_step(metrics) if isinstance(m.get(key), (int, float))}
+
+
+def loss_difference(metrics: list[dict], other: list[dict], key: str = "loss") -> tuple[float, int | None, int]:
+    """Compare the `key` losses of two runs at the steps both recorded (their latest record of each step).
 
     Return (largest absolute difference, the step where it is, number of common steps); (nan, None, 0) when the runs
     share no step with a loss.
     """
-    a = {m["step"]: m["loss"] for m in latest_per_step(metrics) if isinstance(m.get("loss"), (int, float))}
-    b = {m["step"]: m["loss"] for m in latest_per_step(other) if isinstance(m.get("loss"), (int, float))}
+    a, b = _losses(metrics, key), _losses(other, key)
     common = sorted(set(a) & set(b))
     if not common:
         return math.nan, None, 0
@@ -196,9 +206,10 @@ def loss_difference(metrics: list[dict], other: list[dict]) -> tuple[float, int 
     return abs(a[step] - b[step]), step, len(common)
 
 
-def plot_loss_overlay(runs: list[tuple[str, list[dict], list[dict]]], path: Path, title: str = "") -> Path:
-    """Draw the loss curves of `runs` ((label, metrics, events) each) on one axis, marking their failures and
-    recoveries, to `path`."""
+def plot_loss_overlay(runs: list[tuple[str, list[dict], list[dict]]], path: Path, title: str = "",
+                      key: str = "loss") -> Path:
+    """Draw the `key` loss curves of `runs` ((label, metrics, events) each) on one axis, marking their failures
+    and recoveries, to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -209,8 +220,8 @@ def plot_loss_overlay(runs: list[tuple[str, list[dict], list[dict]]], path: Path
                                                                      linestyle="--", marker=".", markersize=4)]
     labelled = set()
     for (label, metrics, events), style in zip(runs, styles):
-        metrics = [m for m in latest_per_step(metrics) if isinstance(m.get("loss"), (int, float))]
-        ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], label=label, **style)
+        losses = _losses(metrics, key)
+        ax.plot(list(losses), list(losses.values()), label=label, **style)
         for e in events:
             if e.get("event") not in ("failure", "recovery"):
                 continue
@@ -220,7 +231,7 @@ def plot_loss_overlay(runs: list[tuple[str, list[dict], list[dict]]], path: Path
                        linestyle=line, alpha=0.8, label=name if name not in labelled else None)
             labelled.add(name)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.set_ylabel("loss over the global batch" if key == "global_loss" else "loss (writer's replica)")
     ax.legend(loc="upper right", fontsize="small")
     ax.set_title(title or "loss")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -278,19 +289,20 @@ def main(argv: list[str] | None = None) -> int:
     if against is not None:
         other = Path(args.against)
         overlay = out.parent / LOSS_OVERLAY
+        key = loss_key(metrics, against[0])
         try:
             plot_loss_overlay([(run_dir.name, metrics, events), (other.name, *against)], overlay,
-                              title=f"loss: {run_dir.name} against {other.name}")
+                              title=f"{key}: {run_dir.name} against {other.name}", key=key)
         except OSError as e:
             print(f"{PROG}: error: {overlay}: {e.strerror or e}", file=sys.stderr)
             return 2
         print(f"loss overlay: {overlay}")
-        largest, step, common = loss_difference(metrics, against[0])
+        largest, step, common = loss_difference(metrics, against[0], key)
         if common:
-            print(f"largest |loss difference| against {other}: {largest:.3g} at step {step} "
+            print(f"largest |{key} difference| against {other}: {largest:.3g} at step {step} "
                   f"({common} common steps)")
         else:
-            print(f"largest |loss difference| against {other}: none (the runs share no step)")
+            print(f"largest |{key} difference| against {other}: none (the runs share no step)")
     return 0
 
 
