@@ -6,7 +6,7 @@ import re
 
 from ntp_ds.cli import main as cli
 from ntp_ds.goodput import GoodputMeter, StepTiming
-from ntp_ds.report import LOSS_OVERLAY, TIMELINE, loss_difference, summary_table
+from ntp_ds.report import LOSS_OVERLAY, TIMELINE, loss_difference, loss_key, summary_table
 from ntp_ds.run.records import RunRecorder, read_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -125,3 +125,13 @@ def test_report_against_a_directory_without_a_run(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("ntp-ds report: error: --against=")
     assert not (tmp_path / "run" / LOSS_OVERLAY).exists()
+
+
+def test_runs_are_compared_on_the_global_batch_loss_when_both_recorded_it(tmp_path):
+    fake_run(tmp_path / "a")
+    a = read_run(tmp_path / "a")[0]
+    with_global = [{**m, "global_loss": m["loss"] + 0.5} for m in a]
+    assert loss_key(a, with_global) == "loss"
+    assert loss_key(with_global, [{**m, "global_loss": m["loss"]} for m in a]) == "global_loss"
+    largest, _, common = loss_difference(with_global, [{**m, "global_loss": m["loss"]} for m in a], "global_loss")
+    assert (round(largest, 12), common) == (0.5, 6)
