@@ -6,8 +6,9 @@ lines of the records are skipped with a warning that says which; a resumed run i
 
 `--against OTHER_RUN` also overlays the loss curves of the two runs (typically a faulted run and the failure-free
 run of the same config), marks each recovery, and prints the largest absolute loss difference at the steps both
-ran: under `batch_policy: preserve_global_batch` a recovery changes nothing of the training, and the curves
-coincide up to floating-point reduction order.
+ran. The loss compared is `global_loss`, over the whole global batch: under `batch_policy: preserve_global_batch` a
+recovery changes nothing of the training, and the curves coincide up to floating-point reduction order. (`loss`,
+the writer's replica's share of the batch, is used only for runs that did not record `global_loss`.)
 """
 
 from __future__ import annotations
