@@ -182,12 +182,12 @@ class Trainer:
             compute_s, comm_s = compute_s + t2 - t, comm_s + end - t2
             n = batch["input_ids"].shape[0]
             loss_sum, samples = loss_sum + float(loss.detach()) * n, samples + n
+        self.global_loss = self._global_loss(loss_sum, samples)
         end = clock()
         timing = StepTiming(step=step, wall_s=max(end - self._last_end, compute_s + comm_s), compute_s=compute_s,
                             comm_wait_s=comm_s, tokens=plan.global_samples * self.cfg.data.seq_len,
                             degrees=self.degrees)
         self._last_end = end
-        self.global_loss = self._global_loss(loss_sum, samples)
         return timing, loss_sum / max(samples, 1)
 
     def _global_loss(self, loss_sum: float, samples: int) -> float | None:
