@@ -21,7 +21,7 @@ import torch
 from ntp_ds.launch import LaunchSpec
 from ntp_ds.run.forked import can_fork, fork_worker
 
-pytestmark = pytest.mark.skipif(not can_fork(), reason="workers are forked on Linux only")
+pytestmark = pytest.mark.skipif(not can_fork(), reason="workers are forked on Linux machines without CUDA only")
 
 
 def main(args: list[str]) -> int:

@@ -30,8 +30,13 @@ PRELOAD = ("torch", "torch._dynamo", "deepspeed", "deepspeed.runtime.zero.utils"
 
 
 def can_fork() -> bool:
-    """Whether workers may be forked: Linux only (forking a process that loaded torch is unsafe on macOS)."""
-    return sys.platform.startswith("linux") and hasattr(os, "fork")
+    """Whether workers may be forked: on Linux (forking a process that loaded torch is unsafe on macOS) and without
+    CUDA devices (once this process has asked the CUDA driver for its devices, a forked child cannot use CUDA)."""
+    if not (sys.platform.startswith("linux") and hasattr(os, "fork")):
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def preload(modules: tuple[str, ...] = PRELOAD) -> None:
