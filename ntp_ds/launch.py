@@ -73,6 +73,9 @@ class LaunchSpec:
     store: str | None = None
     run_dir: str | None = None
     grace_s: float = 60.0
+    fork: bool = False
+    """Fork the workers from this process, which imported what they need (`ntp_ds.run.forked`); `command` must
+    then be `python -u -m MODULE ARGS`."""
 
     def __post_init__(self):
         for name in ("nproc_per_node", "nnodes"):
@@ -185,8 +188,7 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1) -> int:
     stop = _StopRequests()
     previous = {s: signal.signal(s, stop.receive) for s in SIGNALS}
     try:
-        procs = {first + i: subprocess.Popen(spec.command, env=worker_env(spec, i, address, master))
-                 for i in range(spec.nproc_per_node)}
+        procs = {first + i: _start(spec, worker_env(spec, i, address, master)) for i in range(spec.nproc_per_node)}
         codes: dict[int, int] = {}
         while len(codes) < len(procs):
             left = {r: p for r, p in procs.items() if r not in codes}
@@ -229,6 +231,15 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1) -> int:
         return 0
     code = failed[min(failed)]
     return 128 - code if code < 0 else code
+
+
+def _start(spec: LaunchSpec, env: dict):
+    """Start one worker: a fresh interpreter, or a fork of this process (`spec.fork`)."""
+    if spec.fork:
+        from ntp_ds.run.forked import fork_worker
+
+        return fork_worker(spec.command, env)
+    return subprocess.Popen(spec.command, env=env)
 
 
 def _fence(store, running: dict) -> None:

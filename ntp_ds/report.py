@@ -3,11 +3,18 @@
 The timeline has three panels over the training step: throughput against the failure-free rate, the TP degree of
 every replica, and goodput with the active GPU fraction; failures, recoveries and resumptions are marked. Damaged
 lines of the records are skipped with a warning that says which; a resumed run is shown segment by segment.
+
+`--against OTHER_RUN` also overlays the loss curves of the two runs (typically a faulted run and the failure-free
+run of the same config), marks each recovery, and prints the largest absolute loss difference at the steps both
+ran. The loss compared is `global_loss`, over the whole global batch: under `batch_policy: preserve_global_batch` a
+recovery changes nothing of the training, and the curves coincide up to floating-point reduction order. (`loss`,
+the writer's replica's share of the batch, is used only for runs that did not record `global_loss`.)
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -16,6 +23,8 @@ from ntp_ds.run.records import read_run
 
 PROG = "ntp-ds report"
 TIMELINE = "goodput_timeline.png"
+LOSS_OVERLAY = "loss_overlay.png"
+"""Written next to the timeline by `--against`."""
 # Step s covers the x interval (s - 1, s]: a failure and its recovery happen inside the step they interrupt.
 MARKERS = {"failure": ("tab:red", "-", "failure", 0.6), "recovery": ("tab:green", "--", "recovery", 0.3),
            "run_resumed": ("tab:gray", ":", "resumed", 0.0)}
@@ -173,15 +182,94 @@ def plot_timeline(metrics: list[dict], events: list[dict], path: Path, title: st
     return path
 
 
+def loss_key(*runs: list[dict]) -> str:
+    """The loss to compare runs on: `global_loss` (over the whole global batch) when every run recorded it, else
+    `loss` (over the writer's replica's share of the batch, which a recovery changes)."""
+    has = [any(isinstance(m.get("global_loss"), (int, float)) for m in metrics) for metrics in runs]
+    return "global_loss" if all(has) else "loss"
+
+
+def _losses(metrics: list[dict], key: str) -> dict[int, float]:
+    return {m["step"]: m[key] for m in latest_per_step(metrics) if isinstance(m.get(key), (int, float))}
+
+
+def loss_difference(metrics: list[dict], other: list[dict], key: str = "loss") -> tuple[float, int | None, int]:
+    """Compare the `key` losses of two runs at the steps both recorded (their latest record of each step).
+
+    Return (largest absolute difference, the step where it is, number of common steps); (nan, None, 0) when the runs
+    share no step with a loss.
+    """
+    a, b = _losses(metrics, key), _losses(other, key)
+    common = sorted(set(a) & set(b))
+    if not common:
+        return math.nan, None, 0
+    step = max(common, key=lambda s: abs(a[s] - b[s]))
+    return abs(a[step] - b[step]), step, len(common)
+
+
+def plot_loss_overlay(runs: list[tuple[str, list[dict], list[dict]]], path: Path, title: str = "",
+                      key: str = "loss") -> Path:
+    """Draw the `key` loss curves of `runs` ((label, metrics, events) each) on one axis, marking their failures
+    and recoveries, to `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5), constrained_layout=True)
+    styles = [dict(color="tab:blue", linewidth=2.2, alpha=0.8), dict(color="tab:orange", linewidth=1.2,
+                                                                     linestyle="--", marker=".", markersize=4)]
+    labelled = set()
+    for (label, metrics, events), style in zip(runs, styles):
+        losses = _losses(metrics, key)
+        ax.plot(list(losses), list(losses.values()), label=label, **style)
+        for e in events:
+            if e.get("event") not in ("failure", "recovery"):
+                continue
+            color, line, name, before = MARKERS[e["event"]]
+            name = f"{name} ({label})"
+            ax.axvline(e.get("step", 0) - before, color=color if style is styles[0] else "tab:olive",
+                       linestyle=line, alpha=0.8, label=name if name not in labelled else None)
+            labelled.add(name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss over the global batch" if key == "global_loss" else "loss (writer's replica)")
+    ax.legend(loc="upper right", fontsize="small")
+    ax.set_title(title or "loss")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _read_against(run_dir: Path) -> tuple[list[dict], list[dict]] | str:
+    """The metrics and events of the `--against` run, or the one-line error that says why there are none."""
+    if not run_dir.is_dir():
+        return f"--against={str(run_dir)!r} is not a directory"
+    warnings: list[str] = []
+    metrics, events, _ = read_run(run_dir, warnings)
+    for warning in warnings:
+        print(f"{PROG}: warning: --against: {warning}", file=sys.stderr)
+    if not metrics:
+        return f"--against={str(run_dir)!r} holds no step in metrics.jsonl"
+    return metrics, events
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=PROG, description="Draw a run's goodput timeline and print its summary.",
                                      epilog="Example: ntp-ds report outputs/2026-01-01/12-00-00")
     parser.add_argument("run_dir", help="run directory of `ntp-ds train` (holds metrics.jsonl)")
     parser.add_argument("--out", help=f"PNG path (default: RUN_DIR/{TIMELINE})")
+    parser.add_argument("--against", metavar="OTHER_RUN",
+                        help=f"another run directory (e.g. the failure-free run): overlay both loss curves in "
+                             f"{LOSS_OVERLAY} next to the timeline and print their largest loss difference")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         print(f"{PROG}: error: RUN_DIR={str(run_dir)!r} is not a directory", file=sys.stderr)
+        return 2
+    against = _read_against(Path(args.against)) if args.against else None
+    if isinstance(against, str):
+        print(f"{PROG}: error: {against}", file=sys.stderr)
         return 2
     warnings: list[str] = []
     metrics, events, summary = read_run(run_dir, warnings)
@@ -199,6 +287,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(summary_table(metrics, events, summary, run_dir))
     print(f"timeline: {out}")
+    if against is not None:
+        other = Path(args.against)
+        overlay = out.parent / LOSS_OVERLAY
+        key = loss_key(metrics, against[0])
+        try:
+            plot_loss_overlay([(run_dir.name, metrics, events), (other.name, *against)], overlay,
+                              title=f"{key}: {run_dir.name} against {other.name}", key=key)
+        except OSError as e:
+            print(f"{PROG}: error: {overlay}: {e.strerror or e}", file=sys.stderr)
+            return 2
+        print(f"loss overlay: {overlay}")
+        largest, step, common = loss_difference(metrics, against[0], key)
+        if common:
+            print(f"largest |{key} difference| against {other}: {largest:.3g} at step {step} "
+                  f"({common} common steps)")
+        else:
+            print(f"largest |{key} difference| against {other}: none (the runs share no step)")
     return 0
 
 

@@ -238,6 +238,7 @@ def run_worker(cfg, started: float, stop) -> int:
 def launch_local(cfg, argv: list[str]) -> int:
     """Start this node's workers of `python -m ntp_ds.train ARGV` and wait for them."""
     from ntp_ds.launch import LaunchSpec, launch
+    from ntp_ds.run.forked import can_fork, preload
     from ntp_ds.run.records import SUMMARY, read_summary
 
     run_dir = Path(cfg.run_dir).resolve()
@@ -245,8 +246,11 @@ def launch_local(cfg, argv: list[str]) -> int:
     nproc = lc.nproc_per_node or cfg.world_size // lc.nnodes
     print(f"{PROG}: {cfg.world_size} workers ({nproc} on this node), run directory {run_dir}", file=sys.stderr,
           flush=True)
+    fork = lc.fork and can_fork()
+    if fork:
+        preload()
     spec = LaunchSpec([sys.executable, "-u", "-m", "ntp_ds.train", *argv], nproc, lc.nnodes, lc.node_rank,
-                      lc.store, str(run_dir), lc.grace_s)
+                      lc.store, str(run_dir), lc.grace_s, fork=fork)
     code = launch(spec)
     summary = read_summary(run_dir / SUMMARY)
     if summary.get("status") == "stopped":

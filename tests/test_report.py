@@ -1,10 +1,12 @@
-"""`ntp-ds report RUN_DIR` draws the goodput timeline PNG and prints the summary table."""
+"""`ntp-ds report RUN_DIR` draws the goodput timeline PNG and prints the summary table; `--against OTHER_RUN`
+overlays the two runs' loss curves and prints their largest loss difference."""
 
+import math
 import re
 
 from ntp_ds.cli import main as cli
 from ntp_ds.goodput import GoodputMeter, StepTiming
-from ntp_ds.report import TIMELINE, summary_table
+from ntp_ds.report import LOSS_OVERLAY, TIMELINE, loss_difference, loss_key, summary_table
 from ntp_ds.run.records import RunRecorder, read_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -77,3 +79,59 @@ def test_report_reads_damaged_records_and_says_what_it_skipped(tmp_path, capsys)
     assert warnings[0].startswith("ntp-ds report: warning: metrics.jsonl: skipped 2 damaged lines (lines 7, 8 of 8)")
     assert warnings[1].startswith("ntp-ds report: warning: summary.json is damaged (")
     assert "unfinished" in captured.out and re.search(r"^steps +6$", captured.out, re.MULTILINE)
+
+
+def reference_run(run_dir, losses: dict):
+    """A failure-free run that recorded `losses` ({step: loss})."""
+    recorder = RunRecorder(run_dir)
+    meter = GoodputMeter(allocated_gpus=4, healthy_tp=2)
+    recorder.event("run_start", 0, degrees=[2, 2])
+    for step, loss in sorted(losses.items()):
+        recorder.step({**meter.record_step(StepTiming(step, 1.0, 0.8, 0.1, 1024, (2, 2))), "loss": loss})
+    recorder.finish({**meter.summary(), "final_loss": losses[max(losses)], "model": "tiny"})
+
+
+def test_report_against_a_failure_free_run_overlays_the_losses(tmp_path, capsys):
+    fake_run(tmp_path / "faulted")  # loss 6.0 - step / 10 at steps 1-6, a recovery at step 4
+    losses = {step: 6.0 - step / 10 for step in range(1, 6)}
+    losses[5] += 0.25
+    reference_run(tmp_path / "reference", losses)
+    out = tmp_path / "plots" / "timeline.png"
+    assert cli(["report", str(tmp_path / "faulted"), "--out", str(out), "--against", str(tmp_path / "reference")]) == 0
+    overlay = out.parent / LOSS_OVERLAY
+    assert overlay.read_bytes()[:8] == PNG_MAGIC and overlay.stat().st_size > 10_000
+    printed = capsys.readouterr().out
+    assert f"loss overlay: {overlay}" in printed
+    assert f"largest |loss difference| against {tmp_path / 'reference'}: 0.25 at step 5 (5 common steps)" in printed
+
+
+def test_loss_difference_at_common_steps(tmp_path):
+    fake_run(tmp_path / "a")
+    fake_run(tmp_path / "b")
+    a, b = read_run(tmp_path / "a")[0], read_run(tmp_path / "b")[0]
+    assert loss_difference(a, b) == (0.0, 1, 6)
+    later = [{**m, "loss": m["loss"] + 1.0} for m in b if m["step"] > 2]
+    largest, step, common = loss_difference(a, later)
+    assert (round(largest, 12), common) == (1.0, 4) and step in (3, 4, 5, 6)
+    largest, step, common = loss_difference(a, [{**m, "step": m["step"] + 10} for m in b])
+    assert math.isnan(largest) and (step, common) == (None, 0)
+
+
+def test_report_against_a_directory_without_a_run(tmp_path, capsys):
+    fake_run(tmp_path / "run")
+    (tmp_path / "empty").mkdir()
+    for other in ("empty", "missing"):
+        assert cli(["report", str(tmp_path / "run"), "--against", str(tmp_path / other)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("ntp-ds report: error: --against=")
+    assert not (tmp_path / "run" / LOSS_OVERLAY).exists()
+
+
+def test_runs_are_compared_on_the_global_batch_loss_when_both_recorded_it(tmp_path):
+    fake_run(tmp_path / "a")
+    a = read_run(tmp_path / "a")[0]
+    with_global = [{**m, "global_loss": m["loss"] + 0.5} for m in a]
+    assert loss_key(a, with_global) == "loss"
+    assert loss_key(with_global, [{**m, "global_loss": m["loss"]} for m in a]) == "global_loss"
+    largest, _, common = loss_difference(with_global, [{**m, "global_loss": m["loss"]} for m in a], "global_loss")
+    assert (round(largest, 12), common) == (0.5, 6)

@@ -18,13 +18,15 @@ from tests.test_wandb_offline import GOODPUT_KEYS, read_history
 STEPS = 4
 
 
+JOB = ("recipe=cpu_demo", "parallel.tp=2", "parallel.replicas=2", "parallel.timeout_s=20", f"train.steps={STEPS}",
+       "train.global_batch=8", "train.micro_batch=2", "data.seq_len=16", "logging.progress=false")
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run") / "r"
-    result = ntp_ds("train", "recipe=cpu_demo", "parallel.tp=2", "parallel.replicas=2", "parallel.timeout_s=20", f"train.steps={STEPS}",
-                    "train.global_batch=8", "train.micro_batch=2", "data.seq_len=16", "logging.progress=false",
-                    "fault.faults=[{rank:3,step:2,phase:backward,kind:crash}]", f"hydra.run.dir={run_dir}",
-                    timeout=240)
+    result = ntp_ds("train", *JOB, "fault.faults=[{rank:3,step:2,phase:backward,kind:crash}]",
+                    f"hydra.run.dir={run_dir}", timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return run_dir, result
 
@@ -109,6 +111,29 @@ def test_report_of_the_run(trained, capsys):
     assert (run_dir / TIMELINE).read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out
     assert "[2, 2] -> [2, 1]" in out and "lossless" in out
+
+
+def test_report_against_the_failure_free_run_shows_equal_losses(trained, tmp_path, capsys):
+    """Under preserve_global_batch the loss over the global batch is the failure-free run's at every step, though the
+    writer's replica ran a larger share of the batch after the recovery."""
+    from ntp_ds.report import LOSS_OVERLAY
+    from ntp_ds.report import main as report
+
+    run_dir, _ = trained
+    clean = tmp_path / "clean"
+    result = ntp_ds("train", *JOB, "fault=none", "logging.wandb.mode=disabled", "train.save_final=false",
+                    "train.save_checkpoint=false", f"hydra.run.dir={clean}", timeout=240)
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert report([str(run_dir), "--out", str(tmp_path / "timeline.png"), "--against", str(clean)]) == 0
+    assert (tmp_path / LOSS_OVERLAY).read_bytes()[:4] == b"\x89PNG"
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("largest |global_loss difference|"))
+    assert line.endswith(f"({STEPS} common steps)"), line
+    assert float(line.split(": ")[1].split()[0]) <= 1e-5, line
+    faulted = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    reference = [json.loads(x) for x in (clean / "metrics.jsonl").read_text().splitlines()]
+    assert faulted[0]["loss"] == reference[0]["loss"]
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(faulted, reference)) > 1e-4  # the replica's own share
 
 
 # -- the Trainer's recovery seam, with fakes (no process group) ---------------------------------------------------

@@ -193,6 +193,9 @@ class LauncherConfig:
     """HOST:PORT of the store node 0 hosts; null on a single node: a free local port."""
     grace_s: float = 60.0
     """Seconds workers get to stop cleanly (finish the step, write weights and summary) after SIGINT or SIGTERM."""
+    fork: bool = True
+    """Fork the workers from `ntp-ds train`, which imports torch, DeepSpeed and ntp_ds once for all of them (on Linux
+    machines without CUDA devices; elsewhere, and with false, each worker is a fresh interpreter that imports them)."""
 
 
 @dataclass

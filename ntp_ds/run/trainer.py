@@ -103,6 +103,8 @@ class Trainer:
         self.resumed_from = self.step
         self.recoveries = 0
         self.first_loss = self.last_loss = math.nan
+        self.global_loss: float | None = None
+        """Mean loss of the last step over the whole global batch (None without a control group to sum it over)."""
         self._last_end = clock()
         self._unfinished: dict | None = None
         """The latest recovery's event, recorded once the step it interrupted has completed."""
@@ -144,6 +146,8 @@ class Trainer:
             self.step, self.last_loss = step, loss
             self.first_loss = loss if math.isnan(self.first_loss) else self.first_loss
             metrics = {**self.meter.record_step(timing), "loss": loss}
+            if self.global_loss is not None:
+                metrics["global_loss"] = self.global_loss
             self.recorder.step(metrics)
             self._record_recovery(step)
             if self.stop is not None and self.stop.should_stop(step, publish=self.writer) \
@@ -178,12 +182,26 @@ class Trainer:
             compute_s, comm_s = compute_s + t2 - t, comm_s + end - t2
             n = batch["input_ids"].shape[0]
             loss_sum, samples = loss_sum + float(loss.detach()) * n, samples + n
+        self.global_loss = self._global_loss(loss_sum, samples)
         end = clock()
         timing = StepTiming(step=step, wall_s=max(end - self._last_end, compute_s + comm_s), compute_s=compute_s,
                             comm_wait_s=comm_s, tokens=plan.global_samples * self.cfg.data.seq_len,
                             degrees=self.degrees)
         self._last_end = end
         return timing, loss_sum / max(samples, 1)
+
+    def _global_loss(self, loss_sum: float, samples: int) -> float | None:
+        """Mean loss over every sample of the global batch, whichever replica ran it.
+
+        `loss` is the mean over this replica's share, which a recovery changes under `preserve_global_batch`; this
+        one is the failure-free run's up to reduction order. Every TP rank of a replica holds the replica's sums, so
+        each adds 1/degree of them over the generation's control group.
+        """
+        if not (dist.is_initialized() and wire.has_control()):
+            return None
+        degree = len(self.engine.ntp_groups.tp_ranks)
+        total, count = wire.sum_counts([loss_sum / degree, samples / degree])
+        return total / count if count > 0 else None
 
     # -- failures ----------------------------------------------------------------------------------------------
     def _recover(self, step: int, error: BaseException) -> int:
