@@ -10,6 +10,11 @@ Protocol (keys in the launcher's store; ranks are launch ranks, stable across ge
    survivors, so nobody waits on a dead rank.
 A report or decision of an older generation is ignored; every wait is bounded and raises a TimeoutError subclass
 naming what it waited for.
+
+Waiting ranks watch, they do not re-read: every report and every commit bumps one counter,
+`membership/{g}/events`, and a waiter reads the reports and the decision only when that counter has moved. Polls of
+the counter and of barriers back off from `poll_s` to `max_poll_s` while nothing changes, so thousands of waiting
+ranks cost the store one small request each per pause.
 """
 
 from __future__ import annotations
@@ -114,38 +119,53 @@ def decide(generation: int, members: Sequence[int], reports: Sequence[FailureRep
                             tuple(sorted(first.items())))
 
 
+MAX_POLL_S = 0.16
+"""Longest pause between two polls of a waiting rank once it has backed off."""
+
+
 def barrier(store, name: str, rank: int, ranks: Sequence[int], timeout_s: float, *, poll_s: float = 0.02,
-            clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
-    """Wait until every rank in `ranks` has called this barrier `name`; raise BarrierTimeout after `timeout_s`."""
+            max_poll_s: float = MAX_POLL_S, clock: Callable[[], float] = time.monotonic,
+            sleep: Callable[[float], None] = time.sleep) -> None:
+    """Wait until every rank in `ranks` has called this barrier `name`; raise BarrierTimeout after `timeout_s`.
+
+    Polls the arrival counter, pausing `poll_s` at first and twice as long after each poll up to `max_poll_s`.
+    """
     if rank not in ranks:
         raise ValueError(f"rank {rank} is not among the barrier's ranks {sorted(ranks)}")
     deadline = clock() + timeout_s
     if store.add(f"{name}/{rank}", 1) == 1:  # count each rank once, even if it calls again
         store.add(f"{name}/count", 1)
+    pause = poll_s
     while store.add(f"{name}/count", 0) < len(ranks):
-        if clock() >= deadline:
+        now = clock()
+        if now >= deadline:
             missing = frozenset(r for r in ranks if not store.check([f"{name}/{r}"]))
             raise BarrierTimeout(name, missing, timeout_s)
-        sleep(poll_s)
+        sleep(min(pause, deadline - now))
+        pause = min(2 * pause, max(poll_s, max_poll_s))
 
 
 class Membership:
     """One rank's view of the job's members, kept in agreement with every other survivor through the store."""
 
     def __init__(self, store, rank: int, members: Iterable[int], generation: int = 0, *, settle_s: float = 0.2,
-                 poll_s: float = 0.02, clock: Callable[[], float] = time.monotonic,
+                 poll_s: float = 0.02, max_poll_s: float = MAX_POLL_S, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep):
         self.store, self.rank = store, rank
         self.members = tuple(sorted(set(members)))
         if rank not in self.members:
             raise ValueError(f"rank {rank} is not among members {list(self.members)}")
         self.generation = generation
-        self.settle_s, self.poll_s = settle_s, poll_s
+        self.settle_s, self.poll_s, self.max_poll_s = settle_s, poll_s, max(poll_s, max_poll_s)
         self._clock, self._sleep = clock, sleep
 
     @staticmethod
     def _reports_key(generation: int) -> str:
         return f"membership/{generation}/reports"
+
+    @staticmethod
+    def _events_key(generation: int) -> str:
+        return f"membership/{generation}/events"
 
     @staticmethod
     def _decision_key(generation: int) -> str:
@@ -172,6 +192,7 @@ class Membership:
         seen = {r: float(t) for r, t in (last_seen or {}).items() if r in ranks and t is not None}
         report = FailureReport(self.rank, ranks, float(detected_at), reason, seen)
         self.store.append(self._reports_key(generation), report.encode() + "\n")
+        self.store.add(self._events_key(generation), 1)
         return True
 
     def pending(self) -> bool:
@@ -198,23 +219,33 @@ class Membership:
         """
         self._check_generation(generation)
         deadline, first_seen = self._clock() + timeout_s, None
+        seen, reports, pause = 0, [], self.poll_s
         while True:
-            change = self.decision(generation)
-            if change is not None:
-                return change
-            reports = self.reports(generation)
+            events = self.store.add(self._events_key(generation), 0)  # one request while nothing happens
+            if events != seen:
+                seen, pause = events, self.poll_s
+                change = self.decision(generation)
+                if change is not None:
+                    return change
+                reports = self.reports(generation)
             now = self._clock()
             if reports:
                 first_seen = now if first_seen is None else first_seen
                 if now - first_seen >= self.settle_s or now >= deadline:
                     return self._commit(generation, reports)
+                wake = min(deadline, first_seen + self.settle_s)
             elif now >= deadline:
                 raise MembershipTimeout(f"no failure was reported in generation {generation} within {timeout_s}s")
-            self._sleep(max(0.0, min(self.poll_s, deadline - now)))
+            else:
+                wake = deadline
+            self._sleep(max(0.0, min(pause, wake - now)))
+            pause = min(2 * pause, self.max_poll_s)
 
     def _commit(self, generation: int, reports: Sequence[FailureReport]) -> MembershipChange:
         proposal = decide(generation, self.members, reports).encode()
-        return MembershipChange.decode(self.store.compare_set(self._decision_key(generation), "", proposal))
+        committed = self.store.compare_set(self._decision_key(generation), "", proposal)
+        self.store.add(self._events_key(generation), 1)  # wake the waiters: the decision is there to read
+        return MembershipChange.decode(committed)
 
     def confirm(self, change: MembershipChange, timeout_s: float) -> bool:
         """Adopt `change`, then wait (bounded) until every survivor has; return False for a stale change.
