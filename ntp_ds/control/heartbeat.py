@@ -294,6 +294,11 @@ class LivenessMonitor:
                 del table[rank]
 
 
+def next_pause(pause: float, news: bool, fastest: float, slowest: float) -> float:
+    """Back off between two polls: back to `fastest` on news, else twice the last pause, at most `slowest`."""
+    return fastest if news else min(2 * pause, slowest)
+
+
 def poll_liveness(store, monitor: LivenessMonitor, reader: LivenessReader | None = None) -> frozenset[int]:
     """Read beats and exits from the store (through `reader`, else per rank) into `monitor`; return the ranks it now
     counts as dead."""
@@ -366,7 +371,7 @@ class Heartbeat:
                     self.beat()
                     last_beat = time.monotonic()
                 if self.monitor is not None:
-                    tick = fastest if self._watch() else min(2 * tick, self.interval_s)
+                    tick = next_pause(tick, self.poll_peers(), fastest, self.interval_s)
                 self.error = None
             except Exception as err:  # a store hiccup must not end the beats; the error is kept for the caller
                 tick = fastest
@@ -374,7 +379,7 @@ class Heartbeat:
                     log.warning("heartbeat of rank %d failed: %s", self.rank, err)
                 self.error = err
 
-    def _watch(self) -> bool:
+    def poll_peers(self) -> bool:
         """Poll the peers once; report the newly dead; return whether anything was news (keep polling fast)."""
         with self._lock:
             view = self.reader.read(self.monitor.ranks, fences=bool(self._members))
