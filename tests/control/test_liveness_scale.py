@@ -15,7 +15,6 @@ from ntp_ds.control.heartbeat import (
     LivenessReader,
     NodeLiveness,
     NodePublisher,
-    heartbeat_key,
     mark_exited,
     next_pause,
     node_key,
