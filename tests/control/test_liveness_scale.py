@@ -3,6 +3,8 @@ and a load test of 4,096 simulated workers on 512 simulated nodes against one st
 
 from __future__ import annotations
 
+import ast
+
 import pytest
 import torch.distributed as dist
 
@@ -195,3 +197,60 @@ def test_4096_workers_on_512_nodes_see_no_false_death_at_a_3s_timeout():
     assert result.hung_found_by == result.hung_watchers == 10
     assert max(result.detection_s) <= spec.heartbeat_timeout_s + 1.0 + result.worst_beat_lag_s
     assert min(result.detection_s) >= spec.heartbeat_timeout_s
+
+
+LAUNCHED = """
+import os, signal, sys, threading, time
+from pathlib import Path
+from ntp_ds.control.heartbeat import Heartbeat, LivenessMonitor, LivenessReader
+from ntp_ds.control.store import connect_from_env
+from ntp_ds.testing.liveness_load import CountingStore
+
+rank, out = int(os.environ["RANK"]), Path(sys.argv[1])
+store = CountingStore(connect_from_env(20))
+dead, found = {}, threading.Event()
+
+def on_dead(ranks, wall):
+    for r in ranks:
+        dead[r] = time.monotonic()
+    if len(dead) == 2:
+        found.set()
+
+hb = Heartbeat(store, rank, 0.1, monitor=LivenessMonitor((), 1.5), on_dead=on_dead,
+               reader=LivenessReader.from_env(store))
+hb.start()
+hb.watch([r for r in range(3) if r != rank])
+time.sleep(1.0)
+if rank == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)
+if rank == 2:
+    sys.exit(3)
+t0 = time.monotonic()
+found.wait(15)
+hb.stop()
+after = {r: round(t - t0, 2) for r, t in sorted(dead.items())}
+reasons = [hb.monitor.reason(r).split(":")[0].split(" (")[0] for r in sorted(dead)]
+out.write_text(f"{hb.reader.node_size} {after} {reasons} get={store.calls['get']} polls={hb.polls} "
+               f"multi_get={store.calls['multi_get']}")
+"""
+
+
+@pytest.mark.timeout(90)
+def test_launched_workers_read_their_peers_per_node(tmp_path):
+    from tests.test_cli import ntp_ds
+
+    script = tmp_path / "worker.py"
+    script.write_text(LAUNCHED)
+    out = tmp_path / "rank0.txt"
+    result = ntp_ds("launch", "--nproc-per-node", "3", str(script), str(out), timeout=80)
+    assert result.returncode == 0, result.stderr
+    size, rest = out.read_text().split(" ", 1)
+    after = ast.literal_eval(rest[:rest.index("}") + 1])
+    print(out.read_text())
+    assert size == "3" and set(after) == {1, 2}, out.read_text()
+    assert after[2] < 1.0  # the launcher's exit notice, in the node key
+    assert 1.5 - 0.1 <= after[1] <= 1.5 + 1.0  # the stopped worker, by silence
+    assert "['rank 1', 'rank 2 exited']" in rest
+    counts = dict(part.split("=") for part in rest.split("] ", 1)[1].split())
+    assert counts["get"] == "0"  # no per-rank key read: the node key and the logs came in one multi_get per poll
+    assert int(counts["multi_get"]) == int(counts["polls"])
