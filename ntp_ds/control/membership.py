@@ -217,29 +217,12 @@ class Membership:
 
         Raise MembershipTimeout if no report appears within `timeout_s`.
         """
-        self._check_generation(generation)
-        deadline, first_seen = self._clock() + timeout_s, None
-        seen, reports, pause = 0, [], self.poll_s
+        wait = DecisionWait(self, generation, timeout_s)
         while True:
-            events = self.store.add(self._events_key(generation), 0)  # one request while nothing happens
-            if events != seen:
-                seen, pause = events, self.poll_s
-                change = self.decision(generation)
-                if change is not None:
-                    return change
-                reports = self.reports(generation)
-            now = self._clock()
-            if reports:
-                first_seen = now if first_seen is None else first_seen
-                if now - first_seen >= self.settle_s or now >= deadline:
-                    return self._commit(generation, reports)
-                wake = min(deadline, first_seen + self.settle_s)
-            elif now >= deadline:
-                raise MembershipTimeout(f"no failure was reported in generation {generation} within {timeout_s}s")
-            else:
-                wake = deadline
-            self._sleep(max(0.0, min(pause, wake - now)))
-            pause = min(2 * pause, self.max_poll_s)
+            outcome = wait.poll()
+            if isinstance(outcome, MembershipChange):
+                return outcome
+            self._sleep(outcome)
 
     def _commit(self, generation: int, reports: Sequence[FailureReport]) -> MembershipChange:
         proposal = decide(generation, self.members, reports).encode()
@@ -265,6 +248,45 @@ class Membership:
         barrier(self.store, f"membership/{change.generation}/confirm", self.rank, change.survivors, timeout_s,
                 poll_s=self.poll_s, clock=self._clock, sleep=self._sleep)
         return True
+
+
+class DecisionWait:
+    """One rank's wait for the decision of `generation`, one poll at a time (`Membership.await_decision` runs it to
+    the end; a caller that multiplexes many waits calls `poll` itself)."""
+
+    def __init__(self, membership: Membership, generation: int, timeout_s: float):
+        membership._check_generation(generation)
+        self.membership, self.generation, self.timeout_s = membership, generation, timeout_s
+        self.deadline = membership._clock() + timeout_s
+        self._first_seen: float | None = None
+        self._seen, self._reports, self._pause = 0, [], membership.poll_s
+
+    def poll(self) -> MembershipChange | float:
+        """Poll once: return the committed change, or the seconds to pause before the next poll.
+
+        Raise MembershipTimeout if no report has appeared by the deadline.
+        """
+        m, g = self.membership, self.generation
+        events = m.store.add(m._events_key(g), 0)  # one request while nothing happens
+        if events != self._seen:
+            self._seen, self._pause = events, m.poll_s
+            change = m.decision(g)
+            if change is not None:
+                return change
+            self._reports = m.reports(g)
+        now = m._clock()
+        if self._reports:
+            self._first_seen = now if self._first_seen is None else self._first_seen
+            if now - self._first_seen >= m.settle_s or now >= self.deadline:
+                return m._commit(g, self._reports)
+            wake = min(self.deadline, self._first_seen + m.settle_s)
+        elif now >= self.deadline:
+            raise MembershipTimeout(f"no failure was reported in generation {g} within {self.timeout_s}s")
+        else:
+            wake = self.deadline
+        pause = max(0.0, min(self._pause, wake - now))
+        self._pause = min(2 * self._pause, m.max_poll_s)
+        return pause
 
 
 @dataclass(frozen=True)
