@@ -1,8 +1,8 @@
 """Load the control plane's store with thousands of simulated workers and print its operation rate and verdicts.
 
 Each size runs `ntp_ds.testing.liveness_load.run_load`: the workers of `--nodes` simulated nodes beat and watch
-their peers through the real heartbeat code, each node's launcher publishes its node key, one worker hangs. One line
-per size, e.g.
+their peers through the real heartbeat code, each node's launcher publishes its node key, one worker hangs, its peers
+report it and every other worker waits for the decision through the real membership code. One line per size, e.g.
 
     workers=4096 nodes=512 per_node=True store_ops_per_s=17530 false_deaths=0 hung_found_by=10/10 ...
 
@@ -39,7 +39,8 @@ def main(argv=None) -> int:
         result = run_load(LoadSpec(nodes, args.workers_per_node, args.interval_s, args.timeout_s, args.duration_s,
                                    args.threads, per_node=not args.per_rank))
         print(result.line(), flush=True)
-        failed |= result.false_deaths > 0 or result.hung_found_by < result.hung_watchers
+        failed |= (result.false_deaths > 0 or result.hung_found_by < result.hung_watchers
+                   or len(result.decisions) != 1 or result.decided != result.spec.world_size - 1)
     return 1 if failed else 0
 
 

@@ -7,11 +7,15 @@ event loop instead of one OS thread per worker: what matters is the load the sto
 watchers reach, not the thread count. Every call on the store is counted.
 
 All workers are healthy except one, which stops beating at `hang_at_s` (a SIGSTOP as the store sees it): its peers
-must declare it dead after the heartbeat timeout, and nobody else may be declared dead.
+must declare it dead after the heartbeat timeout, and nobody else may be declared dead. Each peer that finds it
+reports it (`Membership.report_failure`); every other worker learns of the report at its next step boundary
+(`pending()`, once per `step_s`) and waits for the decision through the real `DecisionWait`, so the agreement's load
+lands on the store while the beats go on: the worst moment. (The confirm barrier that follows is not simulated.)
 """
 
 from __future__ import annotations
 
+import gc
 import heapq
 import random
 import threading
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 
 from ntp_ds.control.heartbeat import (NODE_PUBLISH_S, WATCHES_PER_BEAT, Heartbeat, LivenessMonitor, LivenessReader,
                                       NodePublisher, next_pause, prepare_store)
+from ntp_ds.control.membership import DecisionWait, Membership, MembershipChange
 from ntp_ds.control.store import connect_store, host_store
 
 
@@ -40,6 +45,10 @@ class LoadSpec:
     """When the one hung worker (the last rank of node 0) stops beating; None: every worker stays healthy."""
     per_node: bool = True
     """Watchers read node keys (False: one key per peer, as without a launcher)."""
+    step_s: float = 1.0
+    """How often a worker checks for a reported failure (`Membership.pending`, at its step boundary)."""
+    settle_s: float = 0.3
+    """The membership settle window (the recovery manager's default)."""
     seed: int = 0
 
     def __post_init__(self):
@@ -82,6 +91,20 @@ class LoadResult:
     """Per peer of the hung worker: seconds from its last beat to its peer declaring it dead."""
     worst_beat_lag_s: float = 0.0
     """Longest delay of a scheduled beat behind its time (the harness falling behind shows here)."""
+    ops_per_second: list[int] = field(default_factory=list)
+    """Store calls in each whole second of the run."""
+    decisions: dict[str, int] = field(default_factory=dict)
+    """Encoded committed change -> how many workers hold it (one key when they all agree)."""
+    agreement_s: float | None = None
+    """From the first failure report to the last worker holding the decision."""
+
+    @property
+    def peak_ops_per_s(self) -> int:
+        return max(self.ops_per_second, default=0)
+
+    @property
+    def decided(self) -> int:
+        return sum(self.decisions.values())
 
     @property
     def ops_per_s(self) -> float:
@@ -91,22 +114,29 @@ class LoadResult:
         found = f"{self.hung_found_by}/{self.hung_watchers}"
         detect = f"{max(self.detection_s):.2f}" if self.detection_s else "-"
         mix = " ".join(f"{name}={n / self.seconds:.0f}" for name, n in sorted(self.ops.items()))
+        agree = f"{self.agreement_s:.2f}" if self.agreement_s is not None else "-"
         return (f"workers={self.spec.world_size} nodes={self.spec.nodes} per_node={self.spec.per_node} "
-                f"store_ops_per_s={self.ops_per_s:.0f} false_deaths={self.false_deaths} hung_found_by={found} "
-                f"worst_detection_s={detect} worst_beat_lag_s={self.worst_beat_lag_s:.2f} ({mix} per s)")
+                f"store_ops_per_s={self.ops_per_s:.0f} peak_ops_per_s={self.peak_ops_per_s} "
+                f"false_deaths={self.false_deaths} hung_found_by={found} worst_detection_s={detect} "
+                f"decided={self.decided} decisions={len(self.decisions)} agreement_s={agree} "
+                f"worst_beat_lag_s={self.worst_beat_lag_s:.2f} ({mix} per s)")
 
 
 class CountingStore:
-    """A store client that counts its calls by name (one counter per thread: no lock)."""
+    """A store client that counts its calls by name, and by whole second since `start` when that is set (one
+    counter per thread: no lock)."""
 
     def __init__(self, store):
-        self._store, self.calls = store, Counter()
+        self._store, self.calls, self.per_second = store, Counter(), Counter()
+        self.start: float | None = None
 
     def __getattr__(self, name):
         method = getattr(self._store, name)
 
         def counted(*args, **kwargs):
             self.calls[name] += 1
+            if self.start is not None:
+                self.per_second[int(time.monotonic() - self.start)] += 1
             return method(*args, **kwargs)
         return counted
 
@@ -119,15 +149,19 @@ def run_load(spec: LoadSpec) -> LoadResult:
     sims = [_Share(spec, connect_store(address, 30.0), nodes) for nodes in shares]
     for sim in sims:
         sim.setup()
+    gc.collect()
+    gc.freeze()  # tens of thousands of long-lived simulated objects: keep the collector from rescanning them
+    start = time.monotonic() + 0.1
     for sim in sims:
         sim.counting.calls.clear()
-    start = time.monotonic() + 0.1
+        sim.counting.start = start
     threads = [threading.Thread(target=sim.run, args=(start,), name=f"ntp-load-{i}", daemon=True)
                for i, sim in enumerate(sims)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(spec.duration_s + 30.0)
+    gc.unfreeze()
     if any(t.is_alive() for t in threads):
         raise TimeoutError(f"load threads did not finish within {spec.duration_s + 30.0}s")
     errors = [e for sim in sims for e in sim.errors]
@@ -141,8 +175,14 @@ def run_load(spec: LoadSpec) -> LoadResult:
     found = {w: t for w, r, t in deaths if r == hung}
     last_beat = max((sim.hung_last_beat for sim in sims if sim.hung_last_beat is not None), default=None)
     detection = [t - last_beat for t in found.values()] if last_beat is not None else []
+    per_second = sum((sim.counting.per_second for sim in sims), Counter())
+    decisions = Counter(change.encode() for sim in sims for change in sim.decided.values())
+    reported = [sim.first_report for sim in sims if sim.first_report is not None]
+    decided_at = [t for sim in sims for t in sim.decided_at.values()]
+    agreement = max(decided_at) - min(reported) if reported and decided_at else None
     return LoadResult(spec, spec.duration_s, ops, false_deaths, len(found.keys() & hung_peers), len(hung_peers),
-                      detection, max(sim.worst_lag for sim in sims))
+                      detection, max(sim.worst_lag for sim in sims),
+                      [per_second[s] for s in range(int(spec.duration_s))], dict(decisions), agreement)
 
 
 class _Share:
@@ -159,12 +199,25 @@ class _Share:
         self.ranks = [n * wpn + i for n in nodes for i in range(wpn)]
         self.publishers = {n: NodePublisher(self.counting, n, range(n * wpn, (n + 1) * wpn)) for n in nodes}
         self.workers: dict[int, Heartbeat] = {}
+        self.memberships: dict[int, Membership] = {}
+        self.waits: dict[int, DecisionWait] = {}
+        self.decided: dict[int, MembershipChange] = {}
+        self.decided_at: dict[int, float] = {}
+        self.first_report: float | None = None
+        members = range(spec.world_size)
         for rank in self.ranks:
             reader = LivenessReader(self.counting, wpn if spec.per_node else None)
             hb = Heartbeat(self.counting, rank, spec.interval_s, monitor=LivenessMonitor((), spec.heartbeat_timeout_s),
-                           on_dead=lambda ranks, wall, w=rank: self.deaths.extend((w, r, wall) for r in ranks),
-                           reader=reader)
+                           on_dead=lambda ranks, wall, w=rank: self._dead(w, ranks, wall), reader=reader)
             self.workers[rank] = hb
+            self.memberships[rank] = Membership(self.counting, rank, members, settle_s=spec.settle_s)
+
+    def _dead(self, watcher: int, ranks: frozenset[int], wall: float) -> None:
+        self.deaths.extend((watcher, r, wall) for r in ranks)
+        monitor = self.workers[watcher].monitor
+        if self.memberships[watcher].report_failure(0, ranks, wall, "no heartbeat",
+                                                    {r: monitor.last_seen(r) for r in ranks}):
+            self.first_report = self.first_report or time.monotonic()
 
     def setup(self) -> None:
         """Every worker beats once and every launcher publishes once, as when the job has started."""
@@ -200,6 +253,8 @@ class _Share:
             push(start + rng.uniform(0, spec.interval_s), "watch", rank)
         for node in self.nodes:
             push(start + rng.uniform(0, NODE_PUBLISH_S), "publish", node)
+        for rank in self.ranks:
+            push(start + rng.uniform(0, spec.step_s), "step", rank)
         pause = {rank: fastest for rank in self.ranks}
         while queue:
             due, _, kind, who = heapq.heappop(queue)
@@ -224,6 +279,20 @@ class _Share:
                     news = self.workers[who].poll_peers()
                     pause[who] = next_pause(pause[who], news, fastest, spec.interval_s)
                     push(time.monotonic() + pause[who], "watch", who)
+                elif kind == "step":
+                    if hung or who in self.waits:
+                        continue
+                    if self.memberships[who].pending():
+                        self.waits[who] = DecisionWait(self.memberships[who], 0, 60.0)
+                        push(time.monotonic(), "agree", who)
+                    else:
+                        push(due + spec.step_s, "step", who)
+                elif kind == "agree":
+                    outcome = self.waits[who].poll()
+                    if isinstance(outcome, MembershipChange):
+                        self.decided[who], self.decided_at[who] = outcome, time.monotonic()
+                    else:
+                        push(time.monotonic() + outcome, "agree", who)
                 else:
                     self.publishers[who].publish()
                     push(due + NODE_PUBLISH_S, "publish", who)

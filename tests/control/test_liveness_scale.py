@@ -24,7 +24,7 @@ from ntp_ds.control.heartbeat import (
     prepare_store,
     request_fence,
 )
-from ntp_ds.control.membership import Membership, barrier
+from ntp_ds.control.membership import Membership, MembershipChange, barrier
 from ntp_ds.launch import LaunchSpec, worker_env
 from ntp_ds.testing.liveness_load import CountingStore, LoadSpec, peers_of, run_load
 from tests.control.test_heartbeat import FakeClock
@@ -186,7 +186,9 @@ def test_peers_are_symmetric_and_span_few_nodes():
 
 @pytest.mark.timeout(120)
 def test_4096_workers_on_512_nodes_see_no_false_death_at_a_3s_timeout():
-    spec = LoadSpec(nodes=512, workers_per_node=8, interval_s=0.5, heartbeat_timeout_s=3.0, duration_s=10.0,
+    # Beat once a second: one Python process on two shared cores cannot drive 4,096 workers' beats, watches and
+    # agreement any faster without itself falling behind (worst_beat_lag_s); benchmarks/control_plane.py runs 0.5 s.
+    spec = LoadSpec(nodes=512, workers_per_node=8, interval_s=1.0, heartbeat_timeout_s=3.0, duration_s=12.0,
                     hang_at_s=2.0)
     result = run_load(spec)
     print(result.line())
@@ -197,6 +199,10 @@ def test_4096_workers_on_512_nodes_see_no_false_death_at_a_3s_timeout():
     assert result.hung_found_by == result.hung_watchers == 10
     assert max(result.detection_s) <= spec.heartbeat_timeout_s + 1.0 + result.worst_beat_lag_s
     assert min(result.detection_s) >= spec.heartbeat_timeout_s
+    # Every other worker holds the same decision, which names the hung worker alone.
+    (decision, holders), = result.decisions.items()
+    assert holders == spec.world_size - 1
+    assert MembershipChange.decode(decision).dead == {spec.hung_rank}
 
 
 LAUNCHED = """
