@@ -73,8 +73,9 @@ class Recovery:
         self.monitor = LivenessMonitor(self.members, heartbeat_timeout_s)
         self.reader = LivenessReader.from_env(store)
         beat_store = store.clone()
-        self.heartbeat = Heartbeat(beat_store, rank, heartbeat_interval_s, monitor=LivenessMonitor((), heartbeat_timeout_s),
-                                   on_dead=self._peers_dead, reader=LivenessReader.from_env(beat_store))
+        self.heartbeat = Heartbeat(beat_store, rank, heartbeat_interval_s,
+                                   monitor=LivenessMonitor((), heartbeat_timeout_s), on_dead=self._peers_dead,
+                                   reader=LivenessReader.from_env(beat_store))
         self.heartbeat.watch(self._peers(engine), set(self.members) - {rank})
         self.heartbeat.start()
         self.events: list[dict] = []

@@ -60,7 +60,8 @@ def test_publisher_reads_its_own_workers_in_one_request_once_all_beat():
 def test_reader_takes_peers_of_many_nodes_in_one_request():
     store = _job(nodes=4, per_node=4)
     for node in range(4):
-        NodePublisher(store, node, range(4 * node, 4 * node + 4)).publish({13: "killed by SIGKILL"} if node == 3 else {})
+        exited = {13: "killed by SIGKILL"} if node == 3 else {}
+        NodePublisher(store, node, range(4 * node, 4 * node + 4)).publish(exited)
     mark_exited(store, 2, "device error")
     request_fence(store, [9], "no heartbeat")
     counting = CountingStore(store)
@@ -256,5 +257,6 @@ def test_launched_workers_read_their_peers_per_node(tmp_path):
     assert 1.5 - 0.2 <= after[1] <= 1.5 + 1.0  # the stopped worker, by silence (its last beat preceded its stop)
     assert "['rank 1', 'rank 2 exited']" in rest
     counts = dict(part.split("=") for part in rest.split("] ", 1)[1].split())
-    assert counts["get"] == "2"  # the two event stamps; beats, exits and fences came by multi_get  # no per-rank key read: the node key and the logs came in one multi_get per poll
+    # Only the two event stamps were read by `get`: no per-rank key, no log; one multi_get per poll brought them.
+    assert counts["get"] == "2"
     assert int(counts["multi_get"]) == int(counts["polls"])
