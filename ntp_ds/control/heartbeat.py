@@ -204,6 +204,7 @@ class LivenessReader:
         return cls(store, int(size) if size else None, **kwargs)
 
     def read(self, ranks: Iterable[int], fences: bool = True) -> LivenessView:
+        """Read the beats of `ranks`, every exit and (with `fences`; always when read per node) every fence request."""
         ranks = sorted(set(ranks))
         if self.node_size is None:
             return LivenessView(read_beats(self.store, ranks), read_exits(self.store),
