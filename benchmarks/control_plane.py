@@ -2,7 +2,7 @@
 
 Each size runs `ntp_ds.testing.liveness_load.run_load`: the workers of `--nodes` simulated nodes beat and watch
 their peers through the real heartbeat code, each node's launcher publishes its node key, one worker hangs, its peers
-report it and every other worker waits for the decision through the real membership code. One line per size, e.g.
+report it and every other worker waits for the decision and confirms it through the real membership code. One line per size, e.g.
 
     workers=4096 nodes=512 per_node=True store_ops_per_s=17530 false_deaths=0 hung_found_by=10/10 ...
 
@@ -40,7 +40,8 @@ def main(argv=None) -> int:
                                    args.threads, per_node=not args.per_rank))
         print(result.line(), flush=True)
         failed |= (result.false_deaths > 0 or result.hung_found_by < result.hung_watchers
-                   or len(result.decisions) != 1 or result.decided != result.spec.world_size - 1)
+                   or len(result.decisions) != 1 or result.decided != result.spec.world_size - 1
+                   or result.confirmed != result.spec.world_size - 1)
     return 1 if failed else 0
 
 

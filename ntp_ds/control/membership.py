@@ -130,19 +130,40 @@ def barrier(store, name: str, rank: int, ranks: Sequence[int], timeout_s: float,
 
     Polls the arrival counter, pausing `poll_s` at first and twice as long after each poll up to `max_poll_s`.
     """
-    if rank not in ranks:
-        raise ValueError(f"rank {rank} is not among the barrier's ranks {sorted(ranks)}")
-    deadline = clock() + timeout_s
-    if store.add(f"{name}/{rank}", 1) == 1:  # count each rank once, even if it calls again
-        store.add(f"{name}/count", 1)
-    pause = poll_s
-    while store.add(f"{name}/count", 0) < len(ranks):
-        now = clock()
-        if now >= deadline:
-            missing = frozenset(r for r in ranks if not store.check([f"{name}/{r}"]))
-            raise BarrierTimeout(name, missing, timeout_s)
-        sleep(min(pause, deadline - now))
-        pause = min(2 * pause, max(poll_s, max_poll_s))
+    wait = BarrierWait(store, name, rank, ranks, timeout_s, poll_s=poll_s, max_poll_s=max_poll_s, clock=clock)
+    while (pause := wait.poll()) is not None:
+        sleep(pause)
+
+
+class BarrierWait:
+    """One rank's arrival at barrier `name` and its wait for the others, one poll at a time (`barrier` runs it to the
+    end; a caller that multiplexes many waits calls `poll` itself)."""
+
+    def __init__(self, store, name: str, rank: int, ranks: Sequence[int], timeout_s: float, *, poll_s: float = 0.02,
+                 max_poll_s: float = MAX_POLL_S, clock: Callable[[], float] = time.monotonic):
+        if rank not in ranks:
+            raise ValueError(f"rank {rank} is not among the barrier's ranks {sorted(ranks)}")
+        self.store, self.name, self.ranks, self.timeout_s = store, name, tuple(ranks), timeout_s
+        self._poll_s, self._max_poll_s, self._clock = poll_s, max(poll_s, max_poll_s), clock
+        self.deadline = clock() + timeout_s
+        self._pause = poll_s
+        if store.add(f"{name}/{rank}", 1) == 1:  # count each rank once, even if it calls again
+            store.add(f"{name}/count", 1)
+
+    def poll(self) -> float | None:
+        """Poll once: return None once every rank has arrived, else the seconds to pause before the next poll.
+
+        Raise BarrierTimeout, naming the ranks that never arrived, past the deadline.
+        """
+        if self.store.add(f"{self.name}/count", 0) >= len(self.ranks):
+            return None
+        now = self._clock()
+        if now >= self.deadline:
+            missing = frozenset(r for r in self.ranks if not self.store.check([f"{self.name}/{r}"]))
+            raise BarrierTimeout(self.name, missing, self.timeout_s)
+        pause = min(self._pause, self.deadline - now)
+        self._pause = min(2 * self._pause, self._max_poll_s)
+        return pause
 
 
 class Membership:
@@ -236,8 +257,18 @@ class Membership:
         Raise Evicted if this rank is among the dead, and BarrierTimeout naming the survivors that never arrived
         (they should be reported dead in the new generation, which this rank has already adopted).
         """
-        if change.generation <= self.generation:
+        wait = self.confirm_wait(change, timeout_s)
+        if wait is None:
             return False
+        while (pause := wait.poll()) is not None:
+            self._sleep(pause)
+        return True
+
+    def confirm_wait(self, change: MembershipChange, timeout_s: float) -> BarrierWait | None:
+        """Adopt `change` and arrive at the survivors' barrier; return the wait for the others (None for a stale
+        change). `confirm` runs it to the end. Raise as `confirm` does."""
+        if change.generation <= self.generation:
+            return None
         if change.generation != self.generation + 1:
             raise ValueError(f"change to generation {change.generation} skips generations after {self.generation}")
         if change != self.decision(self.generation):
@@ -245,9 +276,8 @@ class Membership:
         if self.rank in change.dead:
             raise Evicted(f"rank {self.rank} was declared dead in generation {change.generation}: {change.reason}")
         self.generation, self.members = change.generation, change.survivors
-        barrier(self.store, f"membership/{change.generation}/confirm", self.rank, change.survivors, timeout_s,
-                poll_s=self.poll_s, clock=self._clock, sleep=self._sleep)
-        return True
+        return BarrierWait(self.store, f"membership/{change.generation}/confirm", self.rank, change.survivors,
+                           timeout_s, poll_s=self.poll_s, max_poll_s=self.max_poll_s, clock=self._clock)
 
 
 class DecisionWait:

@@ -9,8 +9,9 @@ watchers reach, not the thread count. Every call on the store is counted.
 All workers are healthy except one, which stops beating at `hang_at_s` (a SIGSTOP as the store sees it): its peers
 must declare it dead after the heartbeat timeout, and nobody else may be declared dead. Each peer that finds it
 reports it (`Membership.report_failure`); every other worker learns of the report at its next step boundary
-(`pending()`, once per `step_s`) and waits for the decision through the real `DecisionWait`, so the agreement's load
-lands on the store while the beats go on: the worst moment. (The confirm barrier that follows is not simulated.)
+(`pending()`, once per `step_s`), waits for the decision through the real `DecisionWait` and confirms it at the
+survivors' barrier (`Membership.confirm_wait`), so the agreement's load lands on the store while the beats go on:
+the worst moment.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 
 from ntp_ds.control.heartbeat import (NODE_PUBLISH_S, WATCHES_PER_BEAT, Heartbeat, LivenessMonitor, LivenessReader,
                                       NodePublisher, next_pause, prepare_store)
-from ntp_ds.control.membership import DecisionWait, Membership, MembershipChange
+from ntp_ds.control.membership import BarrierWait, DecisionWait, Membership, MembershipChange
 from ntp_ds.control.store import connect_store, host_store
 
 
@@ -97,6 +98,10 @@ class LoadResult:
     """Encoded committed change -> how many workers hold it (one key when they all agree)."""
     agreement_s: float | None = None
     """From the first failure report to the last worker holding the decision."""
+    confirmed: int = 0
+    """Workers through the survivors' confirm barrier."""
+    confirm_s: float | None = None
+    """From the first failure report to the last worker through the confirm barrier."""
 
     @property
     def peak_ops_per_s(self) -> int:
@@ -115,10 +120,12 @@ class LoadResult:
         detect = f"{max(self.detection_s):.2f}" if self.detection_s else "-"
         mix = " ".join(f"{name}={n / self.seconds:.0f}" for name, n in sorted(self.ops.items()))
         agree = f"{self.agreement_s:.2f}" if self.agreement_s is not None else "-"
+        confirm = f"{self.confirm_s:.2f}" if self.confirm_s is not None else "-"
         return (f"workers={self.spec.world_size} nodes={self.spec.nodes} per_node={self.spec.per_node} "
                 f"store_ops_per_s={self.ops_per_s:.0f} peak_ops_per_s={self.peak_ops_per_s} "
                 f"false_deaths={self.false_deaths} hung_found_by={found} worst_detection_s={detect} "
                 f"decided={self.decided} decisions={len(self.decisions)} agreement_s={agree} "
+                f"confirmed={self.confirmed} confirm_s={confirm} "
                 f"worst_beat_lag_s={self.worst_beat_lag_s:.2f} ({mix} per s)")
 
 
@@ -180,9 +187,12 @@ def run_load(spec: LoadSpec) -> LoadResult:
     reported = [sim.first_report for sim in sims if sim.first_report is not None]
     decided_at = [t for sim in sims for t in sim.decided_at.values()]
     agreement = max(decided_at) - min(reported) if reported and decided_at else None
+    confirmed_at = [t for sim in sims for t in sim.confirmed_at.values()]
+    confirm = max(confirmed_at) - min(reported) if reported and confirmed_at else None
     return LoadResult(spec, spec.duration_s, ops, false_deaths, len(found.keys() & hung_peers), len(hung_peers),
                       detection, max(sim.worst_lag for sim in sims),
-                      [per_second[s] for s in range(int(spec.duration_s))], dict(decisions), agreement)
+                      [per_second[s] for s in range(int(spec.duration_s))], dict(decisions), agreement,
+                      len(confirmed_at), confirm)
 
 
 class _Share:
@@ -203,6 +213,8 @@ class _Share:
         self.waits: dict[int, DecisionWait] = {}
         self.decided: dict[int, MembershipChange] = {}
         self.decided_at: dict[int, float] = {}
+        self.confirms: dict[int, BarrierWait] = {}
+        self.confirmed_at: dict[int, float] = {}
         self.first_report: float | None = None
         members = range(spec.world_size)
         for rank in self.ranks:
@@ -291,8 +303,16 @@ class _Share:
                     outcome = self.waits[who].poll()
                     if isinstance(outcome, MembershipChange):
                         self.decided[who], self.decided_at[who] = outcome, time.monotonic()
+                        self.confirms[who] = self.memberships[who].confirm_wait(outcome, 60.0)
+                        push(time.monotonic(), "confirm", who)
                     else:
                         push(time.monotonic() + outcome, "agree", who)
+                elif kind == "confirm":
+                    wait_s = self.confirms[who].poll()
+                    if wait_s is None:
+                        self.confirmed_at[who] = time.monotonic()
+                    else:
+                        push(time.monotonic() + wait_s, "confirm", who)
                 else:
                     self.publishers[who].publish()
                     push(due + NODE_PUBLISH_S, "publish", who)
