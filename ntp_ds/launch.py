@@ -6,10 +6,13 @@ job's TCPStore in its own process (node 0's launcher), never in a training rank,
 store; workers find it in `NTP_STORE=HOST:PORT`.
 
 Every exit is recorded in the store (`mark_exited`), so the survivors learn of a death at once. A worker stopped by
-SIGSTOP (a hang) never exits: once every other worker has, it is killed.
+SIGSTOP (a hang) never exits: once every other worker has, it is killed. Every NODE_PUBLISH_S, and at once after an
+exit, the launcher publishes its node's liveness (`node/{node}`: its workers' latest beats and exits), which the
+workers' watchers read instead of one key per peer.
 
 Each worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (the node), NTP_STORE, MASTER_ADDR and
-MASTER_PORT (for the default env:// rendezvous), and NTP_RUN_DIR when a run directory is given.
+MASTER_PORT (for the default env:// rendezvous), NTP_NODE_SIZE (ranks per node: node keys are published), and
+NTP_RUN_DIR when a run directory is given.
 
 Exit status: 0 when at least one worker finished successfully (exit 0), the others' deaths being printed; else the
 status of the first worker that failed (128 + N for signal N); 2 for a usage mistake; 128 + N when stopped by
@@ -22,6 +25,7 @@ every rank agrees on); workers still running `--grace-s` later are killed, and s
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import socket
@@ -132,7 +136,8 @@ def worker_env(spec: LaunchSpec, local_rank: int, store: str, master: tuple[str,
     env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.update(RANK=str(spec.node_rank * spec.nproc_per_node + local_rank), WORLD_SIZE=str(spec.world_size),
                LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(spec.nproc_per_node), GROUP_RANK=str(spec.node_rank),
-               NTP_STORE=store, MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+               NTP_STORE=store, MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
+               NTP_NODE_SIZE=str(spec.nproc_per_node))
     if spec.run_dir:
         env["NTP_RUN_DIR"] = str(Path(spec.run_dir).resolve())
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.nproc_per_node)))
@@ -179,10 +184,18 @@ def _rendezvous(spec: LaunchSpec):
 
 def launch(spec: LaunchSpec, poll_s: float = 0.1) -> int:
     """Start the workers, wait for every one, report each exit; return the exit status described above."""
-    from ntp_ds.control.heartbeat import mark_exited
+    from ntp_ds.control.heartbeat import (
+        NODE_PUBLISH_S,
+        NodePublisher,
+        mark_exited,
+        prepare_store,
+    )
 
     store, address, master = _rendezvous(spec)
+    prepare_store(store)
     first = spec.node_rank * spec.nproc_per_node
+    publisher = NodePublisher(store, spec.node_rank, range(first, first + spec.nproc_per_node))
+    published_at, exits = -math.inf, {}
     _say(f"store at {address} (NTP_STORE); starting ranks {first}-{first + spec.nproc_per_node - 1} of "
          f"{spec.world_size}: {' '.join(spec.command[1:])}")
     stop = _StopRequests()
@@ -201,10 +214,18 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1) -> int:
                 if proc.returncode != 0 and not stop.expected(proc.returncode):
                     going = not stop.signum and any(p.poll() is None for p in procs.values())
                     _say(f"rank {rank} {reason}" + ("; the other workers keep running" if going else ""))
+                exits[rank] = reason
+                published_at = -math.inf  # publish the exit now, not at the next period
                 try:
                     mark_exited(store, rank, reason)
                 except Exception as e:  # the store is ours; a failed write must not take the survivors down
                     _say(f"could not record rank {rank}'s exit in the store: {e}")
+            if time.monotonic() - published_at >= NODE_PUBLISH_S:
+                published_at = time.monotonic()
+                try:
+                    publisher.publish(exits)
+                except Exception as e:  # retried at the next period; watchers read per rank meanwhile
+                    _say(f"could not publish node {spec.node_rank}'s liveness: {e}")
             left = {r: p for r, p in procs.items() if r not in codes}
             _fence(store, left)
             if codes and left and all(_stopped(p) for p in left.values()):

@@ -1,12 +1,13 @@
 """Control plane: the store outside every rank, heartbeats, membership agreement and fault injection."""
 
 from ntp_ds.control.faults import DeviceError, Fault, FaultInjector, FaultSchedule, send_fault
-from ntp_ds.control.heartbeat import Heartbeat, LivenessMonitor, mark_exited, poll_liveness
+from ntp_ds.control.heartbeat import (Heartbeat, LivenessMonitor, LivenessReader, NodePublisher, mark_exited,
+                                      poll_liveness)
 from ntp_ds.control.membership import (BarrierTimeout, Evicted, Membership, MembershipChange, MembershipTimeout,
                                        ReplicaMembership, StaleGeneration, barrier, replica_membership)
 from ntp_ds.control.store import connect_from_env, connect_store, generation_store, host_store
 
 __all__ = ["BarrierTimeout", "DeviceError", "Evicted", "Fault", "FaultInjector", "FaultSchedule", "Heartbeat",
-           "LivenessMonitor", "Membership", "MembershipChange", "MembershipTimeout", "ReplicaMembership",
-           "StaleGeneration", "barrier", "connect_from_env", "connect_store", "generation_store", "host_store",
+           "LivenessMonitor", "LivenessReader", "Membership", "MembershipChange", "MembershipTimeout", "NodePublisher",
+           "ReplicaMembership", "StaleGeneration", "barrier", "connect_from_env", "connect_store", "generation_store", "host_store",
            "mark_exited", "poll_liveness", "replica_membership", "send_fault"]

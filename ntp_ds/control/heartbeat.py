@@ -6,12 +6,21 @@ a collective times out, so every worker beats from a daemon thread and a rank wh
 `heartbeat_timeout_s` is dead. Silence is measured on the observer's own monotonic clock, never by comparing wall
 clocks of two machines; the wall stamp in a beat only estimates when the rank was last alive.
 
+Reading every peer's key every poll does not scale: at thousands of ranks the store would serve hundreds of millions
+of reads per second at the worst moment, delaying healthy beats past the timeout. So the launcher of each node reads
+its own workers' beats (one request) and publishes one key per node, `node/{n}` (`NodePublisher`); a watcher reads
+the keys of the nodes its peers live on in one request (`LivenessReader`) and backs off while nothing is news. A
+worker started without a launcher (no `NTP_NODE_SIZE`) is read per rank, and so is a node whose key has stopped
+moving (its launcher is gone): per-node reads are an economy, never a second source of truth.
+
 Ranks here are launch ranks (the RANK a worker started with): they name a worker across every generation.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -27,8 +36,21 @@ FENCE_KEY = "fence"
 """Store key to which `request_fence` appends one `RANK REASON` line per worker its peers declared dead."""
 
 
+NODE_SIZE_ENV = "NTP_NODE_SIZE"
+"""Environment variable through which the launcher tells its workers how many ranks each node runs (rank r lives on
+node r // size) and that every node's launcher publishes `node/{n}`."""
+NODE_PUBLISH_S = 0.25
+"""How often a launcher publishes its node's liveness key."""
+NODE_STALE_S = 1.0
+"""A node key unchanged for this long (its launcher is gone or hung) is bypassed: its ranks are read per rank."""
+
+
 def heartbeat_key(rank: int) -> str:
     return f"heartbeat/{rank}"
+
+
+def node_key(node: int) -> str:
+    return f"node/{node}"
 
 
 @dataclass(frozen=True)
@@ -69,6 +91,13 @@ def read_exits(store) -> dict[int, str]:
     return _read_lines(store, EXITED_KEY)
 
 
+def prepare_store(store) -> None:
+    """Create the exit and fence logs empty if absent, so a watcher can read them in the same request as node keys
+    (a `multi_get` of a missing key would wait for it). Idempotent: every launcher calls it."""
+    for key in (EXITED_KEY, FENCE_KEY):
+        store.compare_set(key, "", "")
+
+
 def request_fence(store, ranks: Iterable[int], reason: str) -> None:
     """Ask the launchers to stop workers `ranks` for good: their peers declared them dead (a hung worker must never
     come back into the job, and stopping it closes its connections, which ends every wait on it)."""
@@ -84,11 +113,127 @@ def read_fences(store) -> dict[int, str]:
 def _read_lines(store, key: str) -> dict[int, str]:
     if not store.check([key]):
         return {}
+    return _parse_lines(store.get(key))
+
+
+def _parse_lines(raw: bytes) -> dict[int, str]:
     out = {}
-    for line in store.get(key).decode().splitlines():
+    for line in raw.decode().splitlines():
         rank, _, reason = line.partition(" ")
         out.setdefault(int(rank), reason)
     return out
+
+
+@dataclass(frozen=True)
+class NodeLiveness:
+    """What a node's launcher publishes: a sequence number that rises with every publication, the latest beat of each
+    of its workers that has beaten, and those of its workers that have exited."""
+
+    seq: int
+    beats: dict[int, Beat]
+    exited: dict[int, str]
+
+    def encode(self) -> str:
+        return json.dumps({"seq": self.seq, "beats": {str(r): [b.counter, b.wall] for r, b in self.beats.items()},
+                           "exited": {str(r): why for r, why in self.exited.items()}}, separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> NodeLiveness:
+        d = json.loads(raw)
+        return cls(d["seq"], {int(r): Beat(c, w) for r, (c, w) in d["beats"].items()},
+                   {int(r): why for r, why in d["exited"].items()})
+
+
+class NodePublisher:
+    """A launcher's side of liveness: read its own workers' beats and publish them as one key, `node/{node}`.
+
+    Two requests per publication however many workers the node runs (one once every worker has beaten).
+    """
+
+    def __init__(self, store, node: int, ranks: Iterable[int]):
+        self.store, self.node, self.ranks = store, node, tuple(ranks)
+        self.seq = 0
+        self._all_beating = False
+
+    def publish(self, exited: Mapping[int, str] | None = None) -> NodeLiveness:
+        """Publish the latest beats of this node's workers and those of them known to have exited."""
+        keys = [heartbeat_key(r) for r in self.ranks]
+        if self._all_beating:  # keys are never deleted: once all exist, skip the existence check
+            beats = {r: Beat.decode(v) for r, v in zip(self.ranks, self.store.multi_get(keys))}
+        else:
+            beats = read_beats(self.store, self.ranks)
+            self._all_beating = len(beats) == len(self.ranks)
+        self.seq += 1
+        liveness = NodeLiveness(self.seq, beats, dict(exited or {}))
+        self.store.set(node_key(self.node), liveness.encode())
+        return liveness
+
+
+@dataclass(frozen=True)
+class LivenessView:
+    """One read of the store for a watcher: beats of the watched ranks, exits and fence requests."""
+
+    beats: dict[int, Beat]
+    exited: dict[int, str]
+    fences: dict[int, str]
+
+
+class LivenessReader:
+    """Read what a watcher needs to judge `ranks`: per node when launchers publish node keys, per rank otherwise.
+
+    With `node_size` (rank r lives on node r // node_size), one `multi_get` brings the keys of the nodes the ranks
+    live on plus the exit and fence logs: the requests scale with the watcher's polls, not with its peers. A node
+    whose key has not changed for `stale_s` on `clock` is read per rank instead, so a lost launcher never hides a
+    live worker (nor keeps a dead one alive: its key stops, and so do the beats behind it).
+    """
+
+    def __init__(self, store, node_size: int | None = None, *, stale_s: float = NODE_STALE_S,
+                 clock: Callable[[], float] = time.monotonic):
+        if node_size is not None and node_size < 1:
+            raise ValueError(f"node_size={node_size} must be a positive number of ranks per node (or None)")
+        self.store, self.node_size, self.stale_s, self._clock = store, node_size, stale_s, clock
+        self._seq: dict[int, tuple[int, float]] = {}  # node -> (seq, when it last changed)
+        self._present: set[str] = set()  # node keys seen to exist (never deleted)
+
+    @classmethod
+    def from_env(cls, store, env: Mapping[str, str] = os.environ, **kwargs) -> LivenessReader:
+        """Read per node when the launcher said how many ranks each node runs (`NTP_NODE_SIZE`), else per rank."""
+        size = env.get(NODE_SIZE_ENV)
+        if size is not None and (not size.isdigit() or int(size) < 1):
+            raise ValueError(f"{NODE_SIZE_ENV}={size!r} must be a positive integer (ranks per node)")
+        return cls(store, int(size) if size else None, **kwargs)
+
+    def read(self, ranks: Iterable[int], fences: bool = True) -> LivenessView:
+        """Read the beats of `ranks`, every exit and (with `fences`; always when read per node) every fence request."""
+        ranks = sorted(set(ranks))
+        if self.node_size is None:
+            return LivenessView(read_beats(self.store, ranks), read_exits(self.store),
+                                read_fences(self.store) if fences else {})
+        nodes = sorted({r // self.node_size for r in ranks})
+        keys = [node_key(n) for n in nodes] + [EXITED_KEY, FENCE_KEY]
+        if not set(keys) <= self._present:
+            if not self.store.check(keys):  # a launcher has not published yet: read per rank meanwhile
+                return LivenessView(read_beats(self.store, ranks), read_exits(self.store),
+                                    read_fences(self.store) if fences else {})
+            self._present.update(keys)
+        values = self.store.multi_get(keys)
+        now, wanted = self._clock(), set(ranks)
+        beats: dict[int, Beat] = {}
+        exited = _parse_lines(values[-2])
+        stale: list[int] = []
+        for node, raw in zip(nodes, values):
+            liveness = NodeLiveness.decode(raw)
+            seq, since = self._seq.get(node, (None, now))
+            if seq != liveness.seq:
+                self._seq[node] = (liveness.seq, now)
+            elif now - since > self.stale_s:
+                stale += [r for r in ranks if r // self.node_size == node]
+            beats.update((r, b) for r, b in liveness.beats.items() if r in wanted)
+            for rank, why in liveness.exited.items():
+                exited.setdefault(rank, why)
+        if stale:
+            beats.update(read_beats(self.store, stale))
+        return LivenessView(beats, exited, _parse_lines(values[-1]))
 
 
 class LivenessMonitor:
@@ -150,9 +295,16 @@ class LivenessMonitor:
                 del table[rank]
 
 
-def poll_liveness(store, monitor: LivenessMonitor) -> frozenset[int]:
-    """Read beats and exits from the store into `monitor`; return the ranks it now counts as dead."""
-    monitor.observe(read_beats(store, monitor.ranks), read_exits(store))
+def next_pause(pause: float, news: bool, fastest: float, slowest: float) -> float:
+    """Back off between two polls: back to `fastest` on news, else twice the last pause, at most `slowest`."""
+    return fastest if news else min(2 * pause, slowest)
+
+
+def poll_liveness(store, monitor: LivenessMonitor, reader: LivenessReader | None = None) -> frozenset[int]:
+    """Read beats and exits from the store (through `reader`, else per rank) into `monitor`; return the ranks it now
+    counts as dead."""
+    view = (reader or LivenessReader(store)).read(monitor.ranks, fences=False)
+    monitor.observe(view.beats, view.exited)
     return monitor.dead()
 
 
@@ -161,19 +313,26 @@ class Heartbeat:
 
     Give it a store client of its own (`store.clone()` or a second `connect_store`): a client serialises its calls,
     so a long wait on the training thread's client would delay the beats and make this rank look hung.
-    With `monitor` and `on_dead`, each beat also polls the peers and calls `on_dead(new_dead, wall_time)` from the
-    heartbeat thread once for each rank newly found dead.
+    With `monitor` and `on_dead`, the thread also polls the peers through `reader` (default: per rank) and calls
+    `on_dead(new_dead, wall_time)` from the heartbeat thread once for each rank newly found dead. It polls
+    WATCHES_PER_BEAT times per beat while something is news (a new death, exit or fence request, a peer silent for half
+    the timeout); otherwise it backs off, doubling the pause up to one beat interval.
     """
 
     def __init__(self, store, rank: int, interval_s: float = 1.0, *, wall: Callable[[], float] = time.time,
                  monitor: LivenessMonitor | None = None,
-                 on_dead: Callable[[frozenset[int], float], None] | None = None):
+                 on_dead: Callable[[frozenset[int], float], None] | None = None,
+                 reader: LivenessReader | None = None):
         if not interval_s > 0:
             raise ValueError(f"interval_s={interval_s} must be positive")
         if (monitor is None) != (on_dead is None):
             raise ValueError("pass monitor and on_dead together, or neither")
         self.store, self.rank, self.interval_s = store, rank, interval_s
         self.monitor, self.on_dead = monitor, on_dead
+        self.reader = reader if reader is not None else LivenessReader(store)
+        self.polls = 0
+        """How many times the thread has polled its peers (the watching load it puts on the store)."""
+        self._news: tuple = ()
         self.error: BaseException | None = None
         """The latest error of a beat or a poll, if any (the thread keeps beating through store hiccups)."""
         self._wall = wall
@@ -201,9 +360,11 @@ class Heartbeat:
         return self
 
     def _run(self) -> None:
-        # A watching thread looks at its peers WATCHES_PER_BEAT times per beat, so a silent peer is seen within a
-        # fraction of a beat of its timeout (the beats themselves keep their interval).
-        tick = self.interval_s / WATCHES_PER_BEAT if self.monitor is not None else self.interval_s
+        # A watching thread looks at its peers WATCHES_PER_BEAT times per beat while something is news, so a silent
+        # peer is seen within a fraction of a beat of its timeout; when all is quiet it backs off to once a beat.
+        # The beats themselves keep their interval.
+        fastest = self.interval_s / WATCHES_PER_BEAT if self.monitor is not None else self.interval_s
+        tick = fastest
         last_beat = time.monotonic()
         while not self._stop.wait(tick):
             try:
@@ -211,22 +372,32 @@ class Heartbeat:
                     self.beat()
                     last_beat = time.monotonic()
                 if self.monitor is not None:
-                    self._watch()
+                    tick = next_pause(tick, self.poll_peers(), fastest, self.interval_s)
                 self.error = None
             except Exception as err:  # a store hiccup must not end the beats; the error is kept for the caller
+                tick = fastest
                 if self.error is None:
                     log.warning("heartbeat of rank %d failed: %s", self.rank, err)
                 self.error = err
 
-    def _watch(self) -> None:
+    def poll_peers(self) -> bool:
+        """Poll the peers once; report the newly dead; return whether anything was news (keep polling fast)."""
         with self._lock:
-            new = poll_liveness(self.store, self.monitor) - self._reported
+            view = self.reader.read(self.monitor.ranks, fences=bool(self._members))
+            self.polls += 1
+            self.monitor.observe(view.beats, view.exited)
+            new = self.monitor.dead() - self._reported
             if self._members:
                 # A rank some other peer declared dead: every collective of the generation waits on it too.
-                new |= (set(read_fences(self.store)) & self._members) - self._reported
+                new |= (set(view.fences) & self._members) - self._reported
             self._reported |= new
+            news = (frozenset(view.exited), frozenset(view.fences))
+            half = self.monitor.heartbeat_timeout_s / 2
+            suspect = any(self.monitor.silent_for(r) > half for r in self.monitor.ranks)
+            changed, self._news = news != self._news, news
         if new:
             self.on_dead(frozenset(new), self._wall())
+        return bool(new) or changed or suspect
 
     def watch(self, ranks: Iterable[int], members: Iterable[int] = ()) -> None:
         """Watch exactly `ranks` from now on, each counted alive as of now (a new generation's peers), and report any

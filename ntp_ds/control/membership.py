@@ -10,6 +10,11 @@ Protocol (keys in the launcher's store; ranks are launch ranks, stable across ge
    survivors, so nobody waits on a dead rank.
 A report or decision of an older generation is ignored; every wait is bounded and raises a TimeoutError subclass
 naming what it waited for.
+
+Waiting ranks watch, they do not re-read: every report and every commit bumps one counter,
+`membership/{g}/events`, and a waiter reads the reports and the decision only when that counter has moved. Polls of
+the counter and of barriers back off from `poll_s` to `max_poll_s` while nothing changes, so thousands of waiting
+ranks cost the store one small request each per pause.
 """
 
 from __future__ import annotations
@@ -114,38 +119,74 @@ def decide(generation: int, members: Sequence[int], reports: Sequence[FailureRep
                             tuple(sorted(first.items())))
 
 
+MAX_POLL_S = 0.16
+"""Longest pause between two polls of a waiting rank once it has backed off."""
+
+
 def barrier(store, name: str, rank: int, ranks: Sequence[int], timeout_s: float, *, poll_s: float = 0.02,
-            clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
-    """Wait until every rank in `ranks` has called this barrier `name`; raise BarrierTimeout after `timeout_s`."""
-    if rank not in ranks:
-        raise ValueError(f"rank {rank} is not among the barrier's ranks {sorted(ranks)}")
-    deadline = clock() + timeout_s
-    if store.add(f"{name}/{rank}", 1) == 1:  # count each rank once, even if it calls again
-        store.add(f"{name}/count", 1)
-    while store.add(f"{name}/count", 0) < len(ranks):
-        if clock() >= deadline:
-            missing = frozenset(r for r in ranks if not store.check([f"{name}/{r}"]))
-            raise BarrierTimeout(name, missing, timeout_s)
-        sleep(poll_s)
+            max_poll_s: float = MAX_POLL_S, clock: Callable[[], float] = time.monotonic,
+            sleep: Callable[[float], None] = time.sleep) -> None:
+    """Wait until every rank in `ranks` has called this barrier `name`; raise BarrierTimeout after `timeout_s`.
+
+    Polls the arrival counter, pausing `poll_s` at first and twice as long after each poll up to `max_poll_s`.
+    """
+    wait = BarrierWait(store, name, rank, ranks, timeout_s, poll_s=poll_s, max_poll_s=max_poll_s, clock=clock)
+    while (pause := wait.poll()) is not None:
+        sleep(pause)
+
+
+class BarrierWait:
+    """One rank's arrival at barrier `name` and its wait for the others, one poll at a time (`barrier` runs it to the
+    end; a caller that multiplexes many waits calls `poll` itself)."""
+
+    def __init__(self, store, name: str, rank: int, ranks: Sequence[int], timeout_s: float, *, poll_s: float = 0.02,
+                 max_poll_s: float = MAX_POLL_S, clock: Callable[[], float] = time.monotonic):
+        if rank not in ranks:
+            raise ValueError(f"rank {rank} is not among the barrier's ranks {sorted(ranks)}")
+        self.store, self.name, self.ranks, self.timeout_s = store, name, tuple(ranks), timeout_s
+        self._poll_s, self._max_poll_s, self._clock = poll_s, max(poll_s, max_poll_s), clock
+        self.deadline = clock() + timeout_s
+        self._pause = poll_s
+        if store.add(f"{name}/{rank}", 1) == 1:  # count each rank once, even if it calls again
+            store.add(f"{name}/count", 1)
+
+    def poll(self) -> float | None:
+        """Poll once: return None once every rank has arrived, else the seconds to pause before the next poll.
+
+        Raise BarrierTimeout, naming the ranks that never arrived, past the deadline.
+        """
+        if self.store.add(f"{self.name}/count", 0) >= len(self.ranks):
+            return None
+        now = self._clock()
+        if now >= self.deadline:
+            missing = frozenset(r for r in self.ranks if not self.store.check([f"{self.name}/{r}"]))
+            raise BarrierTimeout(self.name, missing, self.timeout_s)
+        pause = min(self._pause, self.deadline - now)
+        self._pause = min(2 * self._pause, self._max_poll_s)
+        return pause
 
 
 class Membership:
     """One rank's view of the job's members, kept in agreement with every other survivor through the store."""
 
     def __init__(self, store, rank: int, members: Iterable[int], generation: int = 0, *, settle_s: float = 0.2,
-                 poll_s: float = 0.02, clock: Callable[[], float] = time.monotonic,
+                 poll_s: float = 0.02, max_poll_s: float = MAX_POLL_S, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep):
         self.store, self.rank = store, rank
         self.members = tuple(sorted(set(members)))
         if rank not in self.members:
             raise ValueError(f"rank {rank} is not among members {list(self.members)}")
         self.generation = generation
-        self.settle_s, self.poll_s = settle_s, poll_s
+        self.settle_s, self.poll_s, self.max_poll_s = settle_s, poll_s, max(poll_s, max_poll_s)
         self._clock, self._sleep = clock, sleep
 
     @staticmethod
     def _reports_key(generation: int) -> str:
         return f"membership/{generation}/reports"
+
+    @staticmethod
+    def _events_key(generation: int) -> str:
+        return f"membership/{generation}/events"
 
     @staticmethod
     def _decision_key(generation: int) -> str:
@@ -172,6 +213,7 @@ class Membership:
         seen = {r: float(t) for r, t in (last_seen or {}).items() if r in ranks and t is not None}
         report = FailureReport(self.rank, ranks, float(detected_at), reason, seen)
         self.store.append(self._reports_key(generation), report.encode() + "\n")
+        self.store.add(self._events_key(generation), 1)
         return True
 
     def pending(self) -> bool:
@@ -196,25 +238,18 @@ class Membership:
 
         Raise MembershipTimeout if no report appears within `timeout_s`.
         """
-        self._check_generation(generation)
-        deadline, first_seen = self._clock() + timeout_s, None
+        wait = DecisionWait(self, generation, timeout_s)
         while True:
-            change = self.decision(generation)
-            if change is not None:
-                return change
-            reports = self.reports(generation)
-            now = self._clock()
-            if reports:
-                first_seen = now if first_seen is None else first_seen
-                if now - first_seen >= self.settle_s or now >= deadline:
-                    return self._commit(generation, reports)
-            elif now >= deadline:
-                raise MembershipTimeout(f"no failure was reported in generation {generation} within {timeout_s}s")
-            self._sleep(max(0.0, min(self.poll_s, deadline - now)))
+            outcome = wait.poll()
+            if isinstance(outcome, MembershipChange):
+                return outcome
+            self._sleep(outcome)
 
     def _commit(self, generation: int, reports: Sequence[FailureReport]) -> MembershipChange:
         proposal = decide(generation, self.members, reports).encode()
-        return MembershipChange.decode(self.store.compare_set(self._decision_key(generation), "", proposal))
+        committed = self.store.compare_set(self._decision_key(generation), "", proposal)
+        self.store.add(self._events_key(generation), 1)  # wake the waiters: the decision is there to read
+        return MembershipChange.decode(committed)
 
     def confirm(self, change: MembershipChange, timeout_s: float) -> bool:
         """Adopt `change`, then wait (bounded) until every survivor has; return False for a stale change.
@@ -222,8 +257,18 @@ class Membership:
         Raise Evicted if this rank is among the dead, and BarrierTimeout naming the survivors that never arrived
         (they should be reported dead in the new generation, which this rank has already adopted).
         """
-        if change.generation <= self.generation:
+        wait = self.confirm_wait(change, timeout_s)
+        if wait is None:
             return False
+        while (pause := wait.poll()) is not None:
+            self._sleep(pause)
+        return True
+
+    def confirm_wait(self, change: MembershipChange, timeout_s: float) -> BarrierWait | None:
+        """Adopt `change` and arrive at the survivors' barrier; return the wait for the others (None for a stale
+        change). `confirm` runs it to the end. Raise as `confirm` does."""
+        if change.generation <= self.generation:
+            return None
         if change.generation != self.generation + 1:
             raise ValueError(f"change to generation {change.generation} skips generations after {self.generation}")
         if change != self.decision(self.generation):
@@ -231,9 +276,47 @@ class Membership:
         if self.rank in change.dead:
             raise Evicted(f"rank {self.rank} was declared dead in generation {change.generation}: {change.reason}")
         self.generation, self.members = change.generation, change.survivors
-        barrier(self.store, f"membership/{change.generation}/confirm", self.rank, change.survivors, timeout_s,
-                poll_s=self.poll_s, clock=self._clock, sleep=self._sleep)
-        return True
+        return BarrierWait(self.store, f"membership/{change.generation}/confirm", self.rank, change.survivors,
+                           timeout_s, poll_s=self.poll_s, max_poll_s=self.max_poll_s, clock=self._clock)
+
+
+class DecisionWait:
+    """One rank's wait for the decision of `generation`, one poll at a time (`Membership.await_decision` runs it to
+    the end; a caller that multiplexes many waits calls `poll` itself)."""
+
+    def __init__(self, membership: Membership, generation: int, timeout_s: float):
+        membership._check_generation(generation)
+        self.membership, self.generation, self.timeout_s = membership, generation, timeout_s
+        self.deadline = membership._clock() + timeout_s
+        self._first_seen: float | None = None
+        self._seen, self._reports, self._pause = 0, [], membership.poll_s
+
+    def poll(self) -> MembershipChange | float:
+        """Poll once: return the committed change, or the seconds to pause before the next poll.
+
+        Raise MembershipTimeout if no report has appeared by the deadline.
+        """
+        m, g = self.membership, self.generation
+        events = m.store.add(m._events_key(g), 0)  # one request while nothing happens
+        if events != self._seen:
+            self._seen, self._pause = events, m.poll_s
+            change = m.decision(g)
+            if change is not None:
+                return change
+            self._reports = m.reports(g)
+        now = m._clock()
+        if self._reports:
+            self._first_seen = now if self._first_seen is None else self._first_seen
+            if now - self._first_seen >= m.settle_s or now >= self.deadline:
+                return m._commit(g, self._reports)
+            wake = min(self.deadline, self._first_seen + m.settle_s)
+        elif now >= self.deadline:
+            raise MembershipTimeout(f"no failure was reported in generation {g} within {self.timeout_s}s")
+        else:
+            wake = self.deadline
+        pause = max(0.0, min(self._pause, wake - now))
+        self._pause = min(2 * self._pause, m.max_poll_s)
+        return pause
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ import torch
 
 from ntp_ds.comm import wire
 from ntp_ds.comm.exchange import Side, UnitExchange
-from ntp_ds.control.heartbeat import Heartbeat, LivenessMonitor, mark_exited, poll_liveness, request_fence
+from ntp_ds.control.heartbeat import (Heartbeat, LivenessMonitor, LivenessReader, mark_exited, poll_liveness,
+                                      request_fence)
 from ntp_ds.control.membership import Membership, barrier, replica_membership
 from ntp_ds.engine.config import ConfigError
 from ntp_ds.engine.engine import write_hf_index, write_hf_shard
@@ -68,9 +69,13 @@ class Recovery:
         self.members = tuple(range(engine.ntp_groups.topology.world_size))
         self.membership = Membership(store, rank, self.members, settle_s=settle_s)
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
         self.monitor = LivenessMonitor(self.members, heartbeat_timeout_s)
-        self.heartbeat = Heartbeat(store.clone(), rank, heartbeat_interval_s,
-                                   monitor=LivenessMonitor((), heartbeat_timeout_s), on_dead=self._peers_dead)
+        self.reader = LivenessReader.from_env(store)
+        beat_store = store.clone()
+        self.heartbeat = Heartbeat(beat_store, rank, heartbeat_interval_s,
+                                   monitor=LivenessMonitor((), heartbeat_timeout_s), on_dead=self._peers_dead,
+                                   reader=LivenessReader.from_env(beat_store))
         self.heartbeat.watch(self._peers(engine), set(self.members) - {rank})
         self.heartbeat.start()
         self.events: list[dict] = []
@@ -259,13 +264,15 @@ class Recovery:
     def _detect(self, error: BaseException) -> tuple[frozenset[int], str]:
         """Find the dead members: marked exited, silent past the heartbeat timeout, or reported by a peer."""
         deadline = time.monotonic() + 2 * self.heartbeat_timeout_s + self.job.ntp.timeout_s
+        pause = 0.05
         while time.monotonic() < deadline:
-            dead = poll_liveness(self.store, self.monitor) & set(self.members)
+            dead = poll_liveness(self.store, self.monitor, self.reader) & set(self.members)
             reported = {r for rep in self.membership.reports(self.membership.generation) for r in rep.ranks}
             dead |= reported & set(self.members)
             if dead:
                 return frozenset(dead), "; ".join(self.monitor.reason(r) for r in sorted(dead)) or str(error)
-            time.sleep(0.05)
+            time.sleep(pause)  # backs off to a beat interval: every survivor polls here at once
+            pause = min(2 * pause, max(0.05, self.heartbeat_interval_s))
         raise error
 
     # -- parameters ---------------------------------------------------------------------------------------------

@@ -1,0 +1,322 @@
+"""Load the control plane as a large job would: thousands of simulated workers on hundreds of simulated nodes.
+
+One TCPStore, a few client threads. Each thread plays a share of the nodes: every simulated worker beats and watches
+its peers through the real `Heartbeat` (its beat, its per-node `LivenessReader`, its backoff), and every simulated
+node's launcher publishes through the real `NodePublisher`, each on its own schedule. A thread runs its share as an
+event loop instead of one OS thread per worker: what matters is the load the store sees and the verdicts the
+watchers reach, not the thread count. Every call on the store is counted.
+
+All workers are healthy except one, which stops beating at `hang_at_s` (a SIGSTOP as the store sees it): its peers
+must declare it dead after the heartbeat timeout, and nobody else may be declared dead. Each peer that finds it
+reports it (`Membership.report_failure`); every other worker learns of the report at its next step boundary
+(`pending()`, once per `step_s`), waits for the decision through the real `DecisionWait` and confirms it at the
+survivors' barrier (`Membership.confirm_wait`), so the agreement's load lands on the store while the beats go on:
+the worst moment.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ntp_ds.control.heartbeat import (NODE_PUBLISH_S, WATCHES_PER_BEAT, Heartbeat, LivenessMonitor, LivenessReader,
+                                      NodePublisher, next_pause, prepare_store)
+from ntp_ds.control.membership import BarrierWait, DecisionWait, Membership, MembershipChange
+from ntp_ds.control.store import connect_store, host_store
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """The simulated job and how long to run it."""
+
+    nodes: int = 512
+    workers_per_node: int = 8
+    interval_s: float = 0.5
+    """Beat interval of every worker (the recovery manager's default)."""
+    heartbeat_timeout_s: float = 3.0
+    duration_s: float = 10.0
+    threads: int = 4
+    """Client threads (each with its own store connection) that share the simulated nodes."""
+    hang_at_s: float | None = 2.0
+    """When the one hung worker (the last rank of node 0) stops beating; None: every worker stays healthy."""
+    per_node: bool = True
+    """Watchers read node keys (False: one key per peer, as without a launcher)."""
+    step_s: float = 1.0
+    """How often a worker checks for a reported failure (`Membership.pending`, at its step boundary)."""
+    settle_s: float = 0.3
+    """The membership settle window (the recovery manager's default)."""
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("nodes", "workers_per_node", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if not 0 < self.interval_s < self.heartbeat_timeout_s:
+            raise ValueError(f"interval_s={self.interval_s} must lie in (0, heartbeat_timeout_s="
+                             f"{self.heartbeat_timeout_s})")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.workers_per_node
+
+    @property
+    def hung_rank(self) -> int | None:
+        return None if self.hang_at_s is None else self.workers_per_node - 1
+
+
+def peers_of(rank: int, nodes: int, workers_per_node: int) -> list[int]:
+    """Whom a worker watches: the other workers of its node (its TP group) and the workers of the same local rank on
+    the neighbouring nodes and the opposite node (its data-parallel neighbours and its buddy). Symmetric."""
+    node, local = divmod(rank, workers_per_node)
+    same_node = {node * workers_per_node + i for i in range(workers_per_node)}
+    others = {((node + d) % nodes) * workers_per_node + local for d in (-1, 1, nodes // 2)}
+    return sorted((same_node | others) - {rank})
+
+
+@dataclass
+class LoadResult:
+    spec: LoadSpec
+    seconds: float
+    ops: Counter
+    false_deaths: int
+    """(watcher, rank) verdicts naming a healthy rank dead."""
+    hung_found_by: int
+    """Peers of the hung worker that declared it dead."""
+    hung_watchers: int
+    detection_s: list[float] = field(default_factory=list)
+    """Per peer of the hung worker: seconds from its last beat to its peer declaring it dead."""
+    worst_beat_lag_s: float = 0.0
+    """Longest delay of a scheduled beat behind its time (the harness falling behind shows here)."""
+    ops_per_second: list[int] = field(default_factory=list)
+    """Store calls in each whole second of the run."""
+    decisions: dict[str, int] = field(default_factory=dict)
+    """Encoded committed change -> how many workers hold it (one key when they all agree)."""
+    agreement_s: float | None = None
+    """From the first failure report to the last worker holding the decision."""
+    confirmed: int = 0
+    """Workers through the survivors' confirm barrier."""
+    confirm_s: float | None = None
+    """From the first failure report to the last worker through the confirm barrier."""
+
+    @property
+    def peak_ops_per_s(self) -> int:
+        return max(self.ops_per_second, default=0)
+
+    @property
+    def decided(self) -> int:
+        return sum(self.decisions.values())
+
+    @property
+    def ops_per_s(self) -> float:
+        return sum(self.ops.values()) / self.seconds
+
+    def line(self) -> str:
+        found = f"{self.hung_found_by}/{self.hung_watchers}"
+        detect = f"{max(self.detection_s):.2f}" if self.detection_s else "-"
+        mix = " ".join(f"{name}={n / self.seconds:.0f}" for name, n in sorted(self.ops.items()))
+        agree = f"{self.agreement_s:.2f}" if self.agreement_s is not None else "-"
+        confirm = f"{self.confirm_s:.2f}" if self.confirm_s is not None else "-"
+        return (f"workers={self.spec.world_size} nodes={self.spec.nodes} per_node={self.spec.per_node} "
+                f"store_ops_per_s={self.ops_per_s:.0f} peak_ops_per_s={self.peak_ops_per_s} "
+                f"false_deaths={self.false_deaths} hung_found_by={found} worst_detection_s={detect} "
+                f"decided={self.decided} decisions={len(self.decisions)} agreement_s={agree} "
+                f"confirmed={self.confirmed} confirm_s={confirm} "
+                f"worst_beat_lag_s={self.worst_beat_lag_s:.2f} ({mix} per s)")
+
+
+class CountingStore:
+    """A store client that counts its calls by name, and by whole second since `start` when that is set (one
+    counter per thread: no lock)."""
+
+    def __init__(self, store):
+        self._store, self.calls, self.per_second = store, Counter(), Counter()
+        self.start: float | None = None
+
+    def __getattr__(self, name):
+        method = getattr(self._store, name)
+
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            if self.start is not None:
+                self.per_second[int(time.monotonic() - self.start)] += 1
+            return method(*args, **kwargs)
+        return counted
+
+
+def run_load(spec: LoadSpec) -> LoadResult:
+    """Run the simulated job against one store for `spec.duration_s`; return the store's load and the verdicts."""
+    host, address = host_store(timeout_s=30.0)
+    prepare_store(host)
+    shares = [list(range(t, spec.nodes, spec.threads)) for t in range(spec.threads)]
+    sims = [_Share(spec, connect_store(address, 30.0), nodes) for nodes in shares]
+    for sim in sims:
+        sim.setup()
+    gc.collect()
+    gc.freeze()  # tens of thousands of long-lived simulated objects: keep the collector from rescanning them
+    start = time.monotonic() + 0.1
+    for sim in sims:
+        sim.counting.calls.clear()
+        sim.counting.start = start
+    threads = [threading.Thread(target=sim.run, args=(start,), name=f"ntp-load-{i}", daemon=True)
+               for i, sim in enumerate(sims)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(spec.duration_s + 30.0)
+    gc.unfreeze()
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError(f"load threads did not finish within {spec.duration_s + 30.0}s")
+    errors = [e for sim in sims for e in sim.errors]
+    if errors:
+        raise RuntimeError(f"{len(errors)} store calls failed; first: {errors[0]!r}")
+    ops = sum((sim.counting.calls for sim in sims), Counter())
+    deaths = [(w, r, t) for sim in sims for w, r, t in sim.deaths]
+    hung = spec.hung_rank
+    false_deaths = sum(1 for _, r, _ in deaths if r != hung)
+    hung_peers = set(peers_of(hung, spec.nodes, spec.workers_per_node)) if hung is not None else set()
+    found = {w: t for w, r, t in deaths if r == hung}
+    last_beat = max((sim.hung_last_beat for sim in sims if sim.hung_last_beat is not None), default=None)
+    detection = [t - last_beat for t in found.values()] if last_beat is not None else []
+    per_second = sum((sim.counting.per_second for sim in sims), Counter())
+    decisions = Counter(change.encode() for sim in sims for change in sim.decided.values())
+    reported = [sim.first_report for sim in sims if sim.first_report is not None]
+    decided_at = [t for sim in sims for t in sim.decided_at.values()]
+    agreement = max(decided_at) - min(reported) if reported and decided_at else None
+    confirmed_at = [t for sim in sims for t in sim.confirmed_at.values()]
+    confirm = max(confirmed_at) - min(reported) if reported and confirmed_at else None
+    return LoadResult(spec, spec.duration_s, ops, false_deaths, len(found.keys() & hung_peers), len(hung_peers),
+                      detection, max(sim.worst_lag for sim in sims),
+                      [per_second[s] for s in range(int(spec.duration_s))], dict(decisions), agreement,
+                      len(confirmed_at), confirm)
+
+
+class _Share:
+    """The nodes one client thread plays: their workers' beats and watches, their launchers' publications."""
+
+    def __init__(self, spec: LoadSpec, client, nodes: list[int]):
+        self.spec, self.nodes = spec, nodes
+        self.counting = CountingStore(client)
+        self.deaths: list[tuple[int, int, float]] = []  # (watcher, rank, wall time)
+        self.errors: list[BaseException] = []
+        self.worst_lag = 0.0
+        self.hung_last_beat: float | None = None
+        wpn = spec.workers_per_node
+        self.ranks = [n * wpn + i for n in nodes for i in range(wpn)]
+        self.publishers = {n: NodePublisher(self.counting, n, range(n * wpn, (n + 1) * wpn)) for n in nodes}
+        self.workers: dict[int, Heartbeat] = {}
+        self.memberships: dict[int, Membership] = {}
+        self.waits: dict[int, DecisionWait] = {}
+        self.decided: dict[int, MembershipChange] = {}
+        self.decided_at: dict[int, float] = {}
+        self.confirms: dict[int, BarrierWait] = {}
+        self.confirmed_at: dict[int, float] = {}
+        self.first_report: float | None = None
+        members = range(spec.world_size)
+        for rank in self.ranks:
+            reader = LivenessReader(self.counting, wpn if spec.per_node else None)
+            hb = Heartbeat(self.counting, rank, spec.interval_s, monitor=LivenessMonitor((), spec.heartbeat_timeout_s),
+                           on_dead=lambda ranks, wall, w=rank: self._dead(w, ranks, wall), reader=reader)
+            self.workers[rank] = hb
+            self.memberships[rank] = Membership(self.counting, rank, members, settle_s=spec.settle_s)
+
+    def _dead(self, watcher: int, ranks: frozenset[int], wall: float) -> None:
+        self.deaths.extend((watcher, r, wall) for r in ranks)
+        monitor = self.workers[watcher].monitor
+        if self.memberships[watcher].report_failure(0, ranks, wall, "no heartbeat",
+                                                    {r: monitor.last_seen(r) for r in ranks}):
+            self.first_report = self.first_report or time.monotonic()
+
+    def setup(self) -> None:
+        """Every worker beats once and every launcher publishes once, as when the job has started."""
+        for hb in self.workers.values():
+            hb.beat()
+        for pub in self.publishers.values():
+            pub.publish()
+        for rank, hb in self.workers.items():
+            hb.watch(peers_of(rank, self.spec.nodes, self.spec.workers_per_node))
+
+    def run(self, start: float) -> None:
+        try:
+            self._run(start)
+        except BaseException as err:  # raised by run_load: a share that stopped early makes the load test fail
+            self.errors.append(err)
+
+    def _run(self, start: float) -> None:
+        spec = self.spec
+        rng = random.Random(spec.seed + self.nodes[0])
+        fastest = spec.interval_s / WATCHES_PER_BEAT
+        end = start + spec.duration_s
+        hang_at = None if spec.hang_at_s is None else start + spec.hang_at_s
+        queue: list[tuple[float, int, str, int]] = []
+        seq = 0
+
+        def push(due, kind, who):
+            nonlocal seq
+            seq += 1
+            heapq.heappush(queue, (due, seq, kind, who))
+
+        for rank in self.ranks:  # spread the first beats and polls: workers do not start in lockstep
+            push(start + rng.uniform(0, spec.interval_s), "beat", rank)
+            push(start + rng.uniform(0, spec.interval_s), "watch", rank)
+        for node in self.nodes:
+            push(start + rng.uniform(0, NODE_PUBLISH_S), "publish", node)
+        for rank in self.ranks:
+            push(start + rng.uniform(0, spec.step_s), "step", rank)
+        pause = {rank: fastest for rank in self.ranks}
+        while queue:
+            due, _, kind, who = heapq.heappop(queue)
+            if due >= end:
+                break
+            now = time.monotonic()
+            if due > now:
+                time.sleep(due - now)
+            hung = who == spec.hung_rank and hang_at is not None and due >= hang_at
+            try:
+                if kind == "beat":
+                    if hung:
+                        continue  # stopped: no more beats, no more watching
+                    self.worst_lag = max(self.worst_lag, time.monotonic() - due)
+                    beat = self.workers[who].beat()
+                    if who == spec.hung_rank:
+                        self.hung_last_beat = beat.wall
+                    push(due + spec.interval_s, "beat", who)
+                elif kind == "watch":
+                    if hung:
+                        continue
+                    news = self.workers[who].poll_peers()
+                    pause[who] = next_pause(pause[who], news, fastest, spec.interval_s)
+                    push(time.monotonic() + pause[who], "watch", who)
+                elif kind == "step":
+                    if hung or who in self.waits:
+                        continue
+                    if self.memberships[who].pending():
+                        self.waits[who] = DecisionWait(self.memberships[who], 0, 60.0)
+                        push(time.monotonic(), "agree", who)
+                    else:
+                        push(due + spec.step_s, "step", who)
+                elif kind == "agree":
+                    outcome = self.waits[who].poll()
+                    if isinstance(outcome, MembershipChange):
+                        self.decided[who], self.decided_at[who] = outcome, time.monotonic()
+                        self.confirms[who] = self.memberships[who].confirm_wait(outcome, 60.0)
+                        push(time.monotonic(), "confirm", who)
+                    else:
+                        push(time.monotonic() + outcome, "agree", who)
+                elif kind == "confirm":
+                    wait_s = self.confirms[who].poll()
+                    if wait_s is None:
+                        self.confirmed_at[who] = time.monotonic()
+                    else:
+                        push(time.monotonic() + wait_s, "confirm", who)
+                else:
+                    self.publishers[who].publish()
+                    push(due + NODE_PUBLISH_S, "publish", who)
+            except Exception as err:  # counted and raised by run_load: a failed call is a failed load test
+                self.errors.append(err)
+                if len(self.errors) > 100:
+                    return
