@@ -116,6 +116,25 @@ def test_hung_worker_is_detected_within_heartbeat_timeout_plus_a_second():
         assert detected <= heartbeat_timeout_s + 1.0, f"rank {rank} saw the hang after {detected:.2f} s"
 
 
+def test_death_at_the_new_generation_s_rendezvous_is_detected_within_heartbeat_timeout_plus_a_second():
+    # Rank 0 hangs (SIGSTOP) as the survivors of rank 4's crash meet for the next generation. They watch their
+    # liveness while they wait for each other, so the attempt fails within the heartbeat timeout (the process group's
+    # own rendezvous would wait timeout_s, 20 s here) and the recovery starts again without rank 0.
+    heartbeat_timeout_s = 3.0
+    ntp = {"tp": 3, "replicas": 2, "min_tp": 1}
+    results = run_ranks(train_with_recovery, 6, ntp, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS,
+                        [fault(4, 2, "forward"), fault(0, 2, "rendezvous", "hang")], heartbeat_timeout_s, 1, None,
+                        20.0, timeout=200, store=True)
+    assert set(results) == {1, 2, 3, 5}
+    assert_equivalent(results)
+    assert all(e["lossless"] for copies in events_of(results) for e in copies)
+    for rank, res in results.items():
+        assert res["failed_attempts"], f"rank {rank} never saw the rendezvous fail"
+        detected = res["failed_attempts"][0] - res["fired"][0]
+        print(f"rank {rank} left the rendezvous {detected:.2f} s after the hang")
+        assert detected <= heartbeat_timeout_s + 1.0, f"rank {rank} left the rendezvous {detected:.2f} s after the hang"
+
+
 def test_overlapped_copies_report_their_real_freshness():
     # With redundancy_overlap the copies of step k travel during step k + 1. A crash late in step k + 1 finds them
     # complete: lossless and equal to the failure-free run. A crash as step k + 1 starts may beat its owner's copy:

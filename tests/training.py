@@ -158,4 +158,5 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
             "layout": engine.ntp_groups.layout, "shards": {n: p.detach().float().clone()
                                                            for n, p in engine.module.named_parameters()},
             "full": full, "events": recovery.events, "global_steps": engine.global_steps,
-            "degrees": engine.ntp_groups.topology.degrees, "noticed": noticed, "fired": fired}
+            "degrees": engine.ntp_groups.topology.degrees, "noticed": noticed, "fired": fired,
+            "failed_attempts": recovery.failed_attempts}

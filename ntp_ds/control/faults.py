@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 log = logging.getLogger(__name__)
 
-PHASES = ("forward", "backward", "grad_sync", "optimizer", "recovery", "transfer")
+PHASES = ("forward", "backward", "grad_sync", "optimizer", "recovery", "rendezvous", "transfer")
 KINDS = ("crash", "hang", "device_error")
 FIELDS = ("rank", "step", "phase", "kind")
 FAULT_COUNT_KEY = "fault/count"

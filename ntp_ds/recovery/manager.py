@@ -22,7 +22,7 @@ from ntp_ds.comm import wire
 from ntp_ds.comm.exchange import Side, UnitExchange
 from ntp_ds.control.heartbeat import (Heartbeat, LivenessMonitor, LivenessReader, mark_exited, poll_liveness,
                                       request_fence)
-from ntp_ds.control.membership import Membership, barrier, replica_membership
+from ntp_ds.control.membership import BarrierWait, Membership, barrier, replica_membership
 from ntp_ds.engine.config import ConfigError
 from ntp_ds.engine.engine import write_hf_index, write_hf_shard
 from ntp_ds.engine.initialize import JobSpec, build_engine, join_world
@@ -79,10 +79,12 @@ class Recovery:
         self.heartbeat.watch(self._peers(engine), set(self.members) - {rank})
         self.heartbeat.start()
         self.events: list[dict] = []
+        self.failed_attempts: list[float] = []
+        """Wall times at which recovery attempts failed (a rank died during the recovery itself)."""
         self.job: JobSpec = engine.job
         self.on_phase = lambda step, phase: None
-        """Called with phase "recovery" once the new membership is agreed and "transfer" as the lost units move:
-        the fault-injection seams."""
+        """Called with phase "recovery" once the new membership is agreed, "rendezvous" as the survivors meet for
+        the new generation and "transfer" as the lost units move: the fault-injection seams."""
 
     def close(self) -> None:
         self.heartbeat.stop()
@@ -126,6 +128,7 @@ class Recovery:
             except (RuntimeError, TimeoutError, ConnectionError) as again:
                 if isinstance(again, RecoveryImpossible):
                     raise
+                self.failed_attempts.append(time.time())
                 log.warning("rank %d: recovery attempt %d failed (%s); retrying", self.rank, attempt + 1, again)
                 error = again
         raise RuntimeError(f"rank {self.rank}: recovery did not converge after {len(self.members)} attempts")
@@ -164,6 +167,8 @@ class Recovery:
             self.leave(f"replica below min_tp={self.job.ntp.min_tp}")
         new_topology = plan.topology(drop)
 
+        self.on_phase(snapshot.global_steps + 1, "rendezvous")
+        self._arrive(change.generation, new_members)
         join_world(self.job.ntp, self.store, change.generation, new_members.index(self.rank), len(new_members))
         self.members = new_members
         self.monitor.retain(new_members)
@@ -259,6 +264,19 @@ class Recovery:
         wire.barrier()
         wire.teardown()
         return f"the last good state is in {self.last_good_dir}"
+
+    def _arrive(self, generation: int, members) -> None:
+        """Meet the new generation's members before joining its process group, watching their liveness: a member
+        that dies or hangs on the way is found within the heartbeat timeout and this attempt fails (the recovery
+        then starts again without it), where the process group's own rendezvous would wait for its store timeout."""
+        others = set(members) - {self.rank}
+        wait = BarrierWait(self.store, f"recovery/{generation}/arrive", self.rank, members, self.job.ntp.timeout_s)
+        while (pause := wait.poll()) is not None:
+            dead = poll_liveness(self.store, self.monitor, self.reader) & others
+            if dead:
+                raise RuntimeError(f"rank(s) {sorted(dead)} died before generation {generation}'s rendezvous: "
+                                   + "; ".join(self.monitor.reason(r) for r in sorted(dead)))
+            time.sleep(pause)
 
     # -- detection ----------------------------------------------------------------------------------------------
     def _detect(self, error: BaseException) -> tuple[frozenset[int], str]:
