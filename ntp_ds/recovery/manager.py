@@ -242,7 +242,7 @@ class Recovery:
             return f"{missing}, so no last good state was written"
         join_world(self.job.ntp, self.store, change.generation, me, len(survivors))
         replica, tp = snapshot.topology.locate(snapshot.rank)
-        whole = Side(ShardLayout.balanced(self.job.model_config.units(), 1), 0)
+        unsharded = Side(ShardLayout.balanced(self.job.model_config.units(), 1), 0)
         device = wire.device_of()
         full = {n: torch.empty(shapes[n], device=device) for n, w in writer.items() if w == me}
         params = {n: t.float() for n, t in snapshot.params.items()}
@@ -250,8 +250,8 @@ class Recovery:
             for m in moves:
                 if m.src == me and m.dst == me:
                     buf = gather_units(params[m.name], specs[m.name], snapshot.topology.layouts[replica], tp, m.units)
-                    scatter_units(full[m.name], buf, specs[m.name], whole.layout, 0, m.units)
-            UnitExchange(moves, me, specs, shapes, Side(snapshot.topology.layouts[replica], tp), whole,
+                    scatter_units(full[m.name], buf, specs[m.name], unsharded.layout, 0, m.units)
+            UnitExchange(moves, me, specs, shapes, Side(snapshot.topology.layouts[replica], tp), unsharded,
                          self.job.ntp.bucket_size).run(params, full, dtype=torch.float32, device=device,
                                                        op="last_good")
         files = {w: i for i, w in enumerate(sorted(set(writer.values())))}
