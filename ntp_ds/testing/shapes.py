@@ -59,7 +59,7 @@ def gathered_offers(old: Topology, new: Topology, old_rank_of: dict[int, int], s
     def of(rank: int, topology: Topology = old, plan=old_plan) -> dict:
         """Addresses depend only on the layout, TP index and data-parallel index: computed once for each."""
         replica, tp = topology.locate(rank)
-        key = (id(topology), topology.layouts[replica], tp, plan.anchors.index(replica))
+        key = (topology is new, topology.layouts[replica], tp, plan.anchors.index(replica))
         if key not in addresses:
             addresses[key] = zero_addresses(topology, rank, specs, full_shapes, plan)
         return addresses[key]
