@@ -32,13 +32,13 @@ def run(degrees, stage, faults, redundancy=1, min_tp=1, timeout=200, last_good_d
                      2.0, redundancy, last_good_dir, timeout=timeout, store=True)
 
 
-def assert_equivalent(results):
-    reference = train_reference("adamw", GLOBAL_BATCH, STEPS)
+def assert_equivalent(results, steps=STEPS):
+    reference = train_reference("adamw", GLOBAL_BATCH, steps)
     ref = dict(reference.named_parameters())
     specs = reference.param_specs()
     assert results, "no rank finished"
     for rank, res in results.items():
-        assert res["global_steps"] == STEPS, f"rank {rank} ended at step {res['global_steps']}"
+        assert res["global_steps"] == steps, f"rank {rank} ended at step {res['global_steps']}"
         for name, shard in res["shards"].items():
             want = shard_tensor(ref[name].detach(), specs[name][0], res["layout"], res["tp_rank"])
             diff = (shard - want).abs().max().item()

@@ -116,19 +116,35 @@ def train_with_checkpoint(rank, world_size, ntp: dict, stage: int, steps: int, c
 
 def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, global_batch: int, micro: int,
                         steps: int, faults: list, heartbeat_timeout_s: float = 2.0, zero_redundancy: int = 1,
-                        last_good_dir: str | None = None, timeout_s: float = 12.0):
-    """One rank of a run with injected faults and live recovery; returns its final state and recovery events."""
+                        last_good_dir: str | None = None, timeout_s: float = 12.0, joins: dict | None = None,
+                        model_overrides: dict | None = None, ds_overrides: dict | None = None):
+    """One rank of a run with injected faults and live recovery; returns its final state and recovery events.
+
+    A joiner (`run_ranks(..., joiners=N)`: NTP_JOIN set) asks the running job for a place from step `joins[rank]`
+    on and trains from where it is admitted; members take joiners in at step boundaries.
+    """
+    import os
+
     import ntp_ds
     from ntp_ds.comm import wire
     from ntp_ds.control.faults import DeviceError, FaultInjector, FaultSchedule, fired_key
+    from ntp_ds.control.store import connect_from_env
+    from ntp_ds.engine.initialize import prepare
     from ntp_ds.recovery.manager import Recovery, RecoveryImpossible
 
-    config = tiny_config()
+    config = tiny_config(**(model_overrides or {}))
     ntp = dict(ntp, timeout_s=timeout_s, zero_redundancy=zero_redundancy)
-    engine = ntp_ds.initialize(model=full_model(config), config=deepspeed_config(optim, stage, global_batch, micro),
-                               ntp=ntp)
-    recovery = Recovery(engine, engine.store, rank, heartbeat_timeout_s=heartbeat_timeout_s,
-                        last_good_dir=last_good_dir)
+    ds = {**deepspeed_config(optim, stage, global_batch, micro), **(ds_overrides or {})}
+    if os.environ.get("NTP_JOIN"):
+        spec, _ = prepare(full_model(config), ds, ntp)
+        recovery = Recovery.join(spec, connect_from_env(timeout_s), rank, not_before=(joins or {}).get(rank, 0),
+                                 timeout_s=120.0, heartbeat_timeout_s=heartbeat_timeout_s,
+                                 last_good_dir=last_good_dir)
+        engine = recovery.engine
+    else:
+        engine = ntp_ds.initialize(model=full_model(config), config=ds, ntp=ntp)
+        recovery = Recovery(engine, engine.store, rank, heartbeat_timeout_s=heartbeat_timeout_s,
+                            last_good_dir=last_good_dir)
     injector = FaultInjector(FaultSchedule.from_config(faults, world_size), rank, engine.store)
     engine.on_phase = recovery.on_phase = injector.check
     data, sampler = dataset(config), GlobalBatchSampler(256, seed=1)
@@ -136,12 +152,19 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
     while engine.global_steps < steps:
         step = engine.global_steps
         try:
-            for batch in replica_micro_batches(data, sampler, engine.batch_plan, engine.ntp_groups.replica, step):
+            if step > 0 and (grown := recovery.at_boundary(step)) is not None:
+                engine = grown.engine
+                engine.on_phase = injector.check
+            for batch in replica_micro_batches(data, sampler, engine.batch_plan, engine.ntp_groups.replica,
+                                               engine.global_steps):
                 engine.backward(engine(batch))
                 engine.step()
         except DeviceError:
             recovery.leave("device error")
         except (RuntimeError, TimeoutError, ConnectionError) as error:
+            if isinstance(error, RecoveryImpossible):
+                recovery.close()
+                return {"stopped": str(error), "events": recovery.events}
             noticed.append(time.time())
             try:
                 engine = recovery.recover(error).engine

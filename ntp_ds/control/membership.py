@@ -251,6 +251,20 @@ class Membership:
         self.store.add(self._events_key(generation), 1)  # wake the waiters: the decision is there to read
         return MembershipChange.decode(committed)
 
+    def commit(self, change: MembershipChange) -> MembershipChange:
+        """Commit `change` (a grown membership, decided without reports) for the current generation unless a
+        decision is committed already; return the decision in force."""
+        if change.generation != self.generation + 1:
+            raise ValueError(f"change to generation {change.generation} does not follow generation {self.generation}")
+        committed = self.store.compare_set(self._decision_key(self.generation), "", change.encode())
+        self.store.add(self._events_key(self.generation), 1)
+        return MembershipChange.decode(committed)
+
+    def adopt(self, change: MembershipChange) -> None:
+        """Move to `change`'s generation and members without the survivors' barrier (a grown membership meets at
+        the new generation's rendezvous instead)."""
+        self.generation, self.members = change.generation, change.survivors
+
     def confirm(self, change: MembershipChange, timeout_s: float) -> bool:
         """Adopt `change`, then wait (bounded) until every survivor has; return False for a stale change.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -49,6 +49,12 @@ class Snapshot:
     mid_step: bool
     stale: dict
     """Units (by kind) of this rank's shard still at the previous step: their streamed copy never arrived."""
+    lr_state: tuple | None = None
+    """(scheduler state, learning rate of each parameter group) of an anchor; None elsewhere."""
+    stale_by_rank: dict = field(default_factory=dict)
+    """Filled in by recovery: every new rank's stale units."""
+    carried_lr: tuple | None = None
+    """Filled in by recovery: the learning-rate state the new anchors take."""
 
 
 class NTPEngine(DeepSpeedEngine):
@@ -268,7 +274,13 @@ class NTPEngine(DeepSpeedEngine):
             fragments=state.local_fragments(self, keys) if self.is_anchor else {},
             keys=keys, optimizer_step=state.optimizer_step(self) if self.is_anchor else 0,
             held=dict(self.copies.held), global_steps=self.global_steps, global_samples=self.global_samples,
-            mid_step=self.in_optimizer_step, stale=stale)
+            mid_step=self.in_optimizer_step, stale=stale, lr_state=self._lr_state())
+
+    def _lr_state(self) -> tuple | None:
+        if not self.is_anchor or self.optimizer is None:
+            return None
+        scheduler = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
+        return scheduler, [group["lr"] for group in self.optimizer.param_groups]
 
     # -- DeepSpeed checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):

@@ -22,14 +22,17 @@ from ntp_ds.comm import wire
 from ntp_ds.comm.exchange import Side, UnitExchange
 from ntp_ds.control.heartbeat import (Heartbeat, LivenessMonitor, LivenessReader, mark_exited, poll_liveness,
                                       request_fence)
-from ntp_ds.control.membership import BarrierWait, Membership, barrier, replica_membership
+from ntp_ds.control.joins import (JoinPlan, JoinRequest, JoinRequests, admit, await_verdict, fingerprint,
+                                  propose_join, read_join_plan, refuse, request_join, undecided)
+from ntp_ds.control.membership import BarrierWait, Membership, MembershipChange, barrier, replica_membership
 from ntp_ds.engine.config import ConfigError
-from ntp_ds.engine.engine import write_hf_index, write_hf_shard
-from ntp_ds.engine.initialize import JobSpec, build_engine, join_world
+from ntp_ds.engine.engine import Snapshot, write_hf_index, write_hf_shard
+from ntp_ds.engine.initialize import JobSpec, build_engine, build_topology, join_world
 from ntp_ds.layout import ShardLayout, Topology
 from ntp_ds.layout import units as U
 from ntp_ds.layout.sharding import gather_units, packed_numel, scatter_units
 from ntp_ds.models import Llama
+from ntp_ds.recovery.placement import Placement
 from ntp_ds.recovery.plan import plan_last_good, plan_unit_moves, rereplicated_moves
 from ntp_ds.recovery.reslice import reslice
 
@@ -55,19 +58,25 @@ class RecoveryOutcome:
 
 
 class Recovery:
-    """One rank's live recovery. `rank` is its launch rank, which never changes; the global rank does."""
+    """One rank's live recovery and growth. `rank` is its launch rank, which never changes; the global rank does.
+
+    A running member passes its engine; a joiner (`Recovery.join`) starts without one and gets it from the members.
+    """
 
     def __init__(self, engine, store, rank: int, *, heartbeat_interval_s: float = 0.5,
-                 heartbeat_timeout_s: float = 3.0, settle_s: float = 0.3, last_good_dir=None):
-        ds = engine.job.ds_config
+                 heartbeat_timeout_s: float = 3.0, settle_s: float = 0.3, last_good_dir=None,
+                 job: JobSpec | None = None, members: tuple[int, ...] | None = None, generation: int = 0):
+        self.job: JobSpec = engine.job if engine is not None else job
+        ds = self.job.ds_config
         if ds.get("bf16", {}).get("enabled") and not ds.get("zero_optimization", {}).get("stage", 0):
             raise ConfigError("zero_optimization.stage=0 with bf16.enabled=true: live recovery cannot read that "
                               "optimizer's fp32 masters; use stage 1 or 2")
         self.engine, self.store, self.rank = engine, store, rank
         self.last_good_dir = last_good_dir
         """Where the survivors write the last good weights (HF form) when no replica can go on."""
-        self.members = tuple(range(engine.ntp_groups.topology.world_size))
-        self.membership = Membership(store, rank, self.members, settle_s=settle_s)
+        self.members = tuple(range(engine.ntp_groups.topology.world_size)) if members is None else tuple(members)
+        """Launch ranks of the generation's members, in global-rank order."""
+        self.membership = Membership(store, rank, self.members, generation, settle_s=settle_s)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.monitor = LivenessMonitor(self.members, heartbeat_timeout_s)
@@ -76,12 +85,15 @@ class Recovery:
         self.heartbeat = Heartbeat(beat_store, rank, heartbeat_interval_s,
                                    monitor=LivenessMonitor((), heartbeat_timeout_s), on_dead=self._peers_dead,
                                    reader=LivenessReader.from_env(beat_store))
-        self.heartbeat.watch(self._peers(engine), set(self.members) - {rank})
+        if engine is not None:
+            self.heartbeat.watch(self._peers(engine), set(self.members) - {rank})
         self.heartbeat.start()
         self.events: list[dict] = []
         self.failed_attempts: list[float] = []
         """Wall times at which recovery attempts failed (a rank died during the recovery itself)."""
-        self.job: JobSpec = engine.job
+        self.placement = Placement.initial(build_topology(self.job.model_config.units(), self.job.ntp))
+        """Which configured replica and healthy TP slot each member holds: where joiners go."""
+        self.joins = JoinRequests(store)
         self.on_phase = lambda step, phase: None
         """Called with phase "recovery" once the new membership is agreed, "rendezvous" as the survivors meet for
         the new generation and "transfer" as the lost units move: the fault-injection seams."""
@@ -122,6 +134,9 @@ class Recovery:
         error.__traceback__ = error.__context__ = error.__cause__ = None
         self.engine.release()
         self.engine = None
+        return self._recover_from(snapshot, old_members, error, failed_at)
+
+    def _recover_from(self, snapshot, old_members, error, failed_at) -> RecoveryOutcome:
         for attempt in range(len(self.members)):
             try:
                 return self._attempt(snapshot, old_members, error, failed_at)
@@ -166,29 +181,74 @@ class Recovery:
             log.warning("rank %d: replica dropped (below min_tp=%d); leaving", self.rank, self.job.ntp.min_tp)
             self.leave(f"replica below min_tp={self.job.ntp.min_tp}")
         new_topology = plan.topology(drop)
+        placement = self.placement.after_loss(plan.lost, drop)
 
         self.on_phase(snapshot.global_steps + 1, "rendezvous")
-        self._arrive(change.generation, new_members)
-        join_world(self.job.ntp, self.store, change.generation, new_members.index(self.rank), len(new_members))
-        self.members = new_members
-        self.monitor.retain(new_members)
-        self.heartbeat.watch([])  # peers are known once the new engine is built
+        self._regroup(change.generation, new_members)
+        snapshot = self._share_context(snapshot)
         t_regrouped = time.time()
+        rebuilt = [r for r in plan.degraded if r not in drop]
+        event = {"dead": sorted(gone), "dropped_replicas": list(drop), "detection_s": change.detection_s,
+                 "failure_to_detection_s": t0 - failed_at, "agreement_s": t_agreed - t0,
+                 "regroup_s": t_regrouped - t_agreed, "reason": change.reason}
+        engine, event = self._install(snapshot, old_members, change.generation, new_topology, new_members, placement,
+                                      {old_members.index(g) for g in gone}, traffic_before, event)
+        event["lost_shard_bytes"] = _lost_shard_bytes(snapshot.topology, old_members, gone, rebuilt, engine)
+        event["reshard_s"] = time.time() - t_regrouped
+        log.warning("rank %d: recovered to generation %d, TP degrees %s -> %s", self.rank, change.generation,
+                    event["degrees_before"], event["degrees_after"])
+        self.events.append(event)
+        return RecoveryOutcome(engine, event)
 
-        old_rank_of = {i: old_members.index(m) for i, m in enumerate(new_members)}
-        stale = dict(enumerate(wire.all_gather_object(snapshot.stale)))
+    def _regroup(self, generation: int, members: tuple[int, ...]) -> None:
+        """Meet the new generation's members and join its process group."""
+        self._arrive(generation, members)
+        join_world(self.job.ntp, self.store, generation, members.index(self.rank), len(members))
+        self.members = members
+        self.monitor = LivenessMonitor(members, self.heartbeat_timeout_s)
+        self.heartbeat.watch([])  # peers are known once the new engine is built
+
+    def _share_context(self, snapshot):
+        """Every member's stale units, and what a joiner lacks (the old topology, steps, learning-rate state) from
+        the lowest rank that held an optimizer; return the snapshot completed with it."""
+        mine = {"stale": snapshot.stale if snapshot is not None else {}, "held": snapshot is not None,
+                "lr": snapshot is not None and snapshot.lr_state is not None}
+        gathered = wire.all_gather_object(mine)
+        src = next((i for i, g in enumerate(gathered) if g["lr"]), None)
+        if src is None:
+            src = next(i for i, g in enumerate(gathered) if g["held"])
+        me = self.members.index(self.rank)
+        context = None
+        if me == src:
+            context = {"topology": snapshot.topology, "placement": self.placement, "lr_state": snapshot.lr_state,
+                       "global_steps": snapshot.global_steps, "global_samples": snapshot.global_samples}
+        context = wire.broadcast_object(context, src)
+        if snapshot is None:
+            snapshot = Snapshot(topology=context["topology"], rank=None, params={}, fragments={}, keys=(),
+                                optimizer_step=0, held={}, global_steps=context["global_steps"],
+                                global_samples=context["global_samples"], mid_step=False, stale={}, lr_state=None)
+            self.placement = context["placement"]
+        snapshot.stale_by_rank = {i: g["stale"] for i, g in enumerate(gathered)}
+        snapshot.carried_lr = context["lr_state"]
+        return snapshot
+
+    def _install(self, snapshot, old_members, generation, new_topology, new_members, placement, dead_owners,
+                 traffic_before, event) -> tuple:
+        """Build the new generation's engine: parameters from the units held plus the missing ones pulled from their
+        holders, optimizer state re-sliced from live fragments and copies; measure what was installed."""
+        old_rank_of = {i: old_members.index(m) for i, m in enumerate(new_members) if m in old_members}
         try:
-            moves = plan_unit_moves(snapshot.topology, new_topology, old_rank_of, stale)
+            moves = plan_unit_moves(snapshot.topology, new_topology, old_rank_of, snapshot.stale_by_rank)
         except LookupError as e:
-            raise RecoveryImpossible(f"{e}: every replica lost it (ranks {sorted(gone)} died); restart from the last "
-                                     f"checkpoint") from None
+            raise RecoveryImpossible(f"{e}: every replica lost it (ranks {sorted(set(old_members) - set(new_members))} "
+                                     f"died); restart from the last checkpoint") from None
         moved = {}
         rereplicated = rereplicated_moves(snapshot.topology, new_topology, old_rank_of, moves)
         engine = build_engine(self.job, new_topology,
                               lambda groups: self._reshard(groups, snapshot, moves, moved, rereplicated), self.store)
-        dead_owners = {old_members.index(g) for g in gone}
         state = reslice(engine, snapshot, dead_owners)
         engine.global_steps, engine.global_samples = snapshot.global_steps, snapshot.global_samples
+        restore_learning_rate(engine, snapshot.carried_lr)
         # Before any optimizer step there is no state to copy (the first step sends it, layout included).
         if wire.sum_counts([len(engine.optimizer_keys())])[0]:
             engine.refresh_copies()
@@ -201,29 +261,133 @@ class Recovery:
         totals = wire.sum_counts([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), state["bytes_received"],
                                   state["restored_bytes"], int(whole)] + list(received.values()))
         self.heartbeat.watch(self._peers(engine), set(new_members) - {self.rank})
-        barrier(self.store, f"recovery/{change.generation}/done", self.rank, new_members, self.job.ntp.timeout_s)
-        t_done = time.time()
+        barrier(self.store, f"recovery/{generation}/done", self.rank, new_members, self.job.ntp.timeout_s)
+        self.engine, self.placement = engine, placement
+        event = {"generation": generation, **event,
+                 "degrees_before": list(snapshot.topology.degrees), "degrees_after": list(new_topology.degrees),
+                 "bytes_moved": int(totals[0]), "kv_rereplicated_bytes": int(totals[1]),
+                 "rank_bytes_received": moved.get("bytes", 0), "optimizer_bytes_moved": int(totals[2]),
+                 "optimizer_bytes_restored": int(totals[3]), "lost_optimizer_bytes": state["lost_bytes"],
+                 "traffic_bytes": dict(zip(received, map(int, totals[5:]))),
+                 "lossless": int(totals[4]) == len(new_members)}
+        return engine, event
 
-        rebuilt = [r for r in plan.degraded if r not in drop]
-        lost_bytes = _lost_shard_bytes(snapshot.topology, old_members, gone, rebuilt, engine)
-        event = {
-            "generation": change.generation, "dead": sorted(gone), "dropped_replicas": list(drop),
-            "degrees_before": list(snapshot.topology.degrees), "degrees_after": list(new_topology.degrees),
-            "detection_s": change.detection_s, "failure_to_detection_s": t0 - failed_at,
-            "agreement_s": t_agreed - t0, "regroup_s": t_regrouped - t_agreed, "reshard_s": t_done - t_regrouped,
-            "bytes_moved": int(totals[0]), "lost_shard_bytes": lost_bytes,
-            "kv_rereplicated_bytes": int(totals[1]), "rank_bytes_received": moved.get("bytes", 0),
-            "optimizer_bytes_moved": int(totals[2]),
-            "optimizer_bytes_restored": int(totals[3]), "lost_optimizer_bytes": state["lost_bytes"],
-            "traffic_bytes": dict(zip(received, map(int, totals[5:]))),
-            "lossless": int(totals[4]) == len(new_members),
-            "reason": change.reason,
-        }
-        self.engine = engine
+    # -- growing back -------------------------------------------------------------------------------------------
+    def at_boundary(self, completed: int) -> RecoveryOutcome | None:
+        """After step `completed`: admit due joiners (global rank 0 plans it) and grow if this is the planned
+        boundary; return the grown engine's outcome, or None (one store request per rank while nobody joins)."""
+        generation = self.membership.generation
+        if self.members.index(self.rank) == 0:
+            self._plan_joins(generation, completed)
+        plan = read_join_plan(self.store, generation)
+        if plan is None or plan.after != completed or not plan.joiners:
+            return None
+        return self.grow(plan)
+
+    def _plan_joins(self, generation: int, completed: int) -> None:
+        pending = undecided(self.store, self.joins.read())
+        if not pending or read_join_plan(self.store, generation) is not None:
+            return
+        mine = job_fingerprint(self.job)
+        due, refused = [], {}
+        for request in pending:
+            if request.fingerprint != mine:
+                refused[request.rank] = (f"rank {request.rank} runs another job configuration (fingerprint "
+                                         f"{request.fingerprint}, the job's is {mine}): same model, DeepSpeed and "
+                                         f"parallel configs are required to join")
+            elif request.rank in self.members:
+                refused[request.rank] = f"rank {request.rank} is already a member of the job"
+            elif request.not_before <= completed + 2:  # it trains from step completed + 2 on
+                due.append(request.rank)
+        placement, members, unseated = self.placement.grow(self.members, tuple(sorted(due)), self.job.ntp.min_tp)
+        for rank in unseated:
+            refused[rank] = (f"rank {rank}: no replica has a free place (every replica is at its configured TP "
+                             f"degree, and too few joiners to bring back a dropped replica at min_tp="
+                             f"{self.job.ntp.min_tp})")
+        for rank, why in refused.items():
+            refuse(self.store, rank, why)
+        seated = tuple(r for r in sorted(due) if r not in unseated)
+        if seated:
+            plan = propose_join(self.store, JoinPlan(generation, completed + 1, seated, self.members, members))
+            admit(self.store, plan)
+
+    def grow(self, plan: JoinPlan) -> RecoveryOutcome:
+        """Take `plan.joiners` in at this boundary: commit the grown membership, hand the joiners their units and
+        optimizer state from memory, and return the new engine. A failure on the way (a joiner dies) falls back to
+        a recovery from the state held at the boundary."""
+        t0 = time.time()
+        traffic_before = wire.traffic()
+        generation = self.membership.generation
+        change = MembershipChange(generation + 1, frozenset(), tuple(sorted(plan.members)), 0.0,
+                                  f"rank{'s' if len(plan.joiners) > 1 else ''} {', '.join(map(str, plan.joiners))} "
+                                  f"joined")
+        committed = self.membership.commit(change)
+        if committed != change:  # a failure was reported first: recover from it (the joiners are refused then)
+            raise RuntimeError(f"a failure was reported at the join boundary: {committed.reason}")
+        snapshot, old_members = self.engine.snapshot(), self.members
+        self.engine.release()
+        self.engine = None
+        self.membership.adopt(change)
+        try:
+            return self._grow(snapshot, old_members, plan, change, t0, traffic_before)
+        except (RuntimeError, TimeoutError, ConnectionError) as error:
+            if isinstance(error, RecoveryImpossible):
+                raise
+            log.warning("rank %d: growing to generation %d failed (%s); recovering without the joiners", self.rank,
+                        change.generation, error)
+            return self._recover_from(snapshot, old_members, error, time.time())
+
+    def _grow(self, snapshot, old_members, plan, change, t0, traffic_before) -> RecoveryOutcome:
+        wire.teardown()
+        gc.collect()
+        self._regroup(change.generation, plan.members)
+        snapshot = self._share_context(snapshot)
+        placement, members, _ = self.placement.grow(plan.members_before, plan.joiners, self.job.ntp.min_tp)
+        if members != plan.members:
+            raise RecoveryImpossible(f"the join plan seats {plan.members}, this rank's placement {members}")
+        topology = placement.topology(self.placement, snapshot.topology)
+        t_regrouped = time.time()
+        event = {"joined": list(plan.joiners), "reason": change.reason, "regroup_s": t_regrouped - t0}
+        engine, event = self._install(snapshot, old_members, change.generation, topology, plan.members, placement,
+                                      set(), traffic_before, event)
+        event["joiner_shard_bytes"] = _joiner_shard_bytes(topology, plan.members, plan.joiners, engine)
+        event["reshard_s"] = time.time() - t_regrouped
+        event["grow_s"] = time.time() - t0
+        log.warning("rank %d: grew to generation %d with rank(s) %s, TP degrees %s -> %s", self.rank,
+                    change.generation, list(plan.joiners), event["degrees_before"], event["degrees_after"])
         self.events.append(event)
-        log.warning("rank %d: recovered to generation %d, TP degrees %s -> %s", self.rank, change.generation,
-                    event["degrees_before"], event["degrees_after"])
         return RecoveryOutcome(engine, event)
+
+    @classmethod
+    def join(cls, job: JobSpec, store, rank: int, *, not_before: int = 0, timeout_s: float = 600.0, node: int = 0,
+             **kwargs) -> Recovery:
+        """Ask the running job on `store` to take launch rank `rank` in from step `not_before` on; wait (at most
+        `timeout_s`) to be admitted, then receive this rank's shard and optimizer state from the members. Return
+        the Recovery, whose `engine` is ready for the next step. Raise JoinRefused with the job's reason."""
+        request_join(store, JoinRequest(rank, job_fingerprint(job), not_before, node, time.time()))
+        # Beat while waiting: the members see this rank alive when they plan and when they meet it.
+        heartbeat = Heartbeat(store.clone(), rank, kwargs.get("heartbeat_interval_s", 0.5)).start()
+        try:
+            plan = await_verdict(store, rank, timeout_s)
+        finally:
+            heartbeat.stop()
+        recovery = cls(None, store, rank, job=job, members=plan.members, generation=plan.generation + 1, **kwargs)
+        t0 = time.time()
+        traffic_before = wire.traffic()
+        change = MembershipChange(plan.generation + 1, frozenset(), tuple(sorted(plan.members)), 0.0, "join")
+        recovery._regroup(change.generation, plan.members)
+        snapshot = recovery._share_context(None)
+        placement, members, _ = recovery.placement.grow(plan.members_before, plan.joiners, job.ntp.min_tp)
+        topology = placement.topology(recovery.placement, snapshot.topology)
+        t_regrouped = time.time()
+        event = {"joined": list(plan.joiners), "reason": change.reason, "regroup_s": t_regrouped - t0}
+        engine, event = recovery._install(snapshot, plan.members_before, change.generation, topology, plan.members,
+                                          placement, set(), traffic_before, event)
+        event["joiner_shard_bytes"] = _joiner_shard_bytes(topology, plan.members, plan.joiners, engine)
+        event["reshard_s"] = time.time() - t_regrouped
+        event["grow_s"] = time.time() - t0
+        recovery.events.append(event)
+        return recovery
 
     def _save_last_good(self, snapshot, change) -> str:
         """Write the survivors' shards of the last completed step as a sharded HF directory: each survivor
@@ -302,10 +466,15 @@ class Recovery:
         specs = {n: s for n, (s, _) in spec_shapes.items()}
         full_shapes = {n: shape for n, (_, shape) in spec_shapes.items()}
         new_params = dict(module.named_parameters())
-        old_replica, old_tp = snapshot.topology.locate(snapshot.rank)
-        old_layout = snapshot.topology.layouts[old_replica]
+        if snapshot.rank is None:  # a joiner holds nothing yet: it only receives
+            old_layout, old_tp = groups.layout, groups.tp_rank
+        else:
+            old_replica, old_tp = snapshot.topology.locate(snapshot.rank)
+            old_layout = snapshot.topology.layouts[old_replica]
         with torch.no_grad():
             for name, spec in specs.items():
+                if snapshot.rank is None:
+                    continue
                 keep = U.intersect(old_layout.owned(spec.kind, old_tp), groups.layout.owned(spec.kind, groups.tp_rank))
                 keep = U.subtract(keep, snapshot.stale.get(spec.kind, ()))  # fetched afresh with the moves
                 if keep:
@@ -314,7 +483,7 @@ class Recovery:
             self.on_phase(snapshot.global_steps + 1, "transfer")  # its peers are blocked in this exchange with it
             moved["bytes"] = self._exchange_units(moves, groups, snapshot, old_layout, old_tp, specs, full_shapes,
                                                   new_params)
-        width = next(iter(snapshot.params.values())).element_size()
+        width = parameter_dtype(self.job.ds_config).itemsize
         moved["kv_rereplicated"] = sum(packed_numel(specs[n], tuple(new_params[n].shape), m.units) * width
                                        for m in rereplicated if m.dst == groups.rank
                                        for n in specs if specs[n].kind == m.kind)
@@ -324,7 +493,7 @@ class Recovery:
         """Pull the missing units: senders pack them out of their old layout, receivers unpack into the new one."""
         exchange = UnitExchange(moves, groups.rank, specs, full_shapes, Side(old_layout, old_tp),
                                 Side(groups.layout, groups.tp_rank), self.job.ntp.bucket_size)
-        dtype = next(iter(snapshot.params.values())).dtype
+        dtype = parameter_dtype(self.job.ds_config)
         return exchange.run(snapshot.params, {n: p.data for n, p in new_params.items()}, dtype=dtype,
                             device=wire.device_of(), op="reshard")
 
@@ -356,6 +525,47 @@ def _lost_shard_bytes(topology: Topology, members, gone, rebuilt, engine) -> int
         for name, spec in engine.param_specs.items():
             lost = U.union(*(lay.owned(spec.kind, t) for t in range(lay.tp) if ranks[t] in dead))
             units = U.subtract(lost, U.union(*(lay.owned(spec.kind, t) for t in range(lay.tp) if ranks[t] not in dead)))
+            if units:
+                total += packed_numel(spec, engine.full_shapes[name], units) * width
+    return total
+
+
+def parameter_dtype(ds_config: dict) -> torch.dtype:
+    """The dtype DeepSpeed trains the module's parameters in (what the members' shards hold)."""
+    if ds_config.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    if ds_config.get("fp16", {}).get("enabled"):
+        return torch.float16
+    return torch.float32
+
+
+def job_fingerprint(job: JobSpec) -> str:
+    """What a joiner must share with the job: the model, the DeepSpeed config and the parallel config."""
+    return fingerprint(job.model_config, job.ds_config, job.ntp.replica_degrees, job.ntp.min_tp,
+                       job.ntp.zero_redundancy, job.ntp.batch_policy)
+
+
+def restore_learning_rate(engine, lr_state) -> None:
+    """Put the learning-rate schedule where it was: a rebuilt engine starts its scheduler (and the optimizer's
+    learning rates) from step 0, so a warm-up would start over after every recovery."""
+    if lr_state is None or getattr(engine, "optimizer", None) is None:
+        return
+    scheduler_state, lrs = lr_state
+    if engine.lr_scheduler is not None and scheduler_state is not None:
+        engine.lr_scheduler.load_state_dict(scheduler_state)
+    for group, lr in zip(engine.optimizer.param_groups, lrs):
+        group["lr"] = lr
+
+
+def _joiner_shard_bytes(topology: Topology, members, joiners, engine) -> int:
+    """Parameter bytes of the joiners' new shards (each unit once per joiner)."""
+    width = parameter_dtype(engine.job.ds_config).itemsize
+    total = 0
+    for rank in (members.index(j) for j in joiners):
+        replica, tp = topology.locate(rank)
+        lay = topology.layouts[replica]
+        for name, spec in engine.param_specs.items():
+            units = lay.owned(spec.kind, tp)
             if units:
                 total += packed_numel(spec, engine.full_shapes[name], units) * width
     return total

@@ -25,7 +25,7 @@ def plan_unit_moves(old: Topology, new: Topology, old_rank_of: dict[int, int],
                     stale: dict[int, dict[str, U.Ranges]] | None = None) -> list[UnitMove]:
     """Units every new rank needs but did not hold before, each fetched once from a surviving holder.
 
-    `old_rank_of` maps each new global rank to its global rank in the old topology. A unit a rank held before stays
+    `old_rank_of` maps each new global rank to its global rank in the old topology (a joiner has none). A unit a rank held before stays
     in place; a missing one comes from the least-loaded survivor holding it in another replica. `stale[new_rank]`
     lists units (by kind) that rank holds only at the previous step (a streamed copy that never arrived): it holds
     them for nobody, itself included.
@@ -112,7 +112,7 @@ def rereplicated_moves(old: Topology, new: Topology, old_rank_of: dict[int, int]
         if m.kind != "kv":
             continue
         replica = new.locate(m.dst)[0]
-        siblings = U.union(*(_held(old, old_rank_of[r], "kv", ()) for r in new.ranks_of(replica)))
+        siblings = U.union(*(_held(old, old_rank_of[r], "kv", ()) for r in new.ranks_of(replica) if r in old_rank_of))
         units = U.intersect(m.units, siblings)
         if units:
             out.append(UnitMove(m.src, m.dst, m.kind, units))

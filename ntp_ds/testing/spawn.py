@@ -26,6 +26,8 @@ def free_port() -> int:
 def _child(fn, rank, world_size, port, store_address, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    if rank >= world_size:  # a joiner: it asks the running job for a place instead of starting with it
+        os.environ[JOIN_ENV] = "1"
     if store_address:
         os.environ["NTP_STORE"] = store_address
     if os.environ.get("NTP_TEST_DEVICE", "cpu") == "cpu":
@@ -42,8 +44,14 @@ def _child(fn, rank, world_size, port, store_address, args, results):
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, store: bool = False) -> list | dict:
-    """Run `fn(rank, world_size, *args)` in `world_size` processes.
+JOIN_ENV = "NTP_JOIN"
+"""Set (to 1) in a worker that joins a running job (`ntp-ds launch --join`, or a joiner of `run_ranks`)."""
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, store: bool = False,
+              joiners: int = 0) -> list | dict:
+    """Run `fn(rank, world_size, *args)` in `world_size` processes, and in `joiners` more (ranks world_size and up,
+    with `NTP_JOIN=1` in their environment) that join the running job through the store.
 
     Without `store`: return the results in rank order; raise if any rank fails. With `store`: return
     {rank: result} of the ranks that returned one; a rank that dies or exits is marked exited in the store and left
@@ -58,16 +66,19 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, store: bool = 
         from ntp_ds.control.store import host_store
 
         host, address = host_store()
+    if joiners and not store:
+        raise ValueError("joiners need the coordination store (store=True)")
+    total = world_size + joiners
     procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, address, args, results), daemon=True)
-             for r in range(world_size)]
+             for r in range(total)]
     for p in procs:
         p.start()
     out, done, deadline = {}, set(), time.monotonic() + timeout
     try:
-        while len(done) < world_size:
+        while len(done) < total:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - done)} did not finish in {timeout}s")
+                raise TimeoutError(f"ranks {sorted(set(range(total)) - done)} did not finish in {timeout}s")
             try:
                 rank, status, value = results.get(timeout=min(left, 0.2))
             except queue.Empty:
@@ -83,7 +94,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, store: bool = 
                         done.add(r)
                 if store:
                     _fence(host, procs, done)
-                if store and len(done) + _stopped(procs, done) >= world_size:
+                if store and len(done) + _stopped(procs, done) >= total:
                     break
                 continue
             done.add(rank)

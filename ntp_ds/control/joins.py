@@ -1,0 +1,158 @@
+"""Joining a running job: a new worker asks through the store, the members admit it at a step boundary.
+
+Protocol (keys in the job's store; ranks are launch ranks, which a joiner gets fresh from its launcher):
+1. The joiner appends a `JoinRequest` to `join/requests`: its rank, the fingerprint of its job configuration and the
+   first step it may train (`not_before`: a repaired GPU comes back at a scheduled step, a spare at once).
+2. After every completed step s, global rank 0 of the running generation g reads the requests (one request while
+   none is new) and, for those due, commits a `JoinPlan` to `join/plan/{g}`: grow once step s + 1 is complete. As
+   with a stop (`ntp_ds.control.job`), no rank can have completed s + 1 yet, so every member meets the plan at the
+   same boundary. A joiner whose configuration differs, or that has no place to go, gets a refusal instead.
+3. Each member reads `join/plan/{g}` after every step (one request); at the planned boundary they commit the grown
+   membership as generation g + 1 and rebuild with the joiners (`ntp_ds.recovery.Recovery.grow`).
+4. The joiner waits for its verdict (`join/verdict/{rank}`): admitted into generation g + 1 (then it meets the
+   members at that generation's rendezvous), or refused with the reason, which it prints before exiting.
+Every wait is bounded. A joiner that dies before or during the rebuild is a failure like any other: the members
+recover without it from the state they held at the boundary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+REQUESTS_KEY = "join/requests"
+EVENTS_KEY = "join/events"
+
+
+def plan_key(generation: int) -> str:
+    return f"join/plan/{generation}"
+
+
+def verdict_key(rank: int) -> str:
+    return f"join/verdict/{rank}"
+
+
+class JoinRefused(RuntimeError):
+    """The running job refused this joiner; the message says why."""
+
+
+class JoinTimeout(TimeoutError):
+    """No verdict reached the joiner within its bound."""
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """Launch rank `rank` asks to join from step `not_before` on, running the job configuration `fingerprint`."""
+
+    rank: int
+    fingerprint: str
+    not_before: int
+    node: int = 0
+    wall: float = 0.0
+
+    def encode(self) -> str:
+        return json.dumps({"rank": self.rank, "fingerprint": self.fingerprint, "not_before": self.not_before,
+                           "node": self.node, "wall": self.wall})
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> JoinRequest:
+        d = json.loads(raw)
+        return cls(int(d["rank"]), d["fingerprint"], int(d["not_before"]), int(d.get("node", 0)),
+                   float(d.get("wall", 0.0)))
+
+
+@dataclass(frozen=True)
+class JoinPlan:
+    """Generation `generation` grows by `joiners` once step `after` is complete; `members` is the new generation's
+    launch ranks in global-rank order and `members_before` the old one's; `refused` maps a rank to the reason."""
+
+    generation: int
+    after: int
+    joiners: tuple[int, ...]
+    members_before: tuple[int, ...]
+    members: tuple[int, ...]
+    refused: dict[int, str] = field(default_factory=dict)
+
+    def encode(self) -> str:
+        return json.dumps({"generation": self.generation, "after": self.after, "joiners": list(self.joiners),
+                           "members_before": list(self.members_before), "members": list(self.members),
+                           "refused": {str(r): why for r, why in self.refused.items()}}, sort_keys=True)
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> JoinPlan:
+        d = json.loads(raw)
+        return cls(int(d["generation"]), int(d["after"]), tuple(d["joiners"]), tuple(d["members_before"]),
+                   tuple(d["members"]), {int(r): why for r, why in d["refused"].items()})
+
+
+def fingerprint(*parts) -> str:
+    """A short digest of what a joiner must share with the job (model, DeepSpeed and NTP configs)."""
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def request_join(store, request: JoinRequest) -> None:
+    store.append(REQUESTS_KEY, request.encode() + "\n")
+    store.add(EVENTS_KEY, 1)
+
+
+class JoinRequests:
+    """Global rank 0's view of the requests: read only when their counter moved."""
+
+    def __init__(self, store):
+        self.store, self._seen, self._requests = store, 0, []
+
+    def read(self) -> list[JoinRequest]:
+        events = self.store.add(EVENTS_KEY, 0)
+        if events != self._seen:
+            self._seen = events
+            raw = self.store.get(REQUESTS_KEY).decode() if self.store.check([REQUESTS_KEY]) else ""
+            self._requests = [JoinRequest.decode(line) for line in raw.splitlines() if line]
+        return list(self._requests)
+
+
+def undecided(store, requests: list[JoinRequest]) -> list[JoinRequest]:
+    """The requests without a verdict yet."""
+    return [r for r in requests if not store.check([verdict_key(r.rank)])]
+
+
+def propose_join(store, plan: JoinPlan) -> JoinPlan:
+    """Commit `plan` for its generation unless one is committed already; return the plan in force."""
+    committed = store.compare_set(plan_key(plan.generation), "", plan.encode())
+    return JoinPlan.decode(committed)
+
+
+def read_join_plan(store, generation: int) -> JoinPlan | None:
+    key = plan_key(generation)
+    return JoinPlan.decode(store.get(key)) if store.check([key]) else None
+
+
+def refuse(store, rank: int, reason: str) -> None:
+    store.set(verdict_key(rank), json.dumps({"refused": reason}))
+
+
+def admit(store, plan: JoinPlan) -> None:
+    for rank in plan.joiners:
+        store.set(verdict_key(rank), json.dumps({"generation": plan.generation}))
+
+
+def await_verdict(store, rank: int, timeout_s: float, *, clock: Callable[[], float] = time.monotonic,
+                  sleep: Callable[[float], None] = time.sleep, max_poll_s: float = 0.5) -> JoinPlan:
+    """Wait (bounded) for this joiner's verdict; return the plan that admits it, raise JoinRefused or JoinTimeout."""
+    deadline, pause, key = clock() + timeout_s, 0.05, verdict_key(rank)
+    while not store.check([key]):
+        if clock() >= deadline:
+            raise JoinTimeout(f"rank {rank}: the running job did not admit or refuse this joiner within {timeout_s:g} s "
+                              f"(is a job running on this store, and has it reached the join step?)")
+        sleep(pause)
+        pause = min(2 * pause, max_poll_s)
+    verdict = json.loads(store.get(key))
+    if "refused" in verdict:
+        raise JoinRefused(verdict["refused"])
+    plan = read_join_plan(store, int(verdict["generation"]))
+    if plan is None or rank not in plan.joiners:
+        raise JoinRefused(f"rank {rank}: admitted into generation {verdict['generation']}, whose plan does not name it")
+    return plan
