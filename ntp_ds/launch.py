@@ -18,6 +18,11 @@ Exit status: 0 when at least one worker finished successfully (exit 0), the othe
 status of the first worker that failed (128 + N for signal N); 2 for a usage mistake; 128 + N when stopped by
 signal N (SIGINT: 130, SIGTERM: 143). With several nodes, each node's launcher judges only its own workers.
 
+Growing back: with `--join --store HOST:PORT` the launcher starts workers that join the job running on that store
+(a repaired or spare node): each gets a fresh launch rank and NTP_JOIN=1, asks the job for a place, and is taken in at
+a step boundary (`ntp_ds.control.joins`). A `repair` fault (in the run's `fault.faults`, or sent with `ntp-ds inject
+--kind repair`) makes this launcher start a replacement for its worker that died, joining from the repair's step.
+
 SIGINT and SIGTERM: the first is passed to every worker (an `ntp_ds.train` worker then stops cleanly at a step
 every rank agrees on); workers still running `--grace-s` later are killed, and so are they at a second signal.
 """
@@ -32,17 +37,19 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ntp_ds.run.stop import DUPLICATE_S, SIGNALS
 
 PROG = "ntp-ds launch"
 MASTER_PORT_KEY = "launch/master_port"
+LAUNCH_RANKS_KEY = "launch/joined_ranks"
+"""Counter of launch ranks given to joining workers (they number from the job's world size up)."""
 _VALUED = ("--nproc-per-node", "--nnodes", "--node-rank", "--store", "--run-dir", "--grace-s")
 
 USAGE = f"""usage: {PROG} [--nproc-per-node N] [--nnodes N --node-rank I --store HOST:PORT]
-                     [--run-dir DIR] [--grace-s S] (-m MODULE | SCRIPT) [ARGS ...]
+                     [--join --store HOST:PORT] [--run-dir DIR] [--grace-s S] (-m MODULE | SCRIPT) [ARGS ...]
 
 Start N worker processes on this node (python -m MODULE ARGS, or python SCRIPT ARGS) and wait for them.
 A worker that dies is reported (rank, exit code or signal); the others keep running.
@@ -52,6 +59,8 @@ A worker that dies is reported (rank, exit code or signal); the others keep runn
   --node-rank I        this node's index (default: 0); node 0 hosts the store
   --store HOST:PORT    the job's store: node 0 listens on PORT, the others connect (required with --nnodes > 1;
                        default on one node: 127.0.0.1 and a free port)
+  --join               start workers that join the job running on --store (a repaired or spare node); they are
+                       taken in at a step boundary and receive their shards from the running workers' memory
   --run-dir DIR        passed to the workers as NTP_RUN_DIR
   --grace-s S          seconds workers get to stop cleanly after a SIGINT or SIGTERM to the launcher (finish the
                        step in flight, write weights and summary), then they are killed (default: 60)
@@ -80,8 +89,14 @@ class LaunchSpec:
     fork: bool = False
     """Fork the workers from this process, which imported what they need (`ntp_ds.run.forked`); `command` must
     then be `python -u -m MODULE ARGS`."""
+    join: bool = False
+    """Start workers that join the job running on `store` instead of starting one."""
+    repairs: dict = field(default_factory=dict)
+    """Launch rank -> step: once that worker has died, start a replacement that joins from this step."""
 
     def __post_init__(self):
+        if self.join and not self.store:
+            raise LaunchError("--join needs --store HOST:PORT: the store of the running job to join")
         for name in ("nproc_per_node", "nnodes"):
             if getattr(self, name) < 1:
                 raise LaunchError(f"--{name.replace('_', '-')}={getattr(self, name)} must be at least 1")
@@ -127,8 +142,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_env(spec: LaunchSpec, local_rank: int, store: str, master: tuple[str, int], base=os.environ) -> dict:
-    """The environment of one worker."""
+def worker_env(spec: LaunchSpec, local_rank: int, store: str, master: tuple[str, int], base=os.environ,
+               joining: tuple[int, int, int] | None = None) -> dict:
+    """The environment of one worker; `joining` = (launch rank, job world size, first step) for a joiner."""
     import ntp_ds
 
     env = dict(base)
@@ -138,6 +154,10 @@ def worker_env(spec: LaunchSpec, local_rank: int, store: str, master: tuple[str,
                LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(spec.nproc_per_node), GROUP_RANK=str(spec.node_rank),
                NTP_STORE=store, MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
                NTP_NODE_SIZE=str(spec.nproc_per_node))
+    if joining is not None:
+        rank, world, step = joining
+        env.update(RANK=str(rank), WORLD_SIZE=str(world), NTP_JOIN="1", NTP_JOIN_STEP=str(step))
+        env.pop("NTP_NODE_SIZE")  # its rank lies outside the node numbering: watchers read its beats per rank
     if spec.run_dir:
         env["NTP_RUN_DIR"] = str(Path(spec.run_dir).resolve())
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.nproc_per_node)))
@@ -171,7 +191,7 @@ def _rendezvous(spec: LaunchSpec):
     """Host (node 0) or reach the job's store; return it, its address and the env:// master address."""
     from ntp_ds.control.store import connect_store, host_store, parse_address
 
-    if spec.node_rank == 0:
+    if spec.node_rank == 0 and not spec.join:
         host, port = parse_address(spec.store) if spec.store else ("127.0.0.1", 0)
         store, address = host_store(port, host)
         master = (host, _free_port())
@@ -192,16 +212,28 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1) -> int:
     )
 
     store, address, master = _rendezvous(spec)
-    prepare_store(store)
-    first = spec.node_rank * spec.nproc_per_node
-    publisher = NodePublisher(store, spec.node_rank, range(first, first + spec.nproc_per_node))
     published_at, exits = -math.inf, {}
-    _say(f"store at {address} (NTP_STORE); starting ranks {first}-{first + spec.nproc_per_node - 1} of "
-         f"{spec.world_size}: {' '.join(spec.command[1:])}")
     stop = _StopRequests()
     previous = {s: signal.signal(s, stop.receive) for s in SIGNALS}
+    repairs = _Repairs(store, spec.repairs)
     try:
-        procs = {first + i: _start(spec, worker_env(spec, i, address, master)) for i in range(spec.nproc_per_node)}
+        if spec.join:
+            world = _job_world_size(store)
+            ranks = _fresh_ranks(store, world, spec.nproc_per_node)
+            publisher = None
+            _say(f"joining the job on {address} ({world} workers at launch) as ranks {', '.join(map(str, ranks))}: "
+                 f"{' '.join(spec.command[1:])}")
+            procs = {r: _start(spec, worker_env(spec, i, address, master, joining=(r, world, 0)))
+                     for i, r in enumerate(ranks)}
+        else:
+            prepare_store(store)
+            first = spec.node_rank * spec.nproc_per_node
+            publisher = NodePublisher(store, spec.node_rank, range(first, first + spec.nproc_per_node))
+            _say(f"store at {address} (NTP_STORE); starting ranks {first}-{first + spec.nproc_per_node - 1} of "
+                 f"{spec.world_size}: {' '.join(spec.command[1:])}")
+            procs = {first + i: _start(spec, worker_env(spec, i, address, master))
+                     for i in range(spec.nproc_per_node)}
+        local = {r: i for i, r in enumerate(procs)}
         codes: dict[int, int] = {}
         while len(codes) < len(procs):
             left = {r: p for r, p in procs.items() if r not in codes}
@@ -220,7 +252,15 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1) -> int:
                     mark_exited(store, rank, reason)
                 except Exception as e:  # the store is ours; a failed write must not take the survivors down
                     _say(f"could not record rank {rank}'s exit in the store: {e}")
-            if time.monotonic() - published_at >= NODE_PUBLISH_S:
+            if not stop.signum:
+                for rank, step in repairs.due(codes):
+                    world = spec.world_size if not spec.join else _job_world_size(store)
+                    new, = _fresh_ranks(store, world, 1)
+                    _say(f"rank {rank} repaired: starting rank {new} in its place, joining the job from step {step}")
+                    local[new] = local[rank]
+                    procs[new] = _start(spec, worker_env(spec, local[rank], address, master,
+                                                         joining=(new, world, step)))
+            if publisher is not None and time.monotonic() - published_at >= NODE_PUBLISH_S:
                 published_at = time.monotonic()
                 try:
                     publisher.publish(exits)
@@ -252,6 +292,55 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1) -> int:
         return 0
     code = failed[min(failed)]
     return 128 - code if code < 0 else code
+
+
+def _job_world_size(store, timeout_s: float = 60.0) -> int:
+    """The world size the running job started with (its writer publishes it before the first step)."""
+    from ntp_ds.control.job import read_job
+
+    deadline = time.monotonic() + timeout_s
+    while (job := read_job(store)) is None:
+        if time.monotonic() > deadline:
+            raise LaunchError(f"--join: no job has published itself on the store within {timeout_s:g} s")
+        time.sleep(0.2)
+    return job.world_size
+
+
+def _fresh_ranks(store, world_size: int, n: int) -> list[int]:
+    """`n` launch ranks no worker of the job ever had (joiners number from the job's world size up)."""
+    end = store.add(LAUNCH_RANKS_KEY, n)
+    return list(range(world_size + end - n, world_size + end))
+
+
+class _Repairs:
+    """The repairs this launcher owes: scheduled at launch (`LaunchSpec.repairs`) or sent to the job (`ntp-ds inject
+    --kind repair`); each is due once its worker has died."""
+
+    def __init__(self, store, scheduled: dict, poll_s: float = 0.5):
+        self.store, self.waiting, self.poll_s = store, dict(scheduled), poll_s
+        self._received, self._next = 0, 0.0
+
+    def due(self, codes: dict[int, int]) -> list[tuple[int, int]]:
+        if time.monotonic() >= self._next:
+            self._next = time.monotonic() + self.poll_s
+            self._poll()
+        out = [(rank, step) for rank, step in self.waiting.items() if rank in codes and codes[rank] != 0]
+        for rank, _ in out:
+            del self.waiting[rank]
+        return out
+
+    def _poll(self) -> None:
+        from ntp_ds.control.faults import FAULT_COUNT_KEY, Fault, fault_key
+
+        try:
+            count = self.store.add(FAULT_COUNT_KEY, 0)
+            while self._received < count and self.store.check([fault_key(self._received + 1)]):
+                self._received += 1
+                fault = Fault.decode(self.store.get(fault_key(self._received)))
+                if fault.kind == "repair":
+                    self.waiting[fault.rank] = fault.step
+        except Exception as e:  # the store is ours; retried at the next poll
+            _say(f"could not read the faults sent to the job: {e}")
 
 
 def _start(spec: LaunchSpec, env: dict):
@@ -353,11 +442,12 @@ def parse_args(argv: list[str]) -> LaunchSpec:
     parser.add_argument("--store")
     parser.add_argument("--run-dir")
     parser.add_argument("--grace-s", type=float, default=60.0)
+    parser.add_argument("--join", action="store_true")
     args = parser.parse_args(options)
     if not command:
         raise LaunchError("nothing to launch: give -m MODULE or SCRIPT, e.g. -m ntp_ds.train recipe=cpu_demo")
     return LaunchSpec(command, args.nproc_per_node, args.nnodes, args.node_rank, args.store, args.run_dir,
-                      args.grace_s)
+                      args.grace_s, join=args.join)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -149,7 +149,8 @@ def open_records(cfg, run_dir: Path, store, resume: bool):
 
 
 def run_worker(cfg, started: float, stop) -> int:
-    """Be one rank: build the engine, run the Trainer with live recovery, write the records and the final weights."""
+    """Be one rank: build the engine (or, as a joiner, receive it from the running job), run the Trainer with live
+    recovery, write the records and the final weights."""
     from tqdm import tqdm
 
     import ntp_ds
@@ -161,6 +162,7 @@ def run_worker(cfg, started: float, stop) -> int:
     from ntp_ds.run.recovery import LiveRecovery
     from ntp_ds.run.rundir import run_dir_of
     from ntp_ds.run.trainer import Trainer, is_writer, seed_everything
+    from ntp_ds.control.joins import JOIN_ENV, JoinFailed, JoinRefused, JoinTimeout
 
     rank = int(os.environ["RANK"])
     console = setup_logging(rank, cfg.logging.level, cfg.logging.other_ranks_level)
@@ -168,22 +170,36 @@ def run_worker(cfg, started: float, stop) -> int:
     seed_everything(cfg.seed)
     store, hosts_store = job_store(cfg.parallel.timeout_s)
     stop.store = store
-    engine = ntp_ds.initialize(model=cfg.model.llama_config(), config=cfg.ds_config(), ntp=cfg.parallel.ntp(),
-                               seq_len=cfg.data.seq_len, store=store)
-    run_dir = agree_run_dir(run_dir_of(cfg))
-    add_file_log(run_dir, rank, cfg.logging.level)
-    if cfg.existing_run == "resume":
+    joining = bool(os.environ.get(JOIN_ENV))
+    if joining:  # a repaired or spare worker: the running job takes it in at a step boundary
+        run_dir = Path(run_dir_of(cfg)).resolve()
+        add_file_log(run_dir, rank, cfg.logging.level)
+        try:
+            live = LiveRecovery.join(cfg, store, rank, run_dir, not_before=int(os.environ.get("NTP_JOIN_STEP", "0")))
+        except (JoinRefused, JoinFailed, JoinTimeout) as why:
+            log.error("rank %d cannot join: %s", rank, why)
+            return 2
+        engine = live.recovery.engine
+    else:
+        engine = ntp_ds.initialize(model=cfg.model.llama_config(), config=cfg.ds_config(), ntp=cfg.parallel.ntp(),
+                                   seq_len=cfg.data.seq_len, store=store)
+        run_dir = agree_run_dir(run_dir_of(cfg))
+        add_file_log(run_dir, rank, cfg.logging.level)
+    if cfg.existing_run == "resume" and not joining:
         engine.load_checkpoint(run_dir / CHECKPOINTS)  # checked before the workers started: same degrees
         engine.refresh_copies()  # the buddies' copies of the loaded optimizer state, as after every step
     g = engine.ntp_groups
     console.setLevel(cfg.logging.level if is_writer(engine) else cfg.logging.other_ranks_level)
     log.info("replica %d, TP rank %d of %d (%s)", g.replica, g.tp_rank, len(g.tp_ranks),
              "anchor" if g.is_anchor else "contributor")
-    live = LiveRecovery.start(cfg, engine, rank, run_dir) if store is not None else None
+    if not joining:
+        live = LiveRecovery.start(cfg, engine, rank, run_dir) if store is not None else None
     if live is None:
         log.warning("no store to coordinate through: a failure ends the run")
     recorder, progress = RunRecorder(None), None
-    if is_writer(engine):
+    if joining and is_writer(engine):  # it took the writer's place: it goes on with the run's records
+        recorder = open_records(cfg, run_dir, store, resume=True)
+    elif is_writer(engine):
         if store is not None:
             publish_job(store, cfg.world_size, cfg.train.steps, engine.global_steps)
         (run_dir / RUN_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2, default=str) + "\n")
@@ -201,7 +217,7 @@ def run_worker(cfg, started: float, stop) -> int:
 
     trainer = Trainer(cfg, engine, recorder, run_dir=run_dir, recovery=live,
                       injector=live.injector if live else None, switch_writer=switch_writer, stop=stop,
-                      progress=progress, startup_s=time.perf_counter() - started)
+                      progress=progress, startup_s=time.perf_counter() - started, joined=joining)
     del engine, g  # only the trainer may hold the engine: a recovery releases it, closing its connections
     try:
         trainer.train()
@@ -226,7 +242,7 @@ def run_worker(cfg, started: float, stop) -> int:
     # would be declared dead by that peer.
     wire.barrier()
     if live is not None:
-        live.close()
+        live.close(finished=True)
     wire.teardown()
     if store is not None:
         mark_exited(store, rank, "finished")
@@ -250,7 +266,7 @@ def launch_local(cfg, argv: list[str]) -> int:
     if fork:
         preload()
     spec = LaunchSpec([sys.executable, "-u", "-m", "ntp_ds.train", *argv], nproc, lc.nnodes, lc.node_rank,
-                      lc.store, str(run_dir), lc.grace_s, fork=fork)
+                      lc.store, str(run_dir), lc.grace_s, fork=fork, repairs=cfg.fault_schedule().repairs())
     code = launch(spec)
     summary = read_summary(run_dir / SUMMARY)
     if summary.get("status") == "stopped":

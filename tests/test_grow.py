@@ -14,12 +14,12 @@ from tests.training import train_with_recovery
 STEPS = 6
 
 
-def run(degrees, stage, faults, joins, min_tp=1, timeout=240):
+def run(degrees, stage, faults, joins, min_tp=1, timeout=240, joiner_overrides=None):
     ntp = {"tp": max(degrees), "replicas": len(degrees), "min_tp": min_tp}
     world = sum(degrees)
     joins = {world + i: step for i, step in enumerate(joins)}
     return run_ranks(train_with_recovery, world, ntp, "adamw", stage, GLOBAL_BATCH, MICRO, STEPS, faults, 2.0, 1,
-                     None, 12.0, joins, timeout=timeout, store=True, joiners=len(joins))
+                     None, 12.0, joins, joiner_overrides, timeout=timeout, store=True, joiners=len(joins))
 
 
 def join_events(results):
@@ -38,3 +38,49 @@ def test_crash_then_repair_grows_back_to_the_original_degrees(stage):
     # The joiner receives exactly its shard (a KV head its replica's survivor also holds included, from a peer
     # replica); the survivor keeps its own units in place and receives nothing.
     assert {e["bytes_moved"] for e in joined} == {joined[0]["joiner_shard_bytes"]}
+
+
+def test_a_second_failure_after_the_grow_back():
+    results = run((2, 2), 1, [fault(3, 2, "forward"), fault(1, 5, "backward")], joins=[4])
+    assert set(results) == {0, 2, 4}
+    assert_equivalent(results, STEPS)
+    assert all(tuple(r["degrees"]) == (1, 2) for r in results.values())
+    kinds = [("joined" in e) for e in results[0]["events"]]
+    assert kinds == [False, True, False], "recovery, grow back, recovery"
+    assert all(e["lossless"] for r in results.values() for e in r["events"])
+
+
+def test_a_dropped_replica_is_brought_back():
+    # TP 1 replicas: losing rank 1 drops replica 1; the joiner brings it back in its place (the middle one).
+    results = run((1, 1, 1), 2, [fault(1, 2, "forward")], joins=[4])
+    assert set(results) == {0, 2, 3}
+    assert_equivalent(results, STEPS)
+    assert all(tuple(r["degrees"]) == (1, 1, 1) for r in results.values())
+    assert results[3]["replica"] == 1 and results[2]["replica"] == 2
+
+
+def test_two_joiners_complete_two_replicas_in_one_generation():
+    results = run((2, 2), 1, [fault(1, 2, "forward"), fault(3, 2, "forward")], joins=[4, 4])
+    assert set(results) == {0, 2, 4, 5}
+    assert_equivalent(results, STEPS)
+    assert all(tuple(r["degrees"]) == (2, 2) for r in results.values())
+    grown = {e["generation"] for r in results.values() for e in r["events"] if "joined" in e}
+    assert len(grown) == 1
+
+
+def test_a_joiner_that_dies_during_the_transfer_costs_the_job_nothing():
+    # It asks to train from step 5, so it is taken in after step 4, while the members hold their copies of step 4.
+    results = run((2, 2), 1, [fault(3, 2, "forward"), fault(4, 5, "transfer")], joins=[5])
+    assert set(results) == {0, 1, 2}
+    assert_equivalent(results, STEPS)
+    assert all(tuple(r["degrees"]) == (2, 1) for r in results.values())
+    assert all(e["lossless"] for r in results.values() for e in r["events"])
+
+
+def test_a_joiner_of_another_job_or_without_a_place_is_refused():
+    # Rank 4 runs another optimizer config; rank 5 has no place: no replica lost a rank.
+    results = run((2, 2), 1, [], joins=[0, 0], joiner_overrides={4: {"gradient_clipping": 1.0}})
+    assert set(results) == {0, 1, 2, 3, 4, 5}
+    assert "another job configuration" in results[4]["refused"]
+    assert "no replica has a free place" in results[5]["refused"]
+    assert_equivalent({r: results[r] for r in range(4)}, STEPS)

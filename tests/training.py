@@ -117,35 +117,43 @@ def train_with_checkpoint(rank, world_size, ntp: dict, stage: int, steps: int, c
 def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, global_batch: int, micro: int,
                         steps: int, faults: list, heartbeat_timeout_s: float = 2.0, zero_redundancy: int = 1,
                         last_good_dir: str | None = None, timeout_s: float = 12.0, joins: dict | None = None,
-                        model_overrides: dict | None = None, ds_overrides: dict | None = None):
+                        joiner_overrides: dict | None = None):
     """One rank of a run with injected faults and live recovery; returns its final state and recovery events.
 
     A joiner (`run_ranks(..., joiners=N)`: NTP_JOIN set) asks the running job for a place from step `joins[rank]`
-    on and trains from where it is admitted; members take joiners in at step boundaries.
+    on and trains from where it is admitted; members take joiners in at step boundaries. `joiner_overrides[rank]`
+    changes that joiner's DeepSpeed config (a joiner of another job); a refused joiner returns {"refused": reason}.
     """
     import os
 
     import ntp_ds
     from ntp_ds.comm import wire
     from ntp_ds.control.faults import DeviceError, FaultInjector, FaultSchedule, fired_key
+    from ntp_ds.control.joins import JoinFailed, JoinRefused
     from ntp_ds.control.store import connect_from_env
     from ntp_ds.engine.initialize import prepare
     from ntp_ds.recovery.manager import Recovery, RecoveryImpossible
 
-    config = tiny_config(**(model_overrides or {}))
+    config = tiny_config()
     ntp = dict(ntp, timeout_s=timeout_s, zero_redundancy=zero_redundancy)
-    ds = {**deepspeed_config(optim, stage, global_batch, micro), **(ds_overrides or {})}
+    ds = deepspeed_config(optim, stage, global_batch, micro)
+    schedule = FaultSchedule.from_config(faults, world_size + len(joins or {}))  # joiners may fail too
     if os.environ.get("NTP_JOIN"):
-        spec, _ = prepare(full_model(config), ds, ntp)
-        recovery = Recovery.join(spec, connect_from_env(timeout_s), rank, not_before=(joins or {}).get(rank, 0),
-                                 timeout_s=120.0, heartbeat_timeout_s=heartbeat_timeout_s,
-                                 last_good_dir=last_good_dir)
+        spec, _ = prepare(full_model(config), {**ds, **(joiner_overrides or {}).get(rank, {})}, ntp)
+        store = connect_from_env(timeout_s)
+        injector = FaultInjector(schedule, rank, store)
+        try:
+            recovery = Recovery.join(spec, store, rank, not_before=(joins or {}).get(rank, 0), timeout_s=120.0,
+                                     heartbeat_timeout_s=heartbeat_timeout_s, last_good_dir=last_good_dir,
+                                     on_phase=injector.check)
+        except (JoinRefused, JoinFailed) as refused:
+            return {"refused": str(refused)}
         engine = recovery.engine
     else:
         engine = ntp_ds.initialize(model=full_model(config), config=ds, ntp=ntp)
         recovery = Recovery(engine, engine.store, rank, heartbeat_timeout_s=heartbeat_timeout_s,
                             last_good_dir=last_good_dir)
-    injector = FaultInjector(FaultSchedule.from_config(faults, world_size), rank, engine.store)
+        injector = FaultInjector(schedule, rank, engine.store)
     engine.on_phase = recovery.on_phase = injector.check
     data, sampler = dataset(config), GlobalBatchSampler(256, seed=1)
     noticed = []
@@ -176,7 +184,7 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
     fired = {r: json.loads(engine.store.get(fired_key(r)))["wall"] for r in range(world_size)
              if engine.store.check([fired_key(r)])}
     wire.barrier()  # beat until every rank is done: a silent rank would be declared dead by a busy peer
-    recovery.close()
+    recovery.close(finished=True)
     return {"replica": engine.ntp_groups.replica, "tp_rank": engine.ntp_groups.tp_rank,
             "layout": engine.ntp_groups.layout, "shards": {n: p.detach().float().clone()
                                                            for n, p in engine.module.named_parameters()},

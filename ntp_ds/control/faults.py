@@ -20,7 +20,9 @@ from dataclasses import asdict, dataclass
 log = logging.getLogger(__name__)
 
 PHASES = ("forward", "backward", "grad_sync", "optimizer", "recovery", "rendezvous", "transfer")
-KINDS = ("crash", "hang", "device_error")
+KINDS = ("crash", "hang", "device_error", "repair")
+REPAIR_PHASE = "boundary"
+"""The phase of a `repair`: the failed rank's replacement joins at a step boundary (step = the first it trains)."""
 FIELDS = ("rank", "step", "phase", "kind")
 FAULT_COUNT_KEY = "fault/count"
 """Store counter of faults sent to the running job; fault n is stored under `fault/{n}`, n from 1."""
@@ -51,10 +53,14 @@ def _check_fields(where: str, rank, step, phase, kind, world_size: int | None = 
         raise ValueError(f"{where}.rank={rank} does not exist (world size {world_size})")
     if not _is_int(step) or step < 0:
         raise ValueError(f"{where}.step={step!r} must be a non-negative integer")
-    if phase not in PHASES:
-        raise ValueError(f"{where}.phase={phase!r} must be one of {', '.join(PHASES)}")
     if kind not in KINDS:
         raise ValueError(f"{where}.kind={kind!r} must be one of {', '.join(KINDS)}")
+    if kind == "repair":
+        if phase != REPAIR_PHASE:
+            raise ValueError(f"{where}.phase={phase!r}: a repair happens at a step boundary (omit phase, or write "
+                             f"{REPAIR_PHASE!r})")
+    elif phase not in PHASES:
+        raise ValueError(f"{where}.phase={phase!r} must be one of {', '.join(PHASES)}")
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,8 @@ class Fault:
         """Build a fault from a mapping of its four fields; errors name `where.FIELD`."""
         if not isinstance(item, Mapping):
             raise ValueError(f"{where} must be a mapping with keys {', '.join(FIELDS)}; got {item!r}")
+        if item.get("kind") == "repair" and "phase" not in item:
+            item = {**item, "phase": REPAIR_PHASE}
         for key in item:
             if key not in FIELDS:
                 raise ValueError(f"{where}.{key} is not a fault field; valid: {', '.join(FIELDS)}")
@@ -113,8 +121,16 @@ class FaultSchedule:
                 raise ValueError(f"{where}[{i}] repeats rank {fault.rank}, step {fault.step}, phase {fault.phase} "
                                  f"of {where}[{seen[point]}]; a rank fails at most once per point")
             seen[point] = i
+            if fault.kind == "repair" and not any(f.rank == fault.rank and f.kind != "repair" and f.step < fault.step
+                                                  for f in faults):
+                raise ValueError(f"{where}[{i}] repairs rank {fault.rank} at step {fault.step}, but no earlier entry "
+                                 f"makes rank {fault.rank} fail before step {fault.step}")
             faults.append(fault)
         return cls(tuple(faults))
+
+    def repairs(self) -> dict[int, int]:
+        """Rank -> the step from which its replacement trains (`repair` entries)."""
+        return {f.rank: f.step for f in self.faults if f.kind == "repair"}
 
     def for_rank(self, rank: int) -> tuple[Fault, ...]:
         return tuple(f for f in self.faults if f.rank == rank)

@@ -1,8 +1,10 @@
 """`ntp-ds inject`: send a fault to a running job through its store.
 
     ntp-ds inject --store HOST:PORT --rank R --step S --phase P --kind K
+    ntp-ds inject --store HOST:PORT --rank R --step S --kind repair
 
-The target rank fires it at the first boundary of phase P at or after step S. The fault is checked against the
+The target rank fires it at the first boundary of phase P at or after step S. A `repair` names a rank that has
+left: its node's launcher starts a replacement, which joins the job and trains from step S on (no --phase). The fault is checked against the
 running job first (its world size, steps, the ranks that have left: `ntp_ds.control.job`), and every wait is
 bounded by --timeout-s, also against an address that accepts connections but is no store. A mistake is reported on
 one line that names the option at fault, with exit status 2.
@@ -13,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ntp_ds.control.faults import KINDS, PHASES, Fault, send_fault
+from ntp_ds.control.faults import KINDS, PHASES, REPAIR_PHASE, Fault, send_fault
 from ntp_ds.control.heartbeat import read_exits
 from ntp_ds.control.job import read_job
 from ntp_ds.control.store import connect_store, parse_address
@@ -37,9 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--store", required=True, help="HOST:PORT of the job's store (its launcher prints it)")
     parser.add_argument("--rank", required=True, type=int, help="launch rank that fails")
     parser.add_argument("--step", required=True, type=int, help="first step at which it fails")
-    parser.add_argument("--phase", required=True, choices=PHASES, help="phase boundary at which it fails")
+    parser.add_argument("--phase", choices=PHASES, help="phase boundary at which it fails (not for a repair)")
     parser.add_argument("--kind", required=True, choices=KINDS,
-                        help="crash (SIGKILL), hang (SIGSTOP) or device_error (DeviceError raised)")
+                        help="crash (SIGKILL), hang (SIGSTOP), device_error (DeviceError raised), or repair (a rank "
+                             "that left comes back from --step on)")
     parser.add_argument("--timeout-s", type=float, default=10.0,
                         help="bound on every wait: reaching the store and each call to it (default: 10)")
     return parser
@@ -55,6 +58,13 @@ def check_against_job(store, fault: Fault) -> str:
         raise _UsageError(f"--rank={fault.rank} does not exist (the job's world size is {job.world_size}: ranks "
                           f"0..{job.world_size - 1})")
     exits = read_exits(store)
+    if fault.kind == "repair":
+        if fault.rank not in exits:
+            raise _UsageError(f"--rank={fault.rank} has not left the job: only a rank that failed can be repaired")
+        if fault.step > job.steps:
+            raise _UsageError(f"--step={fault.step} does not exist (the job runs steps 1..{job.steps})")
+        return (f"its launcher starts a replacement that joins from step {max(fault.step, job.step + 2)}; job at step "
+                f"{job.step} of {job.steps}")
     if fault.rank in exits:
         raise _UsageError(f"--rank={fault.rank} has already left the job ({exits[fault.rank]})")
     if fault.step > job.steps:
@@ -79,8 +89,12 @@ def main(argv: list[str] | None = None) -> int:
             raise _UsageError(f"--store: {err}") from None
         if not args.timeout_s > 0:
             raise _UsageError(f"--timeout-s={args.timeout_s} must be positive")
+        if args.kind == "repair" and args.phase is not None:
+            raise _UsageError("--phase: a repair happens at a step boundary; leave --phase out")
+        if args.kind != "repair" and args.phase is None:
+            raise _UsageError("--phase is required for a crash, hang or device_error")
         try:
-            fault = Fault(args.rank, args.step, args.phase, args.kind)
+            fault = Fault(args.rank, args.step, args.phase or REPAIR_PHASE, args.kind)
         except ValueError as err:
             raise _UsageError("--" + str(err).removeprefix("fault.")) from None
         if fault.step < 1:

@@ -21,8 +21,11 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+JOIN_ENV = "NTP_JOIN"
+"""Set (to 1) in a worker that joins a running job (`ntp-ds launch --join`, a repair, a joiner of `run_ranks`);
+`NTP_JOIN_STEP` is then the first step it may train."""
 REQUESTS_KEY = "join/requests"
 EVENTS_KEY = "join/events"
 
@@ -37,6 +40,11 @@ def verdict_key(rank: int) -> str:
 
 class JoinRefused(RuntimeError):
     """The running job refused this joiner; the message says why."""
+
+
+class JoinFailed(RuntimeError):
+    """The joiner was admitted but could not complete the rebuild (a member died, or a transfer failed); the members
+    went on without it, and it may ask again."""
 
 
 class JoinTimeout(TimeoutError):
@@ -67,25 +75,26 @@ class JoinRequest:
 @dataclass(frozen=True)
 class JoinPlan:
     """Generation `generation` grows by `joiners` once step `after` is complete; `members` is the new generation's
-    launch ranks in global-rank order and `members_before` the old one's; `refused` maps a rank to the reason."""
+    launch ranks in global-rank order and `members_before` the old one's."""
 
     generation: int
     after: int
     joiners: tuple[int, ...]
     members_before: tuple[int, ...]
     members: tuple[int, ...]
-    refused: dict[int, str] = field(default_factory=dict)
+    requested_wall: tuple[float, ...] = ()
+    """Wall time (on each joiner's host) at which each joiner asked."""
 
     def encode(self) -> str:
         return json.dumps({"generation": self.generation, "after": self.after, "joiners": list(self.joiners),
                            "members_before": list(self.members_before), "members": list(self.members),
-                           "refused": {str(r): why for r, why in self.refused.items()}}, sort_keys=True)
+                           "requested_wall": list(self.requested_wall)}, sort_keys=True)
 
     @classmethod
     def decode(cls, raw: bytes | str) -> JoinPlan:
         d = json.loads(raw)
         return cls(int(d["generation"]), int(d["after"]), tuple(d["joiners"]), tuple(d["members_before"]),
-                   tuple(d["members"]), {int(r): why for r, why in d["refused"].items()})
+                   tuple(d["members"]), tuple(d.get("requested_wall", ())))
 
 
 def fingerprint(*parts) -> str:

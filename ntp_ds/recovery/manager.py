@@ -22,8 +22,8 @@ from ntp_ds.comm import wire
 from ntp_ds.comm.exchange import Side, UnitExchange
 from ntp_ds.control.heartbeat import (Heartbeat, LivenessMonitor, LivenessReader, mark_exited, poll_liveness,
                                       request_fence)
-from ntp_ds.control.joins import (JoinPlan, JoinRequest, JoinRequests, admit, await_verdict, fingerprint,
-                                  propose_join, read_join_plan, refuse, request_join, undecided)
+from ntp_ds.control.joins import (JoinFailed, JoinPlan, JoinRequest, JoinRequests, admit, await_verdict,
+                                  fingerprint, propose_join, read_join_plan, refuse, request_join, undecided)
 from ntp_ds.control.membership import BarrierWait, Membership, MembershipChange, barrier, replica_membership
 from ntp_ds.engine.config import ConfigError
 from ntp_ds.engine.engine import Snapshot, write_hf_index, write_hf_shard
@@ -98,7 +98,13 @@ class Recovery:
         """Called with phase "recovery" once the new membership is agreed, "rendezvous" as the survivors meet for
         the new generation and "transfer" as the lost units move: the fault-injection seams."""
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
+        """Stop beating; with `finished` (the run is over), global rank 0 also refuses the joiners still waiting."""
+        if finished and self.engine is not None and self.members.index(self.rank) == 0:
+            try:
+                self._refuse_all("the job finished before it could take this worker in")
+            except Exception as e:  # the store may be gone with the job: the joiners' own bound ends their wait
+                log.warning("could not answer the joiners still waiting: %s", e)
         self.heartbeat.stop()
 
     def _peers(self, engine) -> list[int]:
@@ -284,21 +290,31 @@ class Recovery:
             return None
         return self.grow(plan)
 
+    def _refuse_all(self, reason: str) -> None:
+        for request in undecided(self.store, self.joins.read()):
+            refuse(self.store, request.rank, self._unfit(request) or f"rank {request.rank}: {reason}")
+
+    def _unfit(self, request: JoinRequest) -> str | None:
+        """Why `request` can never be taken in, or None."""
+        mine = job_fingerprint(self.job)
+        if request.fingerprint != mine:
+            return (f"rank {request.rank} runs another job configuration (fingerprint {request.fingerprint}, the "
+                    f"job's is {mine}): the same model, DeepSpeed and parallel configs are required to join")
+        if request.rank in self.members:
+            return f"rank {request.rank} is already a member of the job"
+        return None
+
     def _plan_joins(self, generation: int, completed: int) -> None:
         pending = undecided(self.store, self.joins.read())
         if not pending or read_join_plan(self.store, generation) is not None:
             return
-        mine = job_fingerprint(self.job)
-        due, refused = [], {}
+        due, refused, walls = [], {}, {}
         for request in pending:
-            if request.fingerprint != mine:
-                refused[request.rank] = (f"rank {request.rank} runs another job configuration (fingerprint "
-                                         f"{request.fingerprint}, the job's is {mine}): same model, DeepSpeed and "
-                                         f"parallel configs are required to join")
-            elif request.rank in self.members:
-                refused[request.rank] = f"rank {request.rank} is already a member of the job"
+            if (why := self._unfit(request)) is not None:
+                refused[request.rank] = why
             elif request.not_before <= completed + 2:  # it trains from step completed + 2 on
                 due.append(request.rank)
+                walls[request.rank] = request.wall
         placement, members, unseated = self.placement.grow(self.members, tuple(sorted(due)), self.job.ntp.min_tp)
         for rank in unseated:
             refused[rank] = (f"rank {rank}: no replica has a free place (every replica is at its configured TP "
@@ -308,7 +324,8 @@ class Recovery:
             refuse(self.store, rank, why)
         seated = tuple(r for r in sorted(due) if r not in unseated)
         if seated:
-            plan = propose_join(self.store, JoinPlan(generation, completed + 1, seated, self.members, members))
+            plan = propose_join(self.store, JoinPlan(generation, completed + 1, seated, self.members, members,
+                                                     tuple(walls[r] for r in seated)))
             admit(self.store, plan)
 
     def grow(self, plan: JoinPlan) -> RecoveryOutcome:
@@ -347,7 +364,8 @@ class Recovery:
             raise RecoveryImpossible(f"the join plan seats {plan.members}, this rank's placement {members}")
         topology = placement.topology(self.placement, snapshot.topology)
         t_regrouped = time.time()
-        event = {"joined": list(plan.joiners), "reason": change.reason, "regroup_s": t_regrouped - t0}
+        event = {"joined": list(plan.joiners), "reason": change.reason, "regroup_s": t_regrouped - t0,
+                 "requested_wall": list(plan.requested_wall)}
         engine, event = self._install(snapshot, old_members, change.generation, topology, plan.members, placement,
                                       set(), traffic_before, event)
         event["joiner_shard_bytes"] = _joiner_shard_bytes(topology, plan.members, plan.joiners, engine)
@@ -360,7 +378,7 @@ class Recovery:
 
     @classmethod
     def join(cls, job: JobSpec, store, rank: int, *, not_before: int = 0, timeout_s: float = 600.0, node: int = 0,
-             **kwargs) -> Recovery:
+             on_phase=None, **kwargs) -> Recovery:
         """Ask the running job on `store` to take launch rank `rank` in from step `not_before` on; wait (at most
         `timeout_s`) to be admitted, then receive this rank's shard and optimizer state from the members. Return
         the Recovery, whose `engine` is ready for the next step. Raise JoinRefused with the job's reason."""
@@ -372,22 +390,35 @@ class Recovery:
         finally:
             heartbeat.stop()
         recovery = cls(None, store, rank, job=job, members=plan.members, generation=plan.generation + 1, **kwargs)
+        if on_phase is not None:
+            recovery.on_phase = on_phase
+        try:
+            recovery._take_place(plan)
+        except (RuntimeError, TimeoutError, ConnectionError) as error:
+            # The members recover without this rank from the state they held at the boundary: say it is gone.
+            mark_exited(store, rank, f"join failed: {error}")
+            recovery.close()
+            wire.teardown()
+            raise JoinFailed(f"rank {rank} was admitted into generation {plan.generation + 1} but could not take "
+                             f"its place ({' '.join(str(error).split())[:300]}); the job went on without it") from None
+        return recovery
+
+    def _take_place(self, plan: JoinPlan) -> None:
+        """The joiner's side of `grow`: meet the members, learn the old topology, receive the shard and state."""
         t0 = time.time()
         traffic_before = wire.traffic()
-        change = MembershipChange(plan.generation + 1, frozenset(), tuple(sorted(plan.members)), 0.0, "join")
-        recovery._regroup(change.generation, plan.members)
-        snapshot = recovery._share_context(None)
-        placement, members, _ = recovery.placement.grow(plan.members_before, plan.joiners, job.ntp.min_tp)
-        topology = placement.topology(recovery.placement, snapshot.topology)
+        self._regroup(plan.generation + 1, plan.members)
+        snapshot = self._share_context(None)
+        placement, _, _ = self.placement.grow(plan.members_before, plan.joiners, self.job.ntp.min_tp)
+        topology = placement.topology(self.placement, snapshot.topology)
         t_regrouped = time.time()
-        event = {"joined": list(plan.joiners), "reason": change.reason, "regroup_s": t_regrouped - t0}
-        engine, event = recovery._install(snapshot, plan.members_before, change.generation, topology, plan.members,
-                                          placement, set(), traffic_before, event)
+        event = {"joined": list(plan.joiners), "reason": "join", "regroup_s": t_regrouped - t0}
+        engine, event = self._install(snapshot, plan.members_before, plan.generation + 1, topology, plan.members,
+                                      placement, set(), traffic_before, event)
         event["joiner_shard_bytes"] = _joiner_shard_bytes(topology, plan.members, plan.joiners, engine)
         event["reshard_s"] = time.time() - t_regrouped
         event["grow_s"] = time.time() - t0
-        recovery.events.append(event)
-        return recovery
+        self.events.append(event)
 
     def _save_last_good(self, snapshot, change) -> str:
         """Write the survivors' shards of the last completed step as a sharded HF directory: each survivor

@@ -17,7 +17,7 @@ from ntp_ds.layout import LayoutError, Topology
 from ntp_ds.models import LlamaConfig
 
 WANDB_MODES = ("online", "offline", "disabled")
-_NOT_NTP = ("zero_stage", "heartbeat_interval_s", "heartbeat_timeout_s")
+_NOT_NTP = ("zero_stage", "heartbeat_interval_s", "heartbeat_timeout_s", "join_timeout_s")
 """`parallel` fields read by DeepSpeed and the liveness checks rather than by `NTPConfig`."""
 OPTIMIZERS = ("adamw", "sgd")
 DATASETS = ("synthetic", "tokens")
@@ -74,6 +74,8 @@ class ParallelConfig:
     """Seconds between two liveness beats of a worker to the job's store."""
     heartbeat_timeout_s: float = 3.0
     """A worker whose beats stop for this long counts as dead (how a hang is detected)."""
+    join_timeout_s: float = 3600.0
+    """How long a joining worker (a repair, `ntp-ds launch --join`) waits for the running job to take it in."""
 
     def ntp(self) -> NTPConfig:
         kw = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_NTP}
@@ -338,7 +340,7 @@ class RunConfig:
             _check_positive(f"parallel.{name}", getattr(p, name))
         if p.degrees is not None and not isinstance(p.degrees, list):
             raise ConfigError(f"parallel.degrees={p.degrees!r} must be a list of TP degrees or null")
-        for name in ("timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
+        for name in ("timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "join_timeout_s"):
             if not getattr(p, name) > 0:
                 raise ConfigError(f"parallel.{name}={getattr(p, name)} must be positive")
         if p.heartbeat_interval_s >= p.heartbeat_timeout_s:

@@ -48,6 +48,19 @@ class LiveRecovery:
                             heartbeat_timeout_s=p.heartbeat_timeout_s, last_good_dir=Path(run_dir) / LAST_GOOD)
         return cls(recovery, FaultInjector(cfg.fault_schedule(), rank, engine.store))
 
+    @classmethod
+    def join(cls, cfg: RunConfig, store, rank: int, run_dir: Path, not_before: int = 0) -> LiveRecovery:
+        """Join the job running on `store` as launch rank `rank` (bounded by `parallel.join_timeout_s`); the
+        recovery's engine is this rank's, ready for the step after the boundary it was taken in at."""
+        from ntp_ds.engine.initialize import prepare
+
+        p = cfg.parallel
+        spec, _ = prepare(cfg.model.llama_config(), cfg.ds_config(), p.ntp(), seq_len=cfg.data.seq_len)
+        recovery = Recovery.join(spec, store, rank, not_before=not_before, timeout_s=p.join_timeout_s,
+                                 heartbeat_interval_s=p.heartbeat_interval_s, heartbeat_timeout_s=p.heartbeat_timeout_s,
+                                 last_good_dir=Path(run_dir) / LAST_GOOD)
+        return cls(recovery, FaultInjector(cfg.fault_schedule(), rank, store))
+
     @property
     def events(self) -> list[dict]:
         return self.recovery.events
@@ -73,12 +86,21 @@ class LiveRecovery:
         recovery_s = sum(event.get(k, 0.0) for k in ("agreement_s", "regroup_s", "reshard_s"))
         return RecoveryReport(outcome.engine, detection_s=detection_s, recovery_s=recovery_s, fields=fields)
 
+    def at_boundary(self, trainer, step: int) -> RecoveryReport | None:
+        """Take in the workers that join after step `step`; return the grown engine's report, or None."""
+        outcome = self.recovery.at_boundary(step)
+        if outcome is None:
+            return None
+        fields = {k: v for k, v in outcome.event.items() if k not in TRAINER_FIELDS}
+        return RecoveryReport(outcome.engine, detection_s=0.0, recovery_s=outcome.event["grow_s"], fields=fields)
+
     def _fired(self, dead) -> list[dict]:
         """The injected faults the dead ranks fired (with the wall time they fired at), if any."""
         store = self.recovery.store
         keys = [fired_key(r) for r in dead]
         return [json.loads(store.get(k)) for k in keys if store.check([k])]
 
-    def close(self) -> None:
-        """Stop beating (at the end of the run, or when it stops)."""
-        self.recovery.close()
+    def close(self, finished: bool = False) -> None:
+        """Stop beating (at the end of the run, or when it stops); once `finished`, answer the joiners still
+        waiting."""
+        self.recovery.close(finished)

@@ -59,7 +59,8 @@ class RecoveryReport:
 
 
 class Recovery(Protocol):
-    """Live recovery, as the trainer calls it."""
+    """Live recovery, as the trainer calls it; `at_boundary` (optional) takes joiners in after a completed step and
+    returns the grown engine's report, or None."""
 
     def recover(self, trainer: Trainer, step: int, error: BaseException) -> RecoveryReport: ...
 
@@ -84,8 +85,11 @@ class Trainer:
     def __init__(self, cfg: RunConfig, engine, recorder: RunRecorder, *, run_dir: Path,
                  recovery: Recovery | None = None, injector: Injector | None = None,
                  switch_writer: Callable[[bool], RunRecorder] | None = None, stop: Stop | None = None,
-                 clock: Callable[[], float] = time.perf_counter, progress=None, startup_s: float = 0.0):
+                 clock: Callable[[], float] = time.perf_counter, progress=None, startup_s: float = 0.0,
+                 joined: bool = False):
         self.cfg, self.engine, self.recorder, self.run_dir = cfg, engine, recorder, Path(run_dir)
+        self.joined = joined
+        """This rank joined the running job (the members record the join; it starts no clock with them)."""
         self.startup_s = startup_s
         self.stop = stop
         """Asked after every completed step whether the job stops there (SIGINT/SIGTERM, `ntp_ds.run.stop`)."""
@@ -128,9 +132,10 @@ class Trainer:
     # -- loop --------------------------------------------------------------------------------------------------
     def train(self) -> dict:
         """Run every step, write the final weights and return the summary."""
-        self._announce()
+        if not self.joined:
+            self._announce()
         self._attach_injector()
-        if dist.is_initialized():
+        if dist.is_initialized() and not self.joined:
             wire.barrier()  # start the clocks together, after rank 0's W&B and file set-up
         self._last_end = self.clock()
         if self.stop is not None:  # a request made during start-up: stop after the first step
@@ -159,6 +164,8 @@ class Trainer:
             every = self.cfg.train.checkpoint_every
             if every and step % every == 0 and step < self.cfg.train.steps:
                 self.save_checkpoint()
+            if step < self.cfg.train.steps:
+                step = self._grow(step)
             step += 1
         if self.cfg.train.save_final:
             self.save_final()
@@ -237,6 +244,33 @@ class Trainer:
         self._last_end = resumed_at
         return rerun
 
+    def _grow(self, step: int) -> int:
+        """Take in the workers that join at this boundary (if the recovery plans any); return the last completed
+        step (a failure at the boundary is recovered like a failed step, which re-runs nothing)."""
+        at_boundary = getattr(self.recovery, "at_boundary", None)
+        if at_boundary is None:
+            return step
+        started = self.clock()
+        try:
+            report = at_boundary(self, step)
+        except Exception as error:
+            return self._recover(step + 1, error) - 1
+        if report is None:
+            return step
+        before = self.degrees
+        self.engine = report.engine
+        self._move_records()
+        self._record_recovery(None)
+        self.meter.record_lost("recovery", self.clock() - started, active_gpus=sum(self.degrees))
+        self._attach_injector()
+        event = {"degrees_before": list(before), "degrees_after": list(self.degrees), "grow_s": report.recovery_s,
+                 **report.fields}
+        self._unfinished = {"step": step, "failed_at": started, "event": event, "kind": "join"}
+        if self.writer:
+            log.warning(describe_join(step, event))
+        self._last_end = self.clock()
+        return step
+
     def _move_records(self) -> None:
         """Hand the records over, or take them over, when a recovery moved the writer's role."""
         if self.switch_writer is None or self.writer == self.recorder.active:
@@ -256,12 +290,17 @@ class Trainer:
         pending, self._unfinished = self._unfinished, None
         if pending is None:
             return
-        event = pending["event"]
-        if completed_step is not None:
+        event, kind = pending["event"], pending.get("kind", "recovery")
+        if completed_step is not None and kind == "join":
+            event["boundary_to_step_s"] = self.clock() - pending["failed_at"]
+            requested = event.pop("requested_wall", None)
+            if requested:  # the joiner's clock: another host's, so only as good as the hosts' clock sync
+                event["request_to_step_s"] = time.time() - min(requested)
+        elif completed_step is not None:
             event["failure_to_step_s"] = self.clock() - pending["failed_at"]
             if self.writer:
                 log.warning("step %d completed %.2f s after the failure", completed_step, event["failure_to_step_s"])
-        self.recorder.event("recovery", pending["step"], **event)
+        self.recorder.event(kind, pending["step"], **event)
 
     def _attach_injector(self) -> None:
         """Let the engine report its phase boundaries to the injector (`engine.on_phase(step, phase)`)."""
@@ -385,6 +424,16 @@ def describe_recovery(step: int, event: dict) -> str:
     if "lossless" in event:
         parts.append("lossless" if event["lossless"] else "NOT lossless: some state had no surviving copy")
     return "; ".join(parts)
+
+
+def describe_join(step: int, event: dict) -> str:
+    """One line for the log: who joined, the degrees, the time, the bytes received against the joiners' shards."""
+    joined = event.get("joined") or []
+    return (f"rank{'s' if len(joined) > 1 else ''} {', '.join(map(str, joined))} joined after step {step}: TP "
+            f"degrees {event['degrees_before']} -> {event['degrees_after']} in {event['grow_s']:.2f} s; received "
+            f"{_bytes(event.get('bytes_moved', 0))} of parameters (the joiners' shards: "
+            f"{_bytes(event.get('joiner_shard_bytes', 0))}) and {_bytes(event.get('optimizer_bytes_moved', 0))} of "
+            f"optimizer state; {'lossless' if event.get('lossless') else 'NOT lossless'}")
 
 
 def _bytes(n: float) -> str:

@@ -16,6 +16,8 @@ import socket
 import time
 import traceback
 
+from ntp_ds.control.joins import JOIN_ENV
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -42,10 +44,6 @@ def _child(fn, rank, world_size, port, store_address, args, results):
         results.put((rank, "exit", e.code))
     except BaseException:  # report every failure to the parent, which owns the verdict
         results.put((rank, "error", traceback.format_exc()))
-
-
-JOIN_ENV = "NTP_JOIN"
-"""Set (to 1) in a worker that joins a running job (`ntp-ds launch --join`, or a joiner of `run_ranks`)."""
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, store: bool = False,
