@@ -20,6 +20,7 @@ class SchemaError(ValueError):
 
     def __init__(self, key: str, value: Any, reason: str):
         self.key, self.value, self.reason = key, value, reason
+        self.has_value = value is not _NO_VALUE
         shown = key if value is _NO_VALUE else f"{key}={_show(value)}"
         super().__init__(f"{shown} {reason}")
 
@@ -59,6 +60,8 @@ def find_schema_error(exc: BaseException, prefix: str = "") -> SchemaError | Non
 
     seen = exc
     while seen is not None:
+        if isinstance(seen, SchemaError):
+            return seen
         if isinstance(seen, OmegaConfBaseException) and getattr(seen, "full_key", None):
             return schema_error(seen, prefix)
         seen = seen.__cause__ or seen.__context__
@@ -89,6 +92,16 @@ def schema_error(exc, prefix: str = "") -> SchemaError:
     if "is not a subclass of" in first or "is not a DictConfig" in first or "Cannot assign" in first:
         return SchemaError(key, value, "must be a mapping")
     return SchemaError(key, value, f"is refused: {first}")
+
+
+def recipe_note(error: SchemaError | None, recipe: str | None, recipe_argv: list[str], argv: list[str]) -> str:
+    """` (in recipe NAME)` when the key the schema refused was set by the recipe and not on the command line."""
+    if error is None or recipe is None:
+        return ""
+    key = re.sub(r"\[\d+\]", "", error.key)
+    given = {a.split("=", 1)[0].lstrip("+~") for a in argv}
+    from_recipe = {a.split("=", 1)[0] for a in recipe_argv}
+    return f" (in recipe {recipe})" if key in from_recipe and key not in given else ""
 
 
 def _field_names(object_type) -> list[str]:

@@ -13,7 +13,7 @@ import sys
 
 from ntp_ds.engine.config import ConfigError
 from ntp_ds.run.config import RunConfig
-from ntp_ds.schema import SchemaError, find_schema_error, to_plain
+from ntp_ds.schema import find_schema_error, recipe_note, to_plain
 from ntp_ds.sim.cli import UsageError, _flatten, _hydra_value, _parse, config_dir, read_recipe, recipes_dir
 
 PRIMARY = "config"
@@ -70,21 +70,8 @@ def _check_choices(overrides: list, source: str) -> None:
                                  f"{', '.join(group_options(key))})")
 
 
-def _source(exc: Exception, extra: list[str], argv: list[str], recipe) -> str:
-    """` (in recipe NAME)` when the key the schema refused was set by the recipe, not on the command line."""
-    found = exc if isinstance(exc, SchemaError) else find_schema_error(exc)
-    if found is None or recipe is None:
-        return ""
-    key = re.sub(r"\[\d+\]", "", found.key)
-    given = {a.split("=", 1)[0].lstrip("+~") for a in argv}
-    from_recipe = {a.split("=", 1)[0] for a in extra}
-    return f" (in recipe {recipe})" if key in from_recipe and key not in given else ""
-
-
 def _one_line(exc: Exception) -> str:
     """Hydra's composition error in one line: the schema's wording when OmegaConf refused a value or key."""
-    if isinstance(exc, SchemaError):
-        return str(exc)
     found = find_schema_error(exc)
     if found is not None:
         return str(found)
@@ -123,7 +110,7 @@ def compose_dict(argv: list[str]) -> dict:
                 del cfg["hydra"]
             data = to_plain(cfg)
     except Exception as e:  # Hydra's composition and interpolation errors, OmegaConf's schema checks
-        raise UsageError(_one_line(e) + _source(e, extra, argv, recipe)) from None
+        raise UsageError(_one_line(e) + recipe_note(find_schema_error(e), recipe, extra, argv)) from None
     finally:
         GlobalHydra.instance().clear()
     if not data.get("run_dir"):

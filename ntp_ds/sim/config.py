@@ -2,28 +2,32 @@
 
 Every field has a default so ``SimConfig()`` is a runnable scenario.  The
 Hydra config group ``conf/sim/default.yaml`` mirrors these defaults one to
-one.  ``SimConfig.from_dict`` builds a config from plain nested dicts (as
-produced by Hydra/OmegaConf) with type checking, and ``validate`` checks the
-cross-field constraints.  Both raise :class:`ConfigError`, which names the
-offending field and value.
+one.  ``SimulateConfig`` (``sim`` plus the command's own keys) is the schema
+of ``conf/simulate.yaml``, registered with Hydra's ConfigStore as
+``simulate_schema``: OmegaConf checks types, unknown keys and ``???`` values
+while Hydra composes.  ``SimConfig.from_dict`` builds a config from plain
+nested dicts through the same schema, and ``validate`` keeps the hand-written
+checks (ranges, choices and what crosses fields).  Both raise
+:class:`ConfigError`, which names the offending field and value.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from ntp_ds.schema import SchemaError, build, register
 
 
 class ConfigError(ValueError):
     """Invalid simulator configuration; ``field`` is a dotted path."""
 
-    def __init__(self, field_name: str, value: Any, reason: str):
+    def __init__(self, field_name: str, value: Any, reason: str, message: str | None = None):
         self.field = field_name
         self.value = value
         self.reason = reason
-        super().__init__(f"{field_name}={value!r}: {reason}")
+        super().__init__(message or f"{field_name}={value!r}: {reason}")
 
 
 @dataclass
@@ -139,7 +143,11 @@ class SimConfig:
 
     @classmethod
     def from_dict(cls, data: dict, prefix: str = "") -> "SimConfig":
-        return _build(cls, data, prefix)
+        """Build from plain nested dicts, checked against this schema; errors name ``prefix`` + the key."""
+        try:
+            return build(cls, data, prefix)
+        except SchemaError as e:
+            raise ConfigError(e.key, e.value if e.has_value else None, e.reason, str(e)) from None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -149,53 +157,20 @@ class SimConfig:
         return self
 
 
-# --------------------------------------------------------------------------
-# dict -> dataclass with type checks
+@dataclass
+class SimulateConfig:
+    """The schema of ``conf/simulate.yaml``: the simulator's config under ``sim``, then the command's own keys."""
 
-def _coerce(tp: Any, value: Any, name: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin is typing.Union:  # Optional[X]
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(args[0], value, name)
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(name, value, "expected a list")
-        (item,) = typing.get_args(tp)
-        return [_coerce(item, v, f"{name}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(name, value, "expected a mapping")
-        return _build(tp, value, name + ".")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(name, value, "expected true or false")
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or (isinstance(value, float) and not value.is_integer()):
-            raise ConfigError(name, value, "expected an integer")
-        return int(value)
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(name, value, "expected a number")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(name, value, "expected a string")
-        return value
-    raise TypeError(f"unsupported config type {tp!r}")  # pragma: no cover
+    sim: SimConfig = field(default_factory=SimConfig)
+    out: str = "outputs/sim"         # directory for the CSVs and PNGs
+    recipe: Optional[str] = None     # name of a file recipes/sim/NAME.yaml merged over sim
+    seed: int = 0                    # first seed of failures and failure snapshots (sets sim.seed)
+    seeds: int = 1                   # seeds to run; medians and 5th-95th percentiles when > 1
+    workers: int = 0                 # worker processes for seeds; 0 = one per core
+    calibrate: Optional[str] = None  # training run dir (metrics.jsonl, events.jsonl) or table file
 
 
-def _build(cls: type, data: dict, prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in names:
-            raise ConfigError(prefix + str(key), data[key], "unknown key")
-    kwargs = {k: _coerce(hints[k], v, prefix + k) for k, v in data.items()}
-    return cls(**kwargs)
+register("simulate_schema", SimulateConfig)
 
 
 # --------------------------------------------------------------------------
