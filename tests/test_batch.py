@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ntp_ds.batch import BatchError, max_micro_batch, plan_batch
-from ntp_ds.batch.loader import GlobalBatchSampler, SyntheticTokens, replica_micro_batches
+from ntp_ds.batch.loader import FeistelPermutation, GlobalBatchSampler, SyntheticTokens, replica_micro_batches
 
 
 @given(st.lists(st.integers(1, 8), min_size=1, max_size=6), st.integers(1, 6), st.integers(1, 4))
@@ -55,3 +55,32 @@ def test_loader_slices_are_disjoint_deterministic_and_cover_the_global_batch():
         assert all(b["global_tokens"] == 10 * 7 for b in batches)
     expected = [tuple(data[i]["input_ids"].tolist()) for i in GlobalBatchSampler(40, seed=2).indices(3, 10)]
     assert sorted(seen) == sorted(expected)
+
+
+@given(st.integers(1, 3000), st.integers(0, 2**64 - 1))
+def test_feistel_permutation_is_a_bijection_of_the_range(size, key):
+    perm = FeistelPermutation(size, key)
+    assert sorted(perm(i) for i in range(size)) == list(range(size))
+
+
+@given(st.integers(1, 500), st.integers(-2**40, 2**40), st.integers(1, 64), st.integers(0, 40), st.integers(0, 99))
+def test_sampler_reads_each_epoch_as_a_permutation_and_resumes_at_any_position(size, seed, batch, step, start):
+    sampler = GlobalBatchSampler(size, seed)
+    epoch_of = [divmod(pos, size)[0] for pos in range(start + step * batch, start + (step + 1) * batch)]
+    got = sampler.indices(step, batch, start)
+    assert got == GlobalBatchSampler(size, seed).indices(step, batch, start)  # a pure function of the position
+    assert all(0 <= i < size for i in got)
+    for epoch in set(epoch_of):  # within an epoch no sample repeats
+        picked = [i for i, e in zip(got, epoch_of) if e == epoch]
+        assert len(set(picked)) == len(picked)
+    whole = sampler.indices(0, size, start=size * 3)  # epoch 3, read whole
+    assert sorted(whole) == list(range(size))
+
+
+def test_sampler_needs_no_memory_for_a_huge_dataset_and_epochs_differ():
+    sampler = GlobalBatchSampler(10**15, seed=0)
+    idx = sampler.indices(10**9, 256)
+    assert len(set(idx)) == 256 and all(0 <= i < 10**15 for i in idx)
+    small = GlobalBatchSampler(1000, seed=5)
+    assert small.indices(0, 1000) != small.indices(1, 1000)
+    assert small.indices(0, 1000) != GlobalBatchSampler(1000, seed=6).indices(0, 1000)

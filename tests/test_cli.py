@@ -84,6 +84,24 @@ def test_bad_input_is_one_line_and_exit_2(args, env, field):
     assert lines[0].startswith("ntp-ds train: error: ") and field in lines[0]
 
 
+@pytest.mark.parametrize("command, arg, expect", [
+    ("train", "train.steps=many", "train.steps='many' must be an integer"),
+    ("train", "parallel.tpp=2", "parallel.tpp is not a known setting; valid: batch_policy, bucket_size, degrees"),
+    ("train", "parallel.tp=???", "parallel.tp is missing (???): give it a value, e.g. parallel.tp=VALUE"),
+    ("simulate", "sim.cluster.tp=abc", "sim.cluster.tp='abc' must be an integer"),
+    ("simulate", "sim.cluster.tpp=8", "sim.cluster.tpp is not a known setting; valid: domain_size, hot_spares"),
+    ("simulate", "sim.cluster.tp=???", "sim.cluster.tp is missing (???): give it a value"),
+])
+def test_the_schema_refuses_a_bad_override_in_one_line_naming_the_field(command, arg, expect, tmp_path):
+    """Wrong type, unknown key, missing value: OmegaConf's checks against the registered schema, worded as one line."""
+    result = ntp_ds(command, arg, f"{'out' if command == 'simulate' else 'run_dir'}={tmp_path / 'x'}")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith(f"ntp-ds {command}: error: {expect}"), lines[0]
+    assert not (tmp_path / "x").exists()
+
+
 def test_deepspeed_local_rank_argument_is_stripped(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert strip_launcher_args(["--local_rank=1", "recipe=cpu_demo"]) == ["recipe=cpu_demo"]

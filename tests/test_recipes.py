@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -9,9 +10,11 @@ import torch
 
 from ntp_ds.batch.loader import GlobalBatchSampler
 from ntp_ds.engine.config import ConfigError
-from ntp_ds.models import Llama
+from ntp_ds.models import Llama, LlamaConfig
 from ntp_ds.run.compose import available_recipes, compose_dict, load_config, recipe_overrides
-from ntp_ds.run.config import generate_deepspeed_config
+from ntp_ds.run.config import ModelConfig, generate_deepspeed_config
+from ntp_ds.run.records import RUN_CONFIG
+from ntp_ds.run.rundir import _check_kept
 from ntp_ds.run.dry_run import describe
 from ntp_ds.sim.cli import UsageError
 
@@ -104,8 +107,16 @@ def test_deepspeed_config_passes_through_whole(tmp_path):
     (["recipe=nope"], "recipe='nope': no such recipe"),
     (["model=gpt"], "model=gpt: no such option"),
     (["train.steps"], "malformed override 'train.steps'"),
-    (["train.stepz=3"], "train.stepz is not a known setting"),
+    (["train.stepz=3"], "train.stepz is not a known setting; valid: checkpoint_every, global_batch, "),
     (["train.steps=many"], "train.steps='many' must be an integer"),
+    (["parallel.degrees=[2,x]"], "parallel.degrees[1]='x' must be an integer"),
+    (["parallel.degrees=2"], "parallel.degrees=2 must be a list"),
+    (["parallel.tp=null"], "parallel.tp=null is not allowed: the field is not optional"),
+    (["parallel.tp=???"], "parallel.tp is missing (???): give it a value, e.g. parallel.tp=VALUE"),
+    (["model.hidden_size=wide"], "model.hidden_size='wide' must be an integer"),
+    (["model.hiden_size=64"], "model.hiden_size is not a known setting; valid: head_dim, hidden_size, "),
+    (["logging.progress=maybe"], "logging.progress='maybe' must be true or false"),
+    (["optim.betas=[0.9,high]"], "optim.betas[1]='high' must be a number"),
     (["parallel.tp=8"], "parallel.tp=8 does not fit model tiny"),
     (["parallel.degrees=[2,3]"], "parallel.degrees[1]=3 must lie in"),
     (["launcher.nproc_per_node=3"], "launcher.nproc_per_node=3"),
@@ -120,6 +131,36 @@ def test_bad_input_names_the_field(argv, message):
         validated(argv)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_a_key_the_schema_refuses_in_a_recipe_names_the_recipe(tmp_path, monkeypatch):
+    (tmp_path / "typo.yaml").write_text("model: tiny\nparallel:\n  tpp: 2\n")
+    (tmp_path / "unset.yaml").write_text("train:\n  steps: ???\n")
+    monkeypatch.setattr("ntp_ds.run.compose.recipes_dir", lambda: tmp_path)
+    with pytest.raises(UsageError, match=r"^parallel.tpp is not a known setting; .* \(in recipe typo\)$"):
+        load_config(["recipe=typo"])
+    with pytest.raises(UsageError, match=r"^train.steps is missing \(\?\?\?\): .*\(in recipe unset\)$"):
+        load_config(["recipe=unset"])
+    assert load_config(["recipe=unset", "train.steps=3"]).train.steps == 3
+
+
+def test_the_model_schema_is_llama_config_plus_a_name():
+    assert [f.name for f in fields(ModelConfig)] == ["name"] + [f.name for f in fields(LlamaConfig)]
+    cfg = validated(["model=llama_1b"])
+    assert cfg.model.llama_config() == LlamaConfig(**{k: v for k, v in cfg.to_dict()["model"].items() if k != "name"})
+
+
+def test_a_run_written_before_the_model_schema_can_be_resumed(tmp_path):
+    cfg = validated(["model=tiny"])
+    old = cfg.to_dict()
+    old["model"] = {k: v for k, v in old["model"].items() if v is not None}  # it wrote only the yaml's keys
+    del old["model"]["initializer_range"]
+    (tmp_path / RUN_CONFIG).write_text(json.dumps(old))
+    _check_kept(tmp_path, "the run dir", cfg.to_dict())
+    old["model"]["hidden_size"] = 32
+    (tmp_path / RUN_CONFIG).write_text(json.dumps(old))
+    with pytest.raises(ConfigError, match="existing_run=resume: model="):
+        _check_kept(tmp_path, "the run dir", cfg.to_dict())
 
 
 def test_world_size_of_the_launcher_must_match():

@@ -54,26 +54,79 @@ def counted_tokens(labels: torch.Tensor) -> int:
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: every input bit flips about half of the output bits."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+@dataclass(frozen=True)
+class FeistelPermutation:
+    """A seeded bijection of [0, size), computed per index in O(1) memory.
+
+    A balanced Feistel network permutes [0, 4**h), the smallest power of four >= size; an index it sends past the
+    end is sent through again (cycle walking) until it lands inside: the walk follows the index's cycle, which comes
+    back into [0, size), so the result is a bijection of [0, size). About 4 walks at worst on average, since
+    4**h < 4 * size.
+    """
+
+    size: int
+    key: int
+    rounds: int = 6
+
+    def __post_init__(self):
+        if self.size < 1:
+            raise ValueError(f"size={self.size} must be at least 1")
+
+    @property
+    def _half_bits(self) -> int:
+        return max(1, ((self.size - 1).bit_length() + 1) // 2)
+
+    def __call__(self, index: int) -> int:
+        if not 0 <= index < self.size:
+            raise IndexError(f"index {index} outside [0, {self.size})")
+        x = self._encrypt(index)
+        while x >= self.size:
+            x = self._encrypt(x)
+        return x
+
+    def _encrypt(self, x: int) -> int:
+        half = self._half_bits
+        mask = (1 << half) - 1
+        left, right = x >> half, x & mask
+        for r in range(self.rounds):
+            round_key = _mix64((self.key + (r + 1) * 0x9E3779B97F4A7C15) & _MASK64)
+            left, right = right, left ^ (_mix64(right ^ round_key) & mask)
+        return (left << half) | right
+
+
 class GlobalBatchSampler:
-    """Sample indices of step s's global batch: a seeded permutation per epoch, read in order."""
+    """Sample indices of step s's global batch: a seeded permutation per epoch, read in order.
+
+    The permutation is a `FeistelPermutation` keyed by (seed, epoch), computed per index: no per-epoch table, so
+    a token file of billions of samples costs no memory, and any position (a resume, a recovery) is read directly.
+    """
 
     def __init__(self, dataset_size: int, seed: int = 0):
         self.dataset_size, self.seed = dataset_size, seed
-        self._perms: dict[int, torch.Tensor] = {}
 
-    def _perm(self, epoch: int) -> torch.Tensor:
-        if epoch not in self._perms:
-            g = torch.Generator().manual_seed(self.seed + epoch)
-            self._perms = {epoch: torch.randperm(self.dataset_size, generator=g)}
-        return self._perms[epoch]
+    def permutation(self, epoch: int) -> FeistelPermutation:
+        key = _mix64((_mix64(self.seed & _MASK64) + epoch) & _MASK64)
+        return FeistelPermutation(self.dataset_size, key)
 
     def indices(self, step: int, global_samples: int, start: int = 0) -> list[int]:
         """Indices of the `global_samples` samples that follow sample number `start + step * global_samples`."""
         first = start + step * global_samples
-        out = []
+        out, perms = [], {}
         for pos in range(first, first + global_samples):
             epoch, i = divmod(pos, self.dataset_size)
-            out.append(int(self._perm(epoch)[i]))
+            if epoch not in perms:
+                perms[epoch] = self.permutation(epoch)
+            out.append(perms[epoch](i))
         return out
 
 

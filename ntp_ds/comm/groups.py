@@ -25,6 +25,19 @@ def prepare_backend() -> None:
     surviving process down instead)."""
     if backend_for_device() == "nccl":
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+    skip_shm_comm_op()
+
+
+def skip_shm_comm_op() -> None:
+    """Keep `deepspeed.init_distributed` from JIT-compiling DeepSpeed's CPU shared-memory comm op (40-90 s on a
+    machine whose torch extensions cache lacks it): the op only serves `inference_all_reduce`, which ntp_ds never
+    calls. DeepSpeed 0.19 reads no environment variable or config key for this; its `build_shm_op` builds the op only
+    when `deepspeed.ops.__compatible_ops__` marks it compatible, a dict it probes once and keeps (its comment: edits
+    to it persist), so mark it not compatible there."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
 def start_generation(timeout_s: float) -> None:

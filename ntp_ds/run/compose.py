@@ -13,6 +13,7 @@ import sys
 
 from ntp_ds.engine.config import ConfigError
 from ntp_ds.run.config import RunConfig
+from ntp_ds.schema import find_schema_error, recipe_note, to_plain
 from ntp_ds.sim.cli import UsageError, _flatten, _hydra_value, _parse, config_dir, read_recipe, recipes_dir
 
 PRIMARY = "config"
@@ -70,6 +71,10 @@ def _check_choices(overrides: list, source: str) -> None:
 
 
 def _one_line(exc: Exception) -> str:
+    """Hydra's composition error in one line: the schema's wording when OmegaConf refused a value or key."""
+    found = find_schema_error(exc)
+    if found is not None:
+        return str(found)
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
     if not lines:
         return type(exc).__name__
@@ -83,7 +88,7 @@ def compose_dict(argv: list[str]) -> dict:
     """The composed config as a plain dict (with `hydra.run.dir` resolved into `run_dir` when unset)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf, open_dict
+    from omegaconf import open_dict
 
     overrides = _parse(argv)
     _check_choices(overrides, "")
@@ -103,9 +108,9 @@ def compose_dict(argv: list[str]) -> dict:
             hydra_run_dir = str(cfg.hydra.run.dir)
             with open_dict(cfg):
                 del cfg["hydra"]
-            data = OmegaConf.to_container(cfg, resolve=True)
-    except Exception as e:  # Hydra's composition and interpolation errors
-        raise UsageError(_one_line(e)) from None
+            data = to_plain(cfg)
+    except Exception as e:  # Hydra's composition and interpolation errors, OmegaConf's schema checks
+        raise UsageError(_one_line(e) + recipe_note(find_schema_error(e), recipe, extra, argv)) from None
     finally:
         GlobalHydra.instance().clear()
     if not data.get("run_dir"):

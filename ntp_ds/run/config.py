@@ -1,20 +1,27 @@
-"""The train configuration: one dataclass per Hydra group, checks that name the field at fault, and the DeepSpeed
-config generated from it.
+"""The train configuration: one dataclass per Hydra group, the checks that cross fields, and the DeepSpeed config
+generated from it.
 
-Pure logic: no process group, no file written. `RunConfig.from_dict` takes the composed Hydra config as a plain
-dict; `validate` raises a `ConfigError` whose message starts with the dotted field name.
+`RunConfig` is the schema of `conf/config.yaml`, registered with Hydra's ConfigStore as `run_schema` (its defaults
+list extends it): OmegaConf refuses a wrong type, an unknown key or a `???` left unset while Hydra composes, and
+`ntp_ds.schema` words that error as one line naming the dotted key. `validate` keeps the hand-written checks: value
+ranges and choices, and what crosses fields (layout vs world size, batch divisibility, faults vs steps), each
+raising a `ConfigError` whose message starts with the dotted field name.
+
+Pure logic: no process group, no file written.
 """
 
 from __future__ import annotations
 
 import typing
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, make_dataclass
+from typing import Any
 
 from ntp_ds.batch import POLICIES
 from ntp_ds.control.faults import FaultSchedule
 from ntp_ds.engine.config import ConfigError, NTPConfig, check_batch, load_deepspeed_config
 from ntp_ds.layout import LayoutError, Topology
 from ntp_ds.models import LlamaConfig
+from ntp_ds.schema import SchemaError, build, register
 
 WANDB_MODES = ("online", "offline", "disabled")
 _NOT_NTP = ("zero_stage", "heartbeat_interval_s", "heartbeat_timeout_s", "join_timeout_s")
@@ -27,19 +34,27 @@ EXISTING_RUN = ("refuse", "resume", "overwrite")
 
 
 @dataclass
-class ModelConfig:
-    """Which Llama to train: a name for the logs and the shape fields of `ntp_ds.models.LlamaConfig`."""
+class ModelName:
+    """Which Llama to train: a name for the logs, then the shape fields of `ntp_ds.models.LlamaConfig`."""
 
     name: str = "tiny"
     """Name shown in logs, the dry run and the summary."""
-    llama: dict = field(default_factory=dict)
-    """Every other key of the group: `LlamaConfig` fields (hidden_size, num_hidden_layers, ...)."""
 
     def llama_config(self) -> LlamaConfig:
         try:
-            return LlamaConfig(**self.llama)
+            return LlamaConfig(**{f.name: getattr(self, f.name) for f in fields(LlamaConfig)})
         except (TypeError, ValueError) as e:
             raise ConfigError(f"model.{e}") from None
+
+
+def _llama_fields() -> list:
+    hints = typing.get_type_hints(LlamaConfig)
+    return [(f.name, hints[f.name], field(default=f.default)) for f in fields(LlamaConfig)]
+
+
+ModelConfig = make_dataclass("ModelConfig", _llama_fields(), bases=(ModelName,), namespace={"__module__": __name__})
+ModelConfig.__doc__ = ("The `model` group: `name`, then every `LlamaConfig` field with its type and default, taken "
+                       "from `LlamaConfig` itself (its docstrings document them) so the shape is declared once.")
 
 
 @dataclass
@@ -50,7 +65,7 @@ class ParallelConfig:
     """Healthy tensor-parallel degree of a replica (its scale-up domain)."""
     replicas: int = 2
     """Data-parallel replicas."""
-    degrees: list | None = None
+    degrees: list[int] | None = None
     """TP degree of each replica at start; null: every replica at `tp`. E.g. [2, 1] starts one replica degraded."""
     zero_stage: int = 1
     """DeepSpeed ZeRO stage: 0, 1 or 2."""
@@ -128,7 +143,7 @@ class OptimConfig:
     """Peak learning rate."""
     weight_decay: float = 0.0
     """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
-    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     """AdamW moment decay rates."""
     eps: float = 1e-8
     """AdamW denominator epsilon."""
@@ -142,9 +157,13 @@ class OptimConfig:
 
 @dataclass
 class FaultConfig:
-    """Fault injection schedule, read by `ntp_ds.control.FaultSchedule`; the injector lives in `ntp_ds.control`."""
+    """Fault injection schedule, read by `ntp_ds.control.FaultSchedule`; the injector lives in `ntp_ds.control`.
 
-    faults: list = field(default_factory=list)
+    The entries stay free-form mappings here: `FaultSchedule.from_config` is the one declaration of their fields and
+    checks each entry (unknown, missing and wrong fields, ranks that do not exist), naming `fault.faults[i].FIELD`.
+    """
+
+    faults: list[dict[str, Any]] = field(default_factory=list)
     """List of {rank, step, phase, kind}: launch rank, step 1..train.steps, phase forward|backward|grad_sync|
     optimizer|recovery, kind crash|hang|device_error."""
 
@@ -161,7 +180,7 @@ class WandbConfig:
     """W&B team or user; null: the default entity of the logged-in user."""
     name: str | None = None
     """Run name; null: the run directory's name."""
-    tags: list = field(default_factory=list)
+    tags: list[str] = field(default_factory=list)
     """Tags attached to the run."""
 
 
@@ -249,17 +268,14 @@ class RunConfig:
     # -- construction ------------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict) -> RunConfig:
-        """Build from the composed config (a plain dict); unknown keys and wrong types name their field."""
-        data = {k: v for k, v in data.items() if k != "hydra"}
-        model = dict(data.pop("model", None) or {})
-        cfg = _build(cls, data, "")
-        cfg.model = ModelConfig(name=str(model.pop("name", "model")), llama=model)
-        return cfg
+        """Build from the composed config (a plain dict), checked against this schema by OmegaConf."""
+        try:
+            return build(cls, {k: v for k, v in data.items() if k != "hydra"})
+        except SchemaError as e:
+            raise ConfigError(str(e)) from None
 
     def to_dict(self) -> dict:
-        out = asdict(self)
-        out["model"] = {"name": self.model.name, **self.model.llama}
-        return out
+        return asdict(self)
 
     # -- derived -----------------------------------------------------------------------------------------------
     @property
@@ -338,8 +354,6 @@ class RunConfig:
         p = self.parallel
         for name in ("tp", "replicas"):
             _check_positive(f"parallel.{name}", getattr(p, name))
-        if p.degrees is not None and not isinstance(p.degrees, list):
-            raise ConfigError(f"parallel.degrees={p.degrees!r} must be a list of TP degrees or null")
         for name in ("timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "join_timeout_s"):
             if not getattr(p, name) > 0:
                 raise ConfigError(f"parallel.{name}={getattr(p, name)} must be positive")
@@ -439,43 +453,4 @@ def _check_positive(name: str, value) -> None:
         raise ConfigError(f"{name}={value!r} must be a positive integer")
 
 
-def _build(cls, data: dict, prefix: str):
-    """Instantiate dataclass `cls` from `data`, nested dataclasses included; name unknown keys and wrong types."""
-    hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        raise ConfigError(f"{prefix}{unknown[0]} is not a known setting; valid: {', '.join(sorted(known))}")
-    kwargs = {}
-    for name, value in data.items():
-        hint = hints[name]
-        if isinstance(hint, type) and hasattr(hint, "__dataclass_fields__"):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{prefix}{name}={value!r} must be a mapping")
-            kwargs[name] = _build(hint, value, f"{prefix}{name}.")
-        else:
-            kwargs[name] = _coerce(f"{prefix}{name}", value, hint)
-    missing = [f.name for f in known.values()
-               if f.name not in kwargs and f.default is MISSING and f.default_factory is MISSING]
-    if missing:
-        raise ConfigError(f"{prefix}{missing[0]} is missing")
-    return cls(**kwargs)
-
-
-def _coerce(name: str, value, hint):
-    """Check `value` against a field's type hint; ints are accepted where floats are expected."""
-    args = typing.get_args(hint)
-    optional = type(None) in args
-    base = next((a for a in args if a is not type(None)), hint) if args else hint
-    base = typing.get_origin(base) or base
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(f"{name}=null is not allowed; expected {getattr(base, '__name__', base)}")
-    if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if base is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"{name}={value!r} must be an integer")
-    if base in (str, bool, list, dict) and not isinstance(value, base):
-        raise ConfigError(f"{name}={value!r} must be a {base.__name__}")
-    return value
+register("run_schema", RunConfig)

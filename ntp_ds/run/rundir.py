@@ -13,11 +13,12 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ntp_ds.engine.config import ConfigError
 from ntp_ds.engine.engine import TOPOLOGY_FILE
+from ntp_ds.run.config import ModelConfig
 from ntp_ds.run.records import CHECKPOINTS, EVENTS, FINAL_WEIGHTS, LAST_GOOD, METRICS, RUN_CONFIG, SUMMARY
 
 RUN_MARKS = (METRICS, EVENTS, SUMMARY, FINAL_WEIGHTS, CHECKPOINTS)
@@ -117,6 +118,8 @@ def _check_kept(path: Path, where: str, config: dict) -> None:
         return  # a run that did not write its config: only the checkpoint's own checks apply
     for dotted in KEPT_ON_RESUME:
         old, new = _lookup(earlier, dotted), _lookup(config, dotted)
+        if dotted == "model" and isinstance(old, dict):  # a config.json written before the model schema listed
+            old = {**asdict(ModelConfig()), **old}      # every LlamaConfig field
         if old != new:
             raise ConfigError(f"existing_run=resume: {dotted}={json.dumps(new)} differs from the run in {where} "
                               f"({json.dumps(old)}); a resumed run keeps {', '.join(KEPT_ON_RESUME)}")

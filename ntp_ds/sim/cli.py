@@ -152,16 +152,15 @@ def _recipe_overrides(name: str) -> list[str]:
     return _flatten(read_recipe(recipes_dir() / "sim", name), "sim.")
 
 
-def _check_keys(overrides: list, base, source: str = "") -> None:
-    from omegaconf import OmegaConf
-
-    missing = object()
+def _check_overrides(overrides: list, source: str = "") -> None:
+    """Refuse what the schema cannot: adding or deleting keys, sweeps without -m, ``sim.seed`` (it is ``seed``)."""
     for o in overrides:
         if o.is_add() or o.is_delete() or o.is_force_add():
             raise UsageError(f"{o.input_line!r}: adding or deleting keys is not supported")
-        key = o.key_or_group
-        if OmegaConf.select(base, key, default=missing) is missing:
-            raise UsageError(f"{key}={o.get_value_element_as_str()}: unknown key{source}")
+        if o.key_or_group == "sim.seed":
+            raise UsageError(f"sim.seed{source}: set the first seed with seed=N")
+        if o.is_sweep_override():
+            raise UsageError(f"{o.input_line}: a sweep needs -m (ntp-ds simulate -m ...)")
 
 
 @dataclass
@@ -185,67 +184,47 @@ def load_config(argv: list[str]):
     return spec.config, spec.out
 
 
-def _int_key(data: dict, name: str, low: int) -> int:
-    from .config import ConfigError
-
-    v = data.get(name)
-    if not isinstance(v, int) or isinstance(v, bool) or v < low:
-        raise ConfigError(name, v, f"expected an integer >= {low}")
-    return v
-
-
 def load_run(argv: list[str]) -> RunSpec:
     """Compose the config like :func:`load_config` and read ``seeds``, ``workers``, ``calibrate``."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
 
-    from .config import ConfigError, SimConfig
+    from ntp_ds.schema import build, find_schema_error, recipe_note, to_plain
+
+    from .config import ConfigError, SimulateConfig
 
     overrides = _parse(argv)
-    recipe = None
-    for o in overrides:
-        if o.key_or_group == "recipe":
-            recipe = o.value()
+    _check_overrides(overrides)
+    recipe = next((o.value() for o in overrides if o.key_or_group == "recipe"), None)
+    extra: list[str] = []
+    if recipe is not None:
+        extra = _recipe_overrides(str(recipe))
+        _check_overrides(_parse(extra), f" in recipe {recipe}")
     cdir = config_dir()
     if not (cdir / "simulate.yaml").is_file():
         raise UsageError(f"config dir {cdir}: simulate.yaml not found")
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(cdir), version_base="1.3"):
-        base = compose(config_name="simulate")
-        _check_keys(overrides, base)
-        extra: list[str] = []
-        if recipe is not None:
-            extra = _recipe_overrides(str(recipe))
-            _check_keys(_parse(extra), base, f" in recipe {recipe}")
-        for o in overrides:
-            if o.is_sweep_override():
-                raise UsageError(f"{o.input_line}: a sweep needs -m (ntp-ds simulate -m ...)")
-        try:
-            cfg = compose(config_name="simulate", overrides=extra + list(argv))
-        except Exception as exc:
-            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UsageError(msg) from None
-    data = OmegaConf.to_container(cfg, resolve=True)
-    sim = data.get("sim") or {}
-    seed = data.get("seed", 0)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ConfigError("seed", seed, "expected an integer")
-    sim_cfg = SimConfig.from_dict(sim, prefix="sim.")
-    sim_cfg.seed = seed
+    try:
+        with initialize_config_dir(config_dir=str(cdir), version_base="1.3"):
+            spec = build(SimulateConfig, to_plain(compose(config_name="simulate", overrides=extra + list(argv))))
+    except Exception as exc:  # Hydra's composition errors, OmegaConf's schema checks
+        found = find_schema_error(exc)
+        msg = str(found) if found else (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UsageError(msg + recipe_note(found, None if recipe is None else str(recipe), extra, argv)) from None
+    finally:
+        GlobalHydra.instance().clear()
+    sim_cfg = spec.sim
+    sim_cfg.seed = spec.seed
     try:
         sim_cfg.validate()
     except ConfigError as exc:
         name = exc.field if exc.field == "seed" else "sim." + exc.field
         raise ConfigError(name, exc.value, exc.reason) from None
-    out = data.get("out") or "outputs/sim"
-    seeds = _int_key(data, "seeds", 1)
-    workers = _int_key(data, "workers", 0)
-    calibrate = data.get("calibrate")
-    if calibrate is not None and not isinstance(calibrate, str):
-        raise ConfigError("calibrate", calibrate, "expected a path")
-    return RunSpec(sim_cfg, Path(str(out)), seeds, workers, calibrate)
+    for name, low in (("seeds", 1), ("workers", 0)):
+        if getattr(spec, name) < low:
+            raise ConfigError(name, getattr(spec, name), f"expected an integer >= {low}")
+    return RunSpec(sim_cfg, Path(spec.out or "outputs/sim"), spec.seeds, spec.workers, spec.calibrate)
 
 
 def _fail(msg: str) -> int:

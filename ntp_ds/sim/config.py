@@ -2,128 +2,211 @@
 
 Every field has a default so ``SimConfig()`` is a runnable scenario.  The
 Hydra config group ``conf/sim/default.yaml`` mirrors these defaults one to
-one.  ``SimConfig.from_dict`` builds a config from plain nested dicts (as
-produced by Hydra/OmegaConf) with type checking, and ``validate`` checks the
-cross-field constraints.  Both raise :class:`ConfigError`, which names the
-offending field and value.
+one.  ``SimulateConfig`` (``sim`` plus the command's own keys) is the schema
+of ``conf/simulate.yaml``, registered with Hydra's ConfigStore as
+``simulate_schema``: OmegaConf checks types, unknown keys and ``???`` values
+while Hydra composes.  ``SimConfig.from_dict`` builds a config from plain
+nested dicts through the same schema, and ``validate`` keeps the hand-written
+checks (ranges, choices and what crosses fields).  Both raise
+:class:`ConfigError`, which names the offending field and value.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from ntp_ds.schema import SchemaError, build, register
 
 
 class ConfigError(ValueError):
     """Invalid simulator configuration; ``field`` is a dotted path."""
 
-    def __init__(self, field_name: str, value: Any, reason: str):
+    def __init__(self, field_name: str, value: Any, reason: str, message: str | None = None):
         self.field = field_name
         self.value = value
         self.reason = reason
-        super().__init__(f"{field_name}={value!r}: {reason}")
+        super().__init__(message or f"{field_name}={value!r}: {reason}")
 
 
 @dataclass
 class ClusterConfig:
-    num_gpus: int = 16384        # GPUs in the job (spares excluded)
-    domain_size: int = 8         # GPUs per scale-up domain (NVL8 .. NVL72)
-    tp: int = 8                  # tensor-parallel degree, tp <= domain_size
-    pp: int = 1                  # pipeline stages per data-parallel replica
-    microbatches: int = 8        # microbatches per step (pipeline bubble)
-    hot_spares: int = 0          # GPUs per domain held as hot spares (NVL72: 8 for TP64)
+    """The job's GPUs and how they are grouped."""
+
+    num_gpus: int = 16384
+    """GPUs in the job, spares excluded."""
+    domain_size: int = 8
+    """GPUs per scale-up domain (NVL8 .. NVL72)."""
+    tp: int = 8
+    """Tensor-parallel degree; divides domain_size - hot_spares."""
+    pp: int = 1
+    """Pipeline stages per data-parallel replica."""
+    microbatches: int = 8
+    """Microbatches per step (sets the pipeline bubble)."""
+    hot_spares: int = 0
+    """GPUs per domain held as hot spares (NVL72: 8 for TP64)."""
 
 
 @dataclass
 class ModelConfig:
-    params_billion: float = 70.0  # 0 -> derived as 12 * layers * hidden^2
+    """The trained model's size and shape, for step time and sharding units."""
+
+    params_billion: float = 70.0
+    """Parameters in billions; 0 derives 12 * layers * hidden^2."""
     hidden: int = 8192
+    """Hidden width."""
     heads: int = 64
+    """Attention (query) heads."""
     layers: int = 80
+    """Transformer blocks."""
     seq_len: int = 8192
+    """Tokens per sequence."""
     tokens_per_batch: int = 16777216
-    kv_heads: int = 0             # 0 -> heads (multi-head attention)
-    ffn_hidden: int = 0           # 0 -> 4 * hidden
+    """Tokens per global batch."""
+    kv_heads: int = 0
+    """KV heads; 0 means heads (multi-head attention)."""
+    ffn_hidden: int = 0
+    """FFN width; 0 means 4 * hidden."""
     vocab: int = 128256
+    """Vocabulary rows."""
 
 
 @dataclass
 class HardwareConfig:
-    peak_tflops: float = 989.0    # dense bf16 peak per GPU
-    utilisation: float = 0.45     # achieved fraction of peak in GEMMs
-    scaleup_gbps: float = 450.0   # GB/s per GPU on the scale-up link
-    scaleout_gbps: float = 50.0   # GB/s per GPU on the scale-out network
+    """One GPU's speed, links and power."""
+
+    peak_tflops: float = 989.0
+    """Dense bf16 peak per GPU."""
+    utilisation: float = 0.45
+    """Achieved fraction of peak in GEMMs."""
+    scaleup_gbps: float = 450.0
+    """GB/s per GPU on the scale-up link."""
+    scaleout_gbps: float = 50.0
+    """GB/s per GPU on the scale-out network."""
     act_bytes: int = 2
+    """Bytes per activation element."""
     grad_bytes: int = 2
-    tp_overlap: float = 0.0       # fraction of TP communication hidden
-    dp_overlap: float = 0.8       # fraction of the DP all-reduce hidden
+    """Bytes per gradient element."""
+    tp_overlap: float = 0.0
+    """Fraction of TP communication hidden behind compute."""
+    dp_overlap: float = 0.8
+    """Fraction of the DP all-reduce hidden behind compute."""
     tdp_watts: float = 700.0
+    """Thermal design power per GPU."""
 
 
 @dataclass
 class FailureConfig:
-    model: str = "exponential"    # "exponential" or "trace"
-    trace: Optional[str] = None   # CSV: time_hours,gpu[,kind][,repair_hours][,blast]
+    """When GPUs fail, how many at once, and how long repairs take."""
+
+    model: str = "exponential"
+    """exponential (from the MTBFs below) or trace (from `trace`)."""
+    trace: Optional[str] = None
+    """CSV of failures: time_hours,gpu[,kind][,repair_hours][,blast]; needed with model=trace."""
     gpu_mtbf_hours: float = 50000.0
+    """Mean hours between failure events per GPU."""
     hw_fraction: float = 0.78
+    """Share of hardware failures (the rest are software)."""
     hw_repair_hours: list[float] = field(default_factory=lambda: [72.0, 120.0])
+    """[min, max] hours to repair a hardware failure."""
     sw_repair_hours: list[float] = field(default_factory=lambda: [3.0, 3.0])
-    blast_radius: int = 1         # GPUs taken out by one event (divides domain_size)
-    domain_fraction: float = 0.0  # fraction of events that take a whole domain
-    correlation: float = 0.0      # chance an event triggers another in its domain
+    """[min, max] hours to recover from a software failure."""
+    blast_radius: int = 1
+    """GPUs taken out by one event; divides the domain's active GPUs."""
+    domain_fraction: float = 0.0
+    """Share of events that take a whole domain."""
+    correlation: float = 0.0
+    """Chance an event triggers another in its domain."""
     correlation_window_hours: float = 1.0
-    power_domain_mtbf_hours: float = math.inf  # per power domain; inf = never
-    power_domain_domains: int = 4  # scale-up domains (racks) per power domain
+    """Hours within which a correlated event follows."""
+    power_domain_mtbf_hours: float = math.inf
+    """Mean hours between outages of one power domain; inf: never."""
+    power_domain_domains: int = 4
+    """Scale-up domains (racks) per power domain."""
     power_repair_hours: list[float] = field(default_factory=lambda: [4.0, 12.0])
+    """[min, max] hours to restore a power domain."""
 
 
 @dataclass
 class NTPConfig:
-    min_tp: int = 6               # below this a TP group stops contributing
-    tp_step: int = 1              # degraded TP degree is a multiple of this
-    rebalance: bool = True        # shrink degraded replicas' share of the batch
-    reconfig_minutes: float = 1.0  # job-wide pause per failure (dp_drop / ntp)
-    rejoin_minutes: float = 0.5   # job-wide pause when repaired GPUs rejoin
-    batch_granularity: str = "sequence"  # "sequence" (planner, layout) or "fluid" (ideal t'/t)
-    exchange_overlap: float = 0.9  # hidden share of the cross-layout gradient exchange
+    """How NTP runs degraded replicas."""
+
+    min_tp: int = 6
+    """A TP group below this degree stops contributing."""
+    tp_step: int = 1
+    """A degraded TP degree is a multiple of this."""
+    rebalance: bool = True
+    """Shrink degraded replicas' share of the batch."""
+    reconfig_minutes: float = 1.0
+    """Job-wide pause per failure (dp_drop and ntp)."""
+    rejoin_minutes: float = 0.5
+    """Job-wide pause when repaired GPUs rejoin."""
+    batch_granularity: str = "sequence"
+    """sequence (the engine's planner and layout) or fluid (ideal t'/t)."""
+    exchange_overlap: float = 0.9
+    """Hidden share of the cross-layout gradient exchange."""
 
 
 @dataclass
 class BoostConfig:
-    cap: float = 0.30             # max extra power per GPU, fraction of TDP
-    perf_exponent: float = 0.5    # perf = power ** exponent (relative to TDP)
+    """Power boost of degraded domains (NTP-PW)."""
+
+    cap: float = 0.30
+    """Most extra power per GPU, as a fraction of TDP."""
+    perf_exponent: float = 0.5
+    """Relative performance = relative power ** perf_exponent."""
 
 
 @dataclass
 class CheckpointConfig:
+    """Checkpoint-restart, the baseline policy."""
+
     interval_minutes: float = 15.0
+    """Minutes between checkpoints (interval_policy=fixed)."""
     restart_minutes: float = 10.0
-    write_minutes: float = 0.0    # blocking time per checkpoint
-    interval_policy: str = "fixed"  # "fixed" or "young_daly" (from write cost and MTBF)
+    """Minutes to restart the job from a checkpoint."""
+    write_minutes: float = 0.0
+    """Blocking minutes per checkpoint."""
+    interval_policy: str = "fixed"
+    """fixed, or young_daly (interval from the write cost and the MTBF)."""
 
 
 @dataclass
 class SpareConfig:
-    domains: int = 0              # spare domains held in reserve
-    swap_hours: float = 0.5       # delay before a spare replaces a failed domain
-    quantile: float = 1.0         # time quantile of the deficit to cover
-    seed_quantile: float = 0.9    # quantile over seeds of each seed's spare need
-    repair_slots: int = 0         # hardware repairs in progress at once (0 = unlimited)
-    idle_failures: bool = True    # spare domains fail while they wait in the pool
+    """Spare domains that swap in for failed ones."""
+
+    domains: int = 0
+    """Spare domains held in reserve."""
+    swap_hours: float = 0.5
+    """Delay before a spare replaces a failed domain."""
+    quantile: float = 1.0
+    """Share of run time the spare count must cover."""
+    seed_quantile: float = 0.9
+    """Quantile over seeds of each seed's spare need."""
+    repair_slots: int = 0
+    """Hardware repairs in progress at once; 0: unlimited."""
+    idle_failures: bool = True
+    """Spare domains fail while they wait in the pool."""
 
 
 @dataclass
 class SweepConfig:
+    """The throughput-loss sweep over failed fractions and TP degrees."""
+
     failed_fractions: list[float] = field(
         default_factory=lambda: [0.0, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016])
-    tp_degrees: list[int] = field(default_factory=lambda: [4, 8])  # [] -> [tp]
+    """Fractions of failed GPUs to evaluate."""
+    tp_degrees: list[int] = field(default_factory=lambda: [4, 8])
+    """TP degrees to compare; []: just cluster.tp."""
     trials: int = 8
+    """Random failure placements per point."""
 
 
 @dataclass
 class SimConfig:
+    """One simulated scenario: the schema of the `sim` group (``conf/sim/default.yaml`` mirrors its defaults)."""
+
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
@@ -134,12 +217,19 @@ class SimConfig:
     spares: SpareConfig = field(default_factory=SpareConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     duration_days: float = 30.0
+    """Simulated run length."""
     timeline_points: int = 721
+    """Points of the goodput timeline."""
     seed: int = 0
+    """First seed of failures and failure snapshots; set from the top-level `seed`."""
 
     @classmethod
     def from_dict(cls, data: dict, prefix: str = "") -> "SimConfig":
-        return _build(cls, data, prefix)
+        """Build from plain nested dicts, checked against this schema; errors name ``prefix`` + the key."""
+        try:
+            return build(cls, data, prefix)
+        except SchemaError as e:
+            raise ConfigError(e.key, e.value if e.has_value else None, e.reason, str(e)) from None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -149,53 +239,27 @@ class SimConfig:
         return self
 
 
-# --------------------------------------------------------------------------
-# dict -> dataclass with type checks
+@dataclass
+class SimulateConfig:
+    """The schema of ``conf/simulate.yaml``: the simulator's config under ``sim``, then the command's own keys."""
 
-def _coerce(tp: Any, value: Any, name: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin is typing.Union:  # Optional[X]
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(args[0], value, name)
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(name, value, "expected a list")
-        (item,) = typing.get_args(tp)
-        return [_coerce(item, v, f"{name}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(name, value, "expected a mapping")
-        return _build(tp, value, name + ".")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(name, value, "expected true or false")
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or (isinstance(value, float) and not value.is_integer()):
-            raise ConfigError(name, value, "expected an integer")
-        return int(value)
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(name, value, "expected a number")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(name, value, "expected a string")
-        return value
-    raise TypeError(f"unsupported config type {tp!r}")  # pragma: no cover
+    sim: SimConfig = field(default_factory=SimConfig)
+    """The scenario."""
+    out: str = "outputs/sim"
+    """Directory for the CSVs and PNGs."""
+    recipe: Optional[str] = None
+    """Name of recipes/sim/NAME.yaml, merged over sim."""
+    seed: int = 0
+    """First seed of failures and failure snapshots (sets sim.seed)."""
+    seeds: int = 1
+    """Seeds to run; medians and 5th-95th percentiles when > 1."""
+    workers: int = 0
+    """Worker processes for seeds; 0: one per core."""
+    calibrate: Optional[str] = None
+    """Training run directory (metrics.jsonl, events.jsonl) or table file of measured costs."""
 
 
-def _build(cls: type, data: dict, prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in names:
-            raise ConfigError(prefix + str(key), data[key], "unknown key")
-    kwargs = {k: _coerce(hints[k], v, prefix + k) for k, v in data.items()}
-    return cls(**kwargs)
+register("simulate_schema", SimulateConfig)
 
 
 # --------------------------------------------------------------------------

@@ -114,10 +114,16 @@ def test_flatten_round_trips_through_hydra():
     (["sim.cluster.tp"], ["malformed", "sim.cluster.tp"]),
     (["sim.cluster.tp=[1,"], ["malformed", "sim.cluster.tp"]),
     (["=3"], ["malformed"]),
-    (["sim.cluster.foo=1"], ["sim.cluster.foo", "unknown"]),
-    (["bogus=1"], ["bogus", "unknown"]),
+    (["sim.cluster.foo=1"], ["sim.cluster.foo", "not a known setting", "domain_size"]),
+    (["bogus=1"], ["bogus", "not a known setting"]),
     (["sim.cluster.tp=16"], ["sim.cluster.tp", "16", "domain_size"]),
-    (["sim.cluster.tp=abc"], ["sim.cluster.tp", "abc"]),
+    (["sim.cluster.tp=abc"], ["sim.cluster.tp='abc' must be an integer"]),
+    (["sim.cluster.tp=???"], ["sim.cluster.tp is missing (???)"]),
+    (["sim.failures.hw_repair_hours=[1,x]"], ["sim.failures.hw_repair_hours[1]='x' must be a number"]),
+    (["sim.ntp.rebalance=maybe"], ["sim.ntp.rebalance='maybe' must be true or false"]),
+    (["sim.cluster=8"], ["sim.cluster=8 must be a mapping"]),
+    (["seeds=many"], ["seeds='many' must be an integer"]),
+    (["sim.seed=3"], ["sim.seed", "seed=N"]),
     (["sim.failures.hw_fraction=1.5"], ["sim.failures.hw_fraction", "1.5"]),
     (["sim.ntp.min_tp=9"], ["sim.ntp.min_tp", "9"]),
     (["seed=-1"], ["seed", "-1"]),
@@ -143,3 +149,18 @@ def test_bad_input_is_one_line_and_exit_2(argv, needles, tmp_path, capsys):
     for needle in needles:
         assert needle in err, (needle, err)
     assert not (tmp_path / "x").exists()
+
+
+def test_a_key_the_schema_refuses_in_a_recipe_names_the_recipe(tmp_path, monkeypatch, capsys):
+    (tmp_path / "sim").mkdir()
+    (tmp_path / "sim" / "typo.yaml").write_text("cluster:\n  tpp: 8\n")
+    (tmp_path / "sim" / "unset.yaml").write_text("cluster:\n  tp: ???\n")
+    monkeypatch.setattr("ntp_ds.sim.cli.recipes_dir", lambda: tmp_path)
+    assert main(["recipe=typo", f"out={tmp_path / 'x'}"]) == 2
+    assert capsys.readouterr().err.strip().endswith("sim.cluster.tpp is not a known setting; valid: domain_size, "
+                                                   "hot_spares, microbatches, num_gpus, pp, tp (in recipe typo)")
+    assert main(["recipe=unset", f"out={tmp_path / 'x'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "sim.cluster.tp is missing (???)" in err and err.endswith("(in recipe unset)")
+    cfg, _ = load_config(["recipe=unset", "sim.cluster.tp=8"])
+    assert cfg.cluster.tp == 8

@@ -1,0 +1,24 @@
+"""What ntp_ds sets before the first process group: DeepSpeed's CPU shared-memory comm op is not built."""
+
+import importlib
+
+import deepspeed.ops
+from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+from ntp_ds.comm.groups import prepare_backend
+
+
+def test_deepspeed_does_not_build_its_shm_comm_op(monkeypatch):
+    """`deepspeed.init_distributed` builds its backend through `build_shm_op`: after `prepare_backend` it returns None
+    without loading (JIT-compiling) the op."""
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` the attribute is torch itself
+    ops = deepspeed.ops.__compatible_ops__
+    monkeypatch.setitem(ops, ShareMemCommBuilder.NAME, ops.get(ShareMemCommBuilder.NAME, False))
+    loads = []
+    monkeypatch.setattr(ShareMemCommBuilder, "load", lambda self, verbose=False: loads.append(self.NAME))
+    prepare_backend()
+    assert ds_torch.build_shm_op() is None and loads == []
+    monkeypatch.setitem(ops, ShareMemCommBuilder.NAME, True)  # the observation works: a compatible op is loaded
+    ds_torch.build_shm_op()
+    assert loads == [ShareMemCommBuilder.NAME] or ds_torch.get_accelerator().create_op_builder(
+        "ShareMemCommBuilder") is None
