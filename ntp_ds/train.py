@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(argv)
         world = int(os.environ.get("WORLD_SIZE", "0")) if under_launcher and not cfg.dry_run else 0
         cfg.validate(world or None)
-        if not cfg.dry_run:
+        if not cfg.dry_run and not os.environ.get("NTP_JOIN"):  # a joiner joins the run its directory holds
             prepare_run_dir(cfg, clear=first)
     except BAD_INPUT as e:
         return fail(PROG, e) if first else 2

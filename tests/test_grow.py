@@ -5,10 +5,14 @@ ask the running job for a place (`Recovery.join`) from a given step on. Judged b
 `preserve_global_batch` every rank's shards, the joiner's included, equal the single-process reference.
 """
 
+import json
+
 import pytest
 
+from ntp_ds.models import Llama
 from ntp_ds.testing.spawn import run_ranks
 from tests.test_recovery import GLOBAL_BATCH, MICRO, assert_equivalent, fault
+from tests.test_cli import ntp_ds
 from tests.training import train_with_recovery
 
 STEPS = 6
@@ -84,3 +88,28 @@ def test_a_joiner_of_another_job_or_without_a_place_is_refused():
     assert "another job configuration" in results[4]["refused"]
     assert "no replica has a free place" in results[5]["refused"]
     assert_equivalent({r: results[r] for r in range(4)}, STEPS)
+
+
+def test_the_demo_fails_shrinks_is_repaired_and_grows_back(tmp_path):
+    """Through `ntp-ds train`: rank 3 crashes at step 2, its launcher starts a replacement that trains from step 5 on;
+    the final weights equal the failure-free run's."""
+    common = ["recipe=cpu_demo", "data.seq_len=16", "train.steps=7", "logging=disabled", "logging.progress=false"]
+    repaired = ntp_ds("train", *common, "fault.faults=[{rank:3,step:2,phase:backward,kind:crash},"
+                      "{rank:3,step:5,kind:repair}]", f"hydra.run.dir={tmp_path / 'repaired'}", timeout=240)
+    assert repaired.returncode == 0, repaired.stderr[-5000:]
+    assert "rank 3 repaired: starting rank 4 in its place, joining the job from step 5" in repaired.stderr
+    events = [json.loads(line) for line in (tmp_path / "repaired" / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["run_start", "recovery", "join", "run_end"]
+    join = events[2]
+    assert join["step"] == 4 and join["joined"] == [4] and join["lossless"] is True
+    assert join["degrees_before"] == [2, 1] and join["degrees_after"] == [2, 2]
+    assert 0 < join["bytes_moved"] == join["joiner_shard_bytes"]
+    assert join["boundary_to_step_s"] > 0 and join["request_to_step_s"] > 0
+    clean = ntp_ds("train", *common, "fault=none", f"hydra.run.dir={tmp_path / 'clean'}", timeout=240)
+    assert clean.returncode == 0, clean.stderr[-5000:]
+    got, want = (dict(Llama.from_pretrained(tmp_path / name / "final").named_parameters())
+                 for name in ("repaired", "clean"))
+    diff = max((got[n] - want[n]).abs().max().item() for n in want)
+    assert diff <= 1e-5, f"max abs difference {diff:.3g} to the failure-free weights"
+    summary = json.loads((tmp_path / "repaired" / "summary.json").read_text())
+    assert summary["degrees_end"] == [2, 2]

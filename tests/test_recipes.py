@@ -48,11 +48,13 @@ def test_default_config_composes():
     assert cfg.run_dir.startswith("outputs/")
 
 
-def test_cpu_demo_is_two_replicas_of_tp2_with_one_crash():
+def test_cpu_demo_is_two_replicas_of_tp2_with_a_crash_and_its_repair():
     cfg = validated(["recipe=cpu_demo"])
     assert cfg.parallel.replica_degrees == (2, 2)
-    (fault,) = cfg.fault_schedule().faults
+    fault, repair = cfg.fault_schedule().faults
     assert fault.kind == "crash" and 0 <= fault.rank < cfg.world_size and 1 <= fault.step <= cfg.train.steps
+    assert repair.kind == "repair" and repair.rank == fault.rank and fault.step < repair.step <= cfg.train.steps
+    assert cfg.fault_schedule().repairs() == {fault.rank: repair.step}
     assert cfg.logging.wandb.mode == "offline"
     assert cfg.model.name == "tiny"
     assert cfg.parallel.timeout_s == 20.0 and cfg.parallel.ntp().timeout_s == 20.0

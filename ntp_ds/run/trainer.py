@@ -250,14 +250,13 @@ class Trainer:
         at_boundary = getattr(self.recovery, "at_boundary", None)
         if at_boundary is None:
             return step
-        started = self.clock()
+        started, before = self.clock(), self.degrees
         try:
             report = at_boundary(self, step)
         except Exception as error:
             return self._recover(step + 1, error) - 1
         if report is None:
             return step
-        before = self.degrees
         self.engine = report.engine
         self._move_records()
         self._record_recovery(None)
