@@ -12,7 +12,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from ntp_ds.batch import POLICIES
 from ntp_ds.control.faults import FaultSchedule
-from ntp_ds.engine.config import ConfigError, NTPConfig, check_batch, load_deepspeed_config
+from ntp_ds.engine.config import ConfigError, NTPConfig, StragglerConfig, check_batch, load_deepspeed_config
 from ntp_ds.layout import LayoutError, Topology
 from ntp_ds.models import LlamaConfig
 
@@ -74,6 +74,8 @@ class ParallelConfig:
     """Seconds between two liveness beats of a worker to the job's store."""
     heartbeat_timeout_s: float = 3.0
     """A worker whose beats stop for this long counts as dead (how a hang is detected)."""
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    """Straggler-aware batch planning: `enabled`, `threshold`, `every_steps` (see `ntp_ds.engine.config`)."""
 
     def ntp(self) -> NTPConfig:
         kw = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_NTP}

@@ -1,0 +1,124 @@
+"""Straggler-aware batch planning: the pure re-plan (balance, hysteresis, anchors) and, end to end, a run with one
+replica slowed on purpose whose plan moves samples away from it while its weights stay the failure-free run's."""
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ntp_ds.batch import BatchError, plan_batch
+from ntp_ds.batch.straggler import balance_samples, rebalance, replica_step_times
+
+
+# -- pure planning -------------------------------------------------------------------------------------------------
+@given(st.lists(st.floats(0.01, 10.0), min_size=1, max_size=6), st.integers(0, 60))
+def test_balanced_samples_are_whole_complete_and_minimise_the_slowest(costs, extra):
+    total = len(costs) + extra
+    samples = balance_samples(costs, total)
+    assert sum(samples) == total and min(samples) >= 1
+    slowest = max(c * n for c, n in zip(costs, samples))
+    # No single sample moved from the slowest replica to another shortens the step: the split is min-max optimal.
+    i = max(range(len(costs)), key=lambda r: costs[r] * samples[r])
+    if samples[i] > 1:
+        for j in range(len(costs)):
+            if j != i:
+                assert costs[j] * (samples[j] + 1) >= slowest - 1e-12
+
+
+def test_balance_respects_floors_and_refuses_too_few_samples():
+    assert balance_samples([1.0, 10.0], 6, floors=[1, 3]) == [3, 3]
+    with pytest.raises(BatchError):
+        balance_samples([1.0, 1.0], 3, floors=[2, 2])
+
+
+def test_a_slow_replica_gives_samples_to_its_peers_and_anchors_keep_one_micro_batch_count():
+    plan = plan_batch((1, 1, 1), 1, 24, 4, "preserve_global_batch", anchors=(0, 1, 2))
+    replan = rebalance(plan, [0.01, 0.01, 0.015], micro_batch=4, anchors=(0, 1, 2))
+    samples = [p.samples for p in replan.plan.replicas]
+    assert sum(samples) == 24 and samples[2] < 8 < min(samples[0], samples[1])
+    assert len({p.micro_steps for p in replan.plan.replicas}) == 1
+    assert max(s for p in replan.plan.replicas for s in p.micro_sizes) <= 4
+    assert [p.offset for p in replan.plan.replicas] == [0, samples[0], samples[0] + samples[1]]
+    assert replan.after_s < 0.95 * replan.before_s and replan.before_s == pytest.approx(0.12)
+
+
+def test_contributors_get_their_own_micro_batch_count():
+    plan = plan_batch((2, 2, 1), 2, 21, 2, "preserve_global_batch", anchors=(0, 1))
+    replan = rebalance(plan, [0.01, 0.03, 0.02], micro_batch=2, anchors=(0, 1))
+    parts = replan.plan.replicas
+    assert parts[0].micro_steps == parts[1].micro_steps and parts[1].samples >= parts[1].micro_steps
+    assert parts[2].micro_steps == math.ceil(parts[2].samples / 2)
+
+
+@settings(max_examples=200)
+@given(st.integers(2, 6), st.integers(1, 8), st.lists(st.floats(-1.0, 1.0), min_size=6, max_size=6),
+       st.floats(0.02, 0.2))
+def test_no_flapping_under_noisy_equal_times(replicas, share, noise, threshold):
+    """Equal replicas measured with noise well inside the threshold keep their plan."""
+    plan = plan_batch((2,) * replicas, 2, share * replicas, 2, "preserve_global_batch",
+                      anchors=tuple(range(replicas)))
+    times = [0.01 * (1 + threshold / 4 * noise[r]) for r in range(replicas)]
+    assert rebalance(plan, times, 2, tuple(range(replicas)), threshold=threshold) is None
+
+
+@given(st.lists(st.floats(0.005, 0.05), min_size=2, max_size=5), st.integers(2, 10), st.floats(0.0, 0.2))
+def test_a_replan_is_stable_once_the_times_are_what_it_predicted(costs, share, threshold):
+    """Measured again under the new plan with unchanged speeds, the plan stays: no second move back and forth."""
+    n = len(costs)
+    plan = plan_batch((1,) * n, 1, share * n, 3, "preserve_global_batch")
+    replan = rebalance(plan, costs, 3, threshold=threshold)
+    if replan is not None:
+        assert replan.plan.global_samples == plan.global_samples
+        assert rebalance(replan.plan, costs, 3, threshold=threshold) is None
+
+
+def test_replica_step_times_take_the_median_of_each_rank_and_the_slowest_rank():
+    windows = [(0, [0.5, 0.1, 0.1]), (0, [0.2, 0.2, 0.3]), (1, [0.1, 0.12, 0.11])]
+    assert replica_step_times(windows, 2) == (0.2, 0.11)
+
+
+# -- the slow fault ------------------------------------------------------------------------------------------------
+def test_slow_fault_validation_names_the_field():
+    from ntp_ds.control.faults import Fault, FaultSchedule
+
+    good = {"rank": 2, "step": 1, "phase": "forward", "kind": "slow", "factor": 1.5}
+    assert FaultSchedule.from_config([good], 3).faults == (Fault(2, 1, "forward", "slow", 1.5),)
+    assert Fault.decode(Fault(2, 1, "forward", "slow", 1.5).encode()).factor == 1.5
+    assert "factor" not in json.loads(Fault(1, 1, "forward", "crash").encode())
+    for item, message in [({**good, "factor": 0.5}, r"fault\.faults\[0\]\.factor=0\.5 must be a number of at least 1"),
+                          ({k: v for k, v in good.items() if k != "factor"}, r"fault\.faults\[0\]\.factor is missing"),
+                          ({**good, "kind": "crash"}, r"fault\.faults\[0\]\.factor=1\.5 applies only to kind slow")]:
+        with pytest.raises(ValueError, match=message):
+            FaultSchedule.from_config([item], 3)
+
+
+def test_slow_fault_stretches_the_rank_from_its_step_on():
+    from ntp_ds.control.faults import FaultInjector, FaultSchedule
+
+    slept, fired = [], []
+    schedule = FaultSchedule.from_config([{"rank": 0, "step": 2, "phase": "forward", "kind": "slow", "factor": 3}], 1)
+    inj = FaultInjector(schedule, 0, fire=fired.append, sleep=slept.append)
+    inj.check(1, "forward")
+    assert inj.stretch(0.1) == 0 and slept == []
+    inj.check(2, "forward")
+    assert inj.stretch(0.1) == pytest.approx(0.2) and slept == [pytest.approx(0.2)] and fired == []
+
+
+def test_inject_takes_a_factor():
+    from ntp_ds.control import inject
+
+    assert inject.main(["--store", "127.0.0.1:1", "--rank", "0", "--step", "1", "--phase", "forward",
+                        "--kind", "slow", "--factor", "0.5", "--timeout-s", "0.5"]) == inject.USAGE_ERROR
+
+
+def test_straggler_config_errors_name_the_field():
+    from ntp_ds.engine.config import ConfigError
+    from ntp_ds.run.config import RunConfig
+
+    for straggler, message in [({"threshold": 1.5}, r"parallel\.straggler\.threshold=1\.5 must be a fraction"),
+                               ({"every_steps": 0}, r"parallel\.straggler\.every_steps=0 must be a positive"),
+                               ({"often": 1}, r"parallel\.straggler\.often is not a known setting")]:
+        with pytest.raises(ConfigError, match=message):
+            RunConfig.from_dict({"parallel": {"straggler": straggler}}).validate()
