@@ -122,3 +122,43 @@ def test_straggler_config_errors_name_the_field():
                                ({"often": 1}, r"parallel\.straggler\.often is not a known setting")]:
         with pytest.raises(ConfigError, match=message):
             RunConfig.from_dict({"parallel": {"straggler": straggler}}).validate()
+
+
+# -- end to end: one replica slowed on purpose ---------------------------------------------------------------------
+JOB = ("recipe=cpu_demo", "parallel.tp=1", "parallel.replicas=3", "parallel.timeout_s=20", "train.steps=9",
+       "train.global_batch=24", "train.micro_batch=4", "data.seq_len=16", "logging=disabled", "logging.progress=false",
+       "train.save_checkpoint=false")
+SLOW_RANK = 2
+
+
+def test_a_slowed_replica_gets_fewer_samples_and_the_weights_stay_the_failure_free_runs(tmp_path):
+    """3 replicas at TP 1 under preserve_global_batch; rank 2 (replica 2) runs 4x slower from step 1. The planner moves
+    samples away from it at a step boundary; the final weights equal the run without the fault or the re-plan."""
+    from safetensors.torch import load_file
+
+    from tests.test_cli import ntp_ds
+
+    slowed, clean = tmp_path / "slowed", tmp_path / "clean"
+    result = ntp_ds("train", *JOB, f"fault.faults=[{{rank:{SLOW_RANK},step:1,phase:forward,kind:slow,factor:4}}]",
+                    "parallel.straggler.enabled=true", "parallel.straggler.every_steps=3", f"hydra.run.dir={slowed}",
+                    timeout=120)
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert f"injecting slow (x4) on rank {SLOW_RANK} at step 1, phase forward" in result.stderr
+    events = [json.loads(line) for line in (slowed / "events.jsonl").read_text().splitlines()]
+    replans = [e for e in events if e["event"] == "replan"]
+    assert replans, f"no re-plan: {events}"
+    first = replans[0]
+    assert first["step"] == 3 and first["samples_before"] == [8, 8, 8] and sum(first["samples_after"]) == 24
+    assert first["samples_after"][SLOW_RANK] < 8 and first["step_work_s"][SLOW_RANK] == max(first["step_work_s"])
+    assert first["predicted_step_s_after"] < first["predicted_step_s_before"]
+    metrics = [json.loads(line) for line in (slowed / "metrics.jsonl").read_text().splitlines()]
+    assert [m[f"samples/replica_{SLOW_RANK}"] for m in metrics][:3] == [8, 8, 8]
+    assert metrics[-1][f"samples/replica_{SLOW_RANK}"] < 8, "the slow replica ends with a smaller share"
+
+    result = ntp_ds("train", *JOB, "fault=none", f"hydra.run.dir={clean}", timeout=120)
+    assert result.returncode == 0, result.stderr[-5000:]
+    ours, reference = load_file(slowed / "final" / "model.safetensors"), load_file(clean / "final" / "model.safetensors")
+    assert ours.keys() == reference.keys()
+    for name, tensor in reference.items():
+        diff = (ours[name] - tensor).abs().max().item()
+        assert diff <= 1e-4, f"{name}: max abs difference {diff:.3g} > 1e-4"

@@ -118,6 +118,8 @@ class Trainer:
         self._last_end = clock()
         self._unfinished: dict | None = None
         """The latest recovery's event, recorded once the step it interrupted has completed."""
+        self.step_samples: list[int] = []
+        """Samples each replica ran in the last step (a re-plan at its end changes the next step's)."""
         self.work_s = 0.0
         """This rank's work in the last step: forward and backward, without waits on other replicas' gradients."""
         self._work_window: list[float] = []
@@ -165,8 +167,7 @@ class Trainer:
             if self.global_loss is not None:
                 metrics["global_loss"] = self.global_loss
             if self.cfg.parallel.straggler.enabled:
-                metrics.update({f"samples/replica_{r}": part.samples
-                                for r, part in enumerate(self.engine.batch_plan.replicas)})
+                metrics.update({f"samples/replica_{r}": n for r, n in enumerate(self.step_samples)})
             self.recorder.step(metrics)
             if self._replan is not None:
                 self.recorder.event("replan", step, **self._replan)
@@ -210,7 +211,7 @@ class Trainer:
             n = batch["input_ids"].shape[0]
             loss_sum, samples = loss_sum + float(loss.detach()) * n, samples + n
         self.global_loss = self._global_loss(loss_sum, samples)
-        self.work_s = work_s
+        self.work_s, self.step_samples = work_s, [part.samples for part in plan.replicas]
         self._balance(step)
         end = clock()
         timing = StepTiming(step=step, wall_s=max(end - self._last_end, compute_s + comm_s), compute_s=compute_s,
