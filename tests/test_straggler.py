@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ntp_ds.batch import BatchError, plan_batch
-from ntp_ds.batch.straggler import balance_samples, rebalance, replica_step_times
+from ntp_ds.batch.straggler import balance_samples, per_sample_estimate, rebalance, replica_step_times
 
 
 # -- pure planning -------------------------------------------------------------------------------------------------
@@ -77,6 +77,12 @@ def test_a_replan_is_stable_once_the_times_are_what_it_predicted(costs, share, t
 def test_replica_step_times_take_the_median_of_each_rank_and_the_slowest_rank():
     windows = [(0, [0.5, 0.1, 0.1]), (0, [0.2, 0.2, 0.3]), (1, [0.1, 0.12, 0.11])]
     assert replica_step_times(windows, 2) == (0.2, 0.11)
+
+
+def test_one_noisy_window_does_not_move_the_estimate():
+    history = [(0.01, 0.01, 0.015), (0.01, 0.03, 0.015), (0.01, 0.01, 0.016)]
+    assert per_sample_estimate(history) == (0.01, 0.01, 0.015)
+    assert per_sample_estimate(history[:1]) == history[0]
 
 
 # -- the slow fault ------------------------------------------------------------------------------------------------

@@ -3,9 +3,11 @@ share of the global batch.
 
 Pure logic. A replica's busy time per step (its forward and backward work, not its waits on peers) divided by its
 samples is its time per sample; the balanced plan spreads the same global batch so that every replica's predicted
-time (time per sample x samples) is as even as whole samples allow. Hysteresis keeps the plan from flapping: times
-are medians over a window of steps run under one plan, there is one decision per window, and a new plan is adopted
-only when it predicts a step more than `threshold` shorter than the current plan's. The global batch and each
+time (time per sample x samples) is as even as whole samples allow. Hysteresis keeps the plan from flapping: step
+times are medians over a window of steps run under one plan, a replica's time per sample is the median of its last
+`HISTORY` windows (a time per sample does not depend on the plan, so windows under earlier plans still count), there
+is one decision per window, and a new plan is adopted only when it predicts a step more than `threshold` shorter
+than the current plan's. The global batch and each
 replica's place in it (offsets in replica order) keep their meaning, so under `preserve_global_batch` the update is
 the failure-free run's whatever the split.
 """
@@ -19,6 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ntp_ds.batch.planner import BatchError, BatchPlan, split_micro_batches
+
+HISTORY = 3
+"""Windows whose times per sample a decision takes the median of: one noisy window cannot move the plan alone."""
 
 
 @dataclass(frozen=True)
@@ -94,3 +99,9 @@ def replica_step_times(windows: Sequence[tuple[int, Sequence[float]]], replicas:
         if busy:
             out[replica] = max(out[replica], statistics.median(busy))
     return tuple(out)
+
+
+def per_sample_estimate(history: Sequence[Sequence[float]]) -> tuple[float, ...]:
+    """Each replica's time per sample: the median over the windows in `history` (oldest first) of its measured time
+    per sample; the trainer keeps the last `HISTORY` windows since the topology last changed."""
+    return tuple(statistics.median(window[r] for window in history) for r in range(len(history[-1])))

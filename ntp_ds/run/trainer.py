@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ntp_ds.batch.loader import GlobalBatchSampler, replica_micro_batches
-from ntp_ds.batch.straggler import replica_step_times
+from ntp_ds.batch.straggler import HISTORY, per_sample_estimate, replica_step_times
 from ntp_ds.comm import wire
 from ntp_ds.goodput import GoodputMeter, StepTiming, split_failure_time
 from ntp_ds.run.config import RunConfig
@@ -124,6 +124,8 @@ class Trainer:
         """This rank's work in the last step: forward and backward, without waits on other replicas' gradients."""
         self._work_window: list[float] = []
         """`work_s` of the steps completed under the current plan since the last straggler decision."""
+        self._per_sample_history: list[tuple[float, ...]] = []
+        """The replicas' measured seconds per sample in the last `HISTORY` windows of this topology."""
         self._replan: dict | None = None
         """The `replan` event of the last step, recorded after its metrics."""
 
@@ -250,7 +252,9 @@ class Trainer:
         engine = self.engine
         plan, groups = engine.batch_plan, engine.ntp_groups
         step_s = replica_step_times(wire.all_gather_object((groups.replica, window)), len(plan.replicas))
-        per_sample = [t / part.samples for t, part in zip(step_s, plan.replicas)]
+        measured = tuple(t / part.samples for t, part in zip(step_s, plan.replicas))
+        self._per_sample_history = (self._per_sample_history + [measured])[-HISTORY:]
+        per_sample = per_sample_estimate(self._per_sample_history)
         replan = engine.job.rebalance(groups.topology, groups.plan.anchors, plan, per_sample)
         if replan is None:
             return
@@ -279,7 +283,7 @@ class Trainer:
         log.info("step %d failed (%s); recovering", step, _first_line(error))
         report = self.recovery.recover(self, step, error)
         self.engine = report.engine
-        self._work_window, self._replan = [], None  # the new topology starts from its own plan
+        self._work_window, self._per_sample_history, self._replan = [], [], None  # a new topology, a new plan
         self._move_records()
         self._record_recovery(None)  # a failure while re-running a step: record the previous recovery as it is
         resumed_at = self.clock()
