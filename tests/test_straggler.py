@@ -131,37 +131,44 @@ def test_straggler_config_errors_name_the_field():
 
 
 # -- end to end: one replica slowed on purpose ---------------------------------------------------------------------
-JOB = ("recipe=cpu_demo", "parallel.tp=1", "parallel.replicas=3", "parallel.timeout_s=20", "train.steps=9",
-       "train.global_batch=24", "train.micro_batch=4", "data.seq_len=16", "logging=disabled", "logging.progress=false",
-       "train.save_checkpoint=false")
-SLOW_RANK = 2
+COMMON = ("recipe=cpu_demo", "parallel.timeout_s=20", "train.steps=9", "train.micro_batch=4", "data.seq_len=16",
+          "logging=disabled", "logging.progress=false", "train.save_checkpoint=false")
 
 
-def test_a_slowed_replica_gets_fewer_samples_and_the_weights_stay_the_failure_free_runs(tmp_path):
-    """3 replicas at TP 1 under preserve_global_batch; rank 2 (replica 2) runs 4x slower from step 1. The planner moves
-    samples away from it at a step boundary; the final weights equal the run without the fault or the re-plan."""
+@pytest.mark.parametrize("topology, slow_rank, slow_replica, base", [
+    # 3 anchors at TP 1: one shared micro-batch count.
+    (("parallel.tp=1", "parallel.replicas=3", "train.global_batch=24"), 2, 2, [8, 8, 8]),
+    # Replica 2 runs degraded at TP 1 as a contributor with its own count; launch rank 3 is in anchor replica 1.
+    (("parallel.tp=2", "parallel.replicas=3", "parallel.degrees=[2,2,1]", "train.global_batch=30"), 3, 1, [13, 12, 5]),
+], ids=["tp1x3", "tp2_tp2_tp1"])
+def test_a_slowed_replica_gets_fewer_samples_and_the_weights_stay_the_failure_free_runs(
+        tmp_path, topology, slow_rank, slow_replica, base):
+    """Under preserve_global_batch one rank runs 4x slower from step 1. The planner moves samples away from its
+    replica at a step boundary; the final weights equal the run without the fault or the re-plan."""
     from safetensors.torch import load_file
 
     from tests.test_cli import ntp_ds
 
     slowed, clean = tmp_path / "slowed", tmp_path / "clean"
-    result = ntp_ds("train", *JOB, f"fault.faults=[{{rank:{SLOW_RANK},step:1,phase:forward,kind:slow,factor:4}}]",
+    result = ntp_ds("train", *COMMON, *topology,
+                    f"fault.faults=[{{rank:{slow_rank},step:1,phase:forward,kind:slow,factor:4}}]",
                     "parallel.straggler.enabled=true", "parallel.straggler.every_steps=3", f"hydra.run.dir={slowed}",
                     timeout=120)
     assert result.returncode == 0, result.stderr[-5000:]
-    assert f"injecting slow (x4) on rank {SLOW_RANK} at step 1, phase forward" in result.stderr
+    assert f"injecting slow (x4) on rank {slow_rank} at step 1, phase forward" in result.stderr
     events = [json.loads(line) for line in (slowed / "events.jsonl").read_text().splitlines()]
     replans = [e for e in events if e["event"] == "replan"]
     assert replans, f"no re-plan: {events}"
     first = replans[0]
-    assert first["step"] == 3 and first["samples_before"] == [8, 8, 8] and sum(first["samples_after"]) == 24
-    assert first["samples_after"][SLOW_RANK] < 8 and first["step_work_s"][SLOW_RANK] == max(first["step_work_s"])
+    assert first["step"] == 3 and first["samples_before"] == base and sum(first["samples_after"]) == sum(base)
+    assert first["samples_after"][slow_replica] < base[slow_replica]
+    assert first["step_work_s"][slow_replica] == max(first["step_work_s"])
     assert first["predicted_step_s_after"] < first["predicted_step_s_before"]
     metrics = [json.loads(line) for line in (slowed / "metrics.jsonl").read_text().splitlines()]
-    assert [m[f"samples/replica_{SLOW_RANK}"] for m in metrics][:3] == [8, 8, 8]
-    assert metrics[-1][f"samples/replica_{SLOW_RANK}"] < 8, "the slow replica ends with a smaller share"
+    assert [[m[f"samples/replica_{r}"] for r in range(3)] for m in metrics][:3] == [base] * 3
+    assert metrics[-1][f"samples/replica_{slow_replica}"] < base[slow_replica], "the slow replica ends with less"
 
-    result = ntp_ds("train", *JOB, "fault=none", f"hydra.run.dir={clean}", timeout=120)
+    result = ntp_ds("train", *COMMON, *topology, "fault=none", f"hydra.run.dir={clean}", timeout=120)
     assert result.returncode == 0, result.stderr[-5000:]
     ours, reference = load_file(slowed / "final" / "model.safetensors"), load_file(clean / "final" / "model.safetensors")
     assert ours.keys() == reference.keys()
