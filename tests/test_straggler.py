@@ -112,11 +112,26 @@ def test_slow_fault_stretches_the_rank_from_its_step_on():
     assert inj.stretch(0.1) == pytest.approx(0.2) and slept == [pytest.approx(0.2)] and fired == []
 
 
-def test_inject_takes_a_factor():
+def test_inject_sends_a_slow_fault_with_its_factor_to_the_running_job(capsys):
     from ntp_ds.control import inject
+    from ntp_ds.control.faults import FaultInjector, FaultSchedule
+    from ntp_ds.control.job import publish_job
+    from ntp_ds.control.store import host_store
 
-    assert inject.main(["--store", "127.0.0.1:1", "--rank", "0", "--step", "1", "--phase", "forward",
-                        "--kind", "slow", "--factor", "0.5", "--timeout-s", "0.5"]) == inject.USAGE_ERROR
+    store, address = host_store(timeout_s=5.0)
+    publish_job(store, world_size=3, steps=20)
+    base = ["--store", address, "--rank", "2", "--step", "4", "--phase", "forward", "--kind", "slow", "--timeout-s", "5"]
+    assert inject.main([*base, "--factor", "0.5"]) == inject.USAGE_ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--factor=0.5 must be a number of at least 1" in err, err
+    assert inject.main([*base[:-4], "--kind", "crash", "--factor", "2", "--timeout-s", "5"]) == inject.USAGE_ERROR
+    assert "--factor=2.0 applies only to kind slow" in capsys.readouterr().err
+    assert inject.main([*base, "--factor", "2"]) == 0
+    assert "sent fault 1: slow (x2) on rank 2" in capsys.readouterr().out
+    slept = []
+    injector = FaultInjector(FaultSchedule(), 2, store, sleep=slept.append, fire=lambda f: pytest.fail("fired"))
+    injector.check(5, "forward")
+    assert injector.slow_factor == 2.0 and injector.stretch(0.25) == 0.25 and slept == [0.25]
 
 
 def test_straggler_config_errors_name_the_field():
