@@ -44,6 +44,12 @@ def test_a_slow_replica_gives_samples_to_its_peers_and_anchors_keep_one_micro_ba
     assert replan.after_s < 0.95 * replan.before_s and replan.before_s == pytest.approx(0.12)
 
 
+def test_a_plan_the_anchors_shared_count_cannot_hold_is_not_taken():
+    plan = plan_batch((1, 1), 1, 4, 1, "preserve_global_batch", anchors=(0, 1))
+    assert [p.micro_sizes for p in plan.replicas] == [(1, 1), (1, 1)]
+    assert rebalance(plan, [0.01, 0.1], micro_batch=1, anchors=(0, 1)) is None
+
+
 def test_contributors_get_their_own_micro_batch_count():
     plan = plan_batch((2, 2, 1), 2, 21, 2, "preserve_global_batch", anchors=(0, 1))
     replan = rebalance(plan, [0.01, 0.03, 0.02], micro_batch=2, anchors=(0, 1))

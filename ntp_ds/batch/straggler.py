@@ -70,7 +70,10 @@ def rebalance(plan: BatchPlan, per_sample_s: Sequence[float], micro_batch: int, 
     limits = micro_limits or (micro_batch,) * len(now)
     floors = [1] * len(now)
     for _ in range(len(now) + 1):
-        samples = balance_samples(per_sample_s, sum(now), floors)
+        try:
+            samples = balance_samples(per_sample_s, sum(now), floors)
+        except BatchError:  # the anchors' shared count needs more samples than the batch has
+            return None
         shared = max((math.ceil(samples[a] / min(micro_batch, limits[a])) for a in anchors), default=1)
         short = [a for a in anchors if samples[a] < shared]
         if not short:
