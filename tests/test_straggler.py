@@ -44,6 +44,21 @@ def test_a_slow_replica_gives_samples_to_its_peers_and_anchors_keep_one_micro_ba
     assert replan.after_s < 0.95 * replan.before_s and replan.before_s == pytest.approx(0.12)
 
 
+@given(st.integers(2, 5), st.integers(1, 12), st.integers(1, 4), st.data())
+def test_every_replan_is_a_valid_plan_of_the_same_global_batch(replicas, share, micro, data):
+    anchors = tuple(sorted(data.draw(st.sets(st.integers(0, replicas - 1), min_size=1))))
+    costs = data.draw(st.lists(st.floats(0.001, 1.0), min_size=replicas, max_size=replicas))
+    plan = plan_batch((1,) * replicas, 1, share * replicas, micro, "preserve_global_batch", anchors=anchors)
+    replan = rebalance(plan, costs, micro, anchors, threshold=0.0)
+    if replan is None:
+        return
+    parts = replan.plan.replicas
+    assert replan.plan.global_samples == plan.global_samples and replan.after_s < replan.before_s
+    assert len({parts[a].micro_steps for a in anchors}) == 1
+    assert all(1 <= size <= micro for p in parts for size in p.micro_sizes)
+    assert [p.offset for p in parts] == [sum(q.samples for q in parts[:r]) for r in range(replicas)]
+
+
 def test_a_plan_the_anchors_shared_count_cannot_hold_is_not_taken():
     plan = plan_batch((1, 1), 1, 4, 1, "preserve_global_batch", anchors=(0, 1))
     assert [p.micro_sizes for p in plan.replicas] == [(1, 1), (1, 1)]
