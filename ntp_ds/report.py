@@ -74,6 +74,10 @@ def summary_table(metrics: list[dict], events: list[dict], summary: dict, run_di
     for e in events:
         if e.get("event") == "recovery":
             rows.append((f"  at step {e.get('step')}", _recovery_row(e)))
+        elif e.get("event") == "replan":
+            rows.append((f"  re-plan at step {e.get('step')}",
+                         f"samples per replica {e.get('samples_before')} -> {e.get('samples_after')} (predicted step "
+                         f"{e.get('predicted_step_s_before', 0.0):.3f} -> {e.get('predicted_step_s_after', 0.0):.3f} s)"))
         elif e.get("event") == "run_stopped" and len(parts) <= 1:
             rows.append(("stopped", f"at step {e.get('step')}: {e.get('reason', '')}"))
     if "final_loss" in s:

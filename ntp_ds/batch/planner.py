@@ -95,13 +95,20 @@ def plan_batch(degrees: tuple[int, ...], healthy_tp: int, global_batch: int, mic
         if n < 1:
             raise BatchError(f"train_batch_size={global_batch} leaves replica {r} (tp={degrees[r]}) no sample; "
                              f"use a global batch of at least {math.ceil(replicas * healthy_tp / degrees[r])}")
-    limits = micro_limits or (micro_batch,) * replicas
+    return split_micro_batches(samples, micro_batch, anchors, micro_limits, f"train_batch_size={global_batch}")
+
+
+def split_micro_batches(samples, micro_batch: int, anchors: tuple[int, ...] = (),
+                        micro_limits: tuple[int, ...] | None = None, what: str = "the plan") -> BatchPlan:
+    """Lay out replicas' sample counts (in replica order) as a plan: micro-batches of at most the micro-batch (or the
+    replica's memory limit), anchors sharing the largest micro-batch count among them."""
+    limits = micro_limits or (micro_batch,) * len(samples)
     micro_steps = [math.ceil(n / min(micro_batch, limits[r])) for r, n in enumerate(samples)]
     if anchors:
         shared = max(micro_steps[a] for a in anchors)
         if any(samples[a] < shared for a in anchors):
-            raise BatchError(f"train_batch_size={global_batch} gives anchor replicas fewer samples than the "
-                             f"{shared} micro-batches they must share")
+            raise BatchError(f"{what} gives anchor replicas fewer samples than the {shared} micro-batches they must "
+                             f"share")
         for a in anchors:
             micro_steps[a] = shared
     out, offset = [], 0

@@ -1,10 +1,14 @@
-"""Fault injection: make a chosen rank crash, hang or lose its device at a chosen step and phase.
+"""Fault injection: make a chosen rank crash, hang, lose its device or slow down at a chosen step and phase.
 
 Faults come from the Hydra `fault` group (a schedule fixed at launch) or are sent to a running job through the
 store (`send_fault`, as `ntp-ds inject` does). The engine calls `FaultInjector.check(step, phase)` at every phase
 boundary; the injector polls the store at most every `poll_interval_s`, so a check costs no round trip in between.
 A scheduled fault fires at exactly its step (a job resumed past it does not replay it); a fault sent to a running
 job fires at the first boundary of its phase at or after its step. Each fault fires once.
+
+A `slow` fault does not end the rank: from the boundary where it fires, each of the rank's micro-batches takes
+`factor` times as long (the rank sleeps `factor - 1` times the forward and backward work it measured, as a throttled
+device would compute), until another `slow` fault for the rank replaces the factor (1: full speed again).
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ from dataclasses import asdict, dataclass
 log = logging.getLogger(__name__)
 
 PHASES = ("forward", "backward", "grad_sync", "optimizer", "recovery", "rendezvous", "transfer")
-KINDS = ("crash", "hang", "device_error", "repair")
+KINDS = ("crash", "hang", "device_error", "slow", "repair")
 REPAIR_PHASE = "boundary"
 """The phase of a `repair`: the failed rank's replacement joins at a step boundary (step = the first it trains)."""
 FIELDS = ("rank", "step", "phase", "kind")
+OPTIONAL_FIELDS = ("factor",)
+"""`factor`: only with kind `slow`, how many times as long the rank's micro-batches take (at least 1)."""
 FAULT_COUNT_KEY = "fault/count"
 """Store counter of faults sent to the running job; fault n is stored under `fault/{n}`, n from 1."""
 
@@ -45,7 +51,7 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_fields(where: str, rank, step, phase, kind, world_size: int | None = None) -> None:
+def _check_fields(where: str, rank, step, phase, kind, factor=None, world_size: int | None = None) -> None:
     """Raise ValueError naming the first field of a fault that is wrong, e.g. `fault.faults[0].rank=7 ...`."""
     if not _is_int(rank) or rank < 0:
         raise ValueError(f"{where}.rank={rank!r} must be a non-negative integer")
@@ -55,6 +61,15 @@ def _check_fields(where: str, rank, step, phase, kind, world_size: int | None = 
         raise ValueError(f"{where}.step={step!r} must be a non-negative integer")
     if kind not in KINDS:
         raise ValueError(f"{where}.kind={kind!r} must be one of {', '.join(KINDS)}")
+    if kind == "slow":
+        if factor is None:
+            raise ValueError(f"{where}.factor is missing; a slow fault needs a factor (how many times as long the "
+                             f"rank's micro-batches take, e.g. 1.5)")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+            raise ValueError(f"{where}.factor={factor!r} must be a number of at least 1 (how many times as long the "
+                             f"rank's micro-batches take; 1: full speed again)")
+    elif factor is not None:
+        raise ValueError(f"{where}.factor={factor!r} applies only to kind slow, not {kind}")
     if kind == "repair":
         if phase != REPAIR_PHASE:
             raise ValueError(f"{where}.phase={phase!r}: a repair happens at a step boundary (omit phase, or write "
@@ -71,28 +86,35 @@ class Fault:
     step: int
     phase: str
     kind: str
+    factor: float | None = None
+    """Kind `slow` only: how many times as long the rank's micro-batches take from then on."""
 
     def __post_init__(self):
-        _check_fields("fault", self.rank, self.step, self.phase, self.kind)
+        _check_fields("fault", self.rank, self.step, self.phase, self.kind, self.factor)
+
+    def as_dict(self) -> dict:
+        """The fault's fields, without `factor` when it has none (as a schedule entry is written)."""
+        return {k: v for k, v in asdict(self).items() if k in FIELDS or v is not None}
 
     def encode(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        return json.dumps(self.as_dict(), sort_keys=True)
 
     @classmethod
     def from_mapping(cls, item, where: str = "fault", world_size: int | None = None) -> Fault:
-        """Build a fault from a mapping of its four fields; errors name `where.FIELD`."""
+        """Build a fault from a mapping of its four fields (and `factor` for kind slow); errors name `where.FIELD`."""
         if not isinstance(item, Mapping):
             raise ValueError(f"{where} must be a mapping with keys {', '.join(FIELDS)}; got {item!r}")
         if item.get("kind") == "repair" and "phase" not in item:
             item = {**item, "phase": REPAIR_PHASE}
         for key in item:
-            if key not in FIELDS:
-                raise ValueError(f"{where}.{key} is not a fault field; valid: {', '.join(FIELDS)}")
+            if key not in FIELDS + OPTIONAL_FIELDS:
+                raise ValueError(f"{where}.{key} is not a fault field; valid: {', '.join(FIELDS + OPTIONAL_FIELDS)}")
         for key in FIELDS:
             if key not in item:
                 raise ValueError(f"{where}.{key} is missing; a fault needs {', '.join(FIELDS)}")
-        _check_fields(where, *(item[k] for k in FIELDS), world_size=world_size)
-        return cls(*(item[k] for k in FIELDS))
+        factor = item.get("factor")
+        _check_fields(where, *(item[k] for k in FIELDS), factor, world_size=world_size)
+        return cls(*(item[k] for k in FIELDS), factor=None if factor is None else float(factor))
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Fault:
@@ -144,7 +166,8 @@ def send_fault(store, fault: Fault) -> int:
 
 
 def trigger(fault: Fault) -> None:
-    """Make this process fail as `fault` says: SIGKILL itself, SIGSTOP itself, or raise DeviceError."""
+    """Make this process fail as `fault` says: SIGKILL itself, SIGSTOP itself, or raise DeviceError (a `slow` fault
+    is the injector's own: it stretches the micro-batches, `FaultInjector.stretch`)."""
     if fault.kind == "crash":
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.kind == "hang":
@@ -158,14 +181,16 @@ class FaultInjector:
 
     def __init__(self, schedule: FaultSchedule, rank: int, store=None, *, poll_interval_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
-                 fire: Callable[[Fault], None] = trigger):
+                 fire: Callable[[Fault], None] = trigger, sleep: Callable[[float], None] = time.sleep):
         if not poll_interval_s >= 0:
             raise ValueError(f"poll_interval_s={poll_interval_s} must be non-negative")
         self.rank, self.store, self.poll_interval_s = rank, store, poll_interval_s
-        self._clock, self._wall, self._fire = clock, wall, fire
+        self._clock, self._wall, self._fire, self._sleep = clock, wall, fire, sleep
         self._pending: list[tuple[Fault, bool]] = [(f, True) for f in schedule.for_rank(rank)]
         self._received = 0
         self._next_poll = float("-inf")
+        self.slow_factor = 1.0
+        """How many times as long this rank's micro-batches take (set by a `slow` fault)."""
 
     @property
     def pending(self) -> tuple[Fault, ...]:
@@ -182,8 +207,18 @@ class FaultInjector:
             if fault.phase == phase and (step == fault.step if exact else step >= fault.step):
                 del self._pending[i]
                 self._record(fault, step)
-                self._fire(fault)
+                if fault.kind == "slow":
+                    self.slow_factor = fault.factor
+                else:
+                    self._fire(fault)
                 return
+
+    def stretch(self, busy_s: float) -> float:
+        """Sleep for what a slowed rank would have taken beyond `busy_s` of micro-batch work; return the seconds slept."""
+        extra = (self.slow_factor - 1.0) * max(busy_s, 0.0)
+        if extra > 0:
+            self._sleep(extra)
+        return extra
 
     def poll(self) -> None:
         """Read the faults sent to the job since the last poll and keep this rank's."""
@@ -199,6 +234,7 @@ class FaultInjector:
                 self._pending.append((fault, False))
 
     def _record(self, fault: Fault, step: int) -> None:
-        log.warning("injecting %s on rank %d at step %d, phase %s", fault.kind, self.rank, step, fault.phase)
-        if self.store is not None:
-            self.store.set(fired_key(self.rank), json.dumps({**asdict(fault), "at_step": step, "wall": self._wall()}))
+        what = f"slow (x{fault.factor:g})" if fault.kind == "slow" else fault.kind
+        log.warning("injecting %s on rank %d at step %d, phase %s", what, self.rank, step, fault.phase)
+        if self.store is not None and fault.kind != "slow":  # the record times a failure's detection
+            self.store.set(fired_key(self.rank), json.dumps({**fault.as_dict(), "at_step": step, "wall": self._wall()}))

@@ -1,10 +1,11 @@
 """`ntp-ds inject`: send a fault to a running job through its store.
 
-    ntp-ds inject --store HOST:PORT --rank R --step S --phase P --kind K
+    ntp-ds inject --store HOST:PORT --rank R --step S --phase P --kind K [--factor F]
     ntp-ds inject --store HOST:PORT --rank R --step S --kind repair
 
-The target rank fires it at the first boundary of phase P at or after step S. A `repair` names a rank that has
-left: its node's launcher starts a replacement, which joins the job and trains from step S on (no --phase). The fault is checked against the
+The target rank fires it at the first boundary of phase P at or after step S (`--kind slow --factor F`: from
+then on its micro-batches take F times as long; F=1 restores full speed). A `repair` names a rank that has left: its
+node's launcher starts a replacement, which joins the job and trains from step S on (no --phase). The fault is checked against the
 running job first (its world size, steps, the ranks that have left: `ntp_ds.control.job`), and every wait is
 bounded by --timeout-s, also against an address that accepts connections but is no store. A mistake is reported on
 one line that names the option at fault, with exit status 2.
@@ -41,8 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--step", required=True, type=int, help="first step at which it fails")
     parser.add_argument("--phase", choices=PHASES, help="phase boundary at which it fails (not for a repair)")
     parser.add_argument("--kind", required=True, choices=KINDS,
-                        help="crash (SIGKILL), hang (SIGSTOP), device_error (DeviceError raised), or repair (a rank "
-                             "that left comes back from --step on)")
+                        help="crash (SIGKILL), hang (SIGSTOP), device_error (DeviceError raised), slow "
+                             "(micro-batches take --factor times as long) or repair (a rank that left comes back "
+                             "from --step on)")
+    parser.add_argument("--factor", type=float, default=None,
+                        help="kind slow only: how many times as long the rank's micro-batches take (>= 1; 1: full "
+                             "speed again)")
     parser.add_argument("--timeout-s", type=float, default=10.0,
                         help="bound on every wait: reaching the store and each call to it (default: 10)")
     return parser
@@ -94,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.kind != "repair" and args.phase is None:
             raise _UsageError("--phase is required for a crash, hang or device_error")
         try:
-            fault = Fault(args.rank, args.step, args.phase or REPAIR_PHASE, args.kind)
+            fault = Fault(args.rank, args.step, args.phase or REPAIR_PHASE, args.kind, args.factor)
         except ValueError as err:
             raise _UsageError("--" + str(err).removeprefix("fault.")) from None
         if fault.step < 1:
@@ -108,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     except _UsageError as err:
         print(f"ntp-ds inject: error: {err}", file=sys.stderr)
         return USAGE_ERROR
-    print(f"sent fault {n}: {fault.kind} on rank {fault.rank}, {when}")
+    what = f"slow (x{fault.factor:g})" if fault.kind == "slow" else fault.kind
+    print(f"sent fault {n}: {what} on rank {fault.rank}, {when}")
     return 0
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ntp_ds.batch import POLICIES, BatchError
@@ -12,6 +13,28 @@ from ntp_ds.batch import POLICIES, BatchError
 
 class ConfigError(ValueError):
     """A configuration mistake; the message names the field and value at fault and what would be valid."""
+
+
+@dataclass
+class StragglerConfig:
+    """Straggler-aware batch planning (`ntp_ds.batch.straggler`): a replica whose measured step work is longer than
+    its peers' takes a smaller share of the global batch, re-planned at step boundaries."""
+
+    enabled: bool = False
+    """Re-plan the batch from measured times; off: shares follow the TP degrees only."""
+    threshold: float = 0.05
+    """Adopt a new plan only when it predicts a step shorter by more than this fraction (hysteresis)."""
+    every_steps: int = 5
+    """Steps measured under one plan before each decision (their median counts): at most one re-plan per window."""
+
+    def validate(self, where: str = "ntp.straggler") -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"{where}.enabled={self.enabled!r} must be true or false")
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
+                or not 0 <= self.threshold < 1:
+            raise ConfigError(f"{where}.threshold={self.threshold!r} must be a fraction in [0, 1), e.g. 0.05")
+        if isinstance(self.every_steps, bool) or not isinstance(self.every_steps, int) or self.every_steps < 1:
+            raise ConfigError(f"{where}.every_steps={self.every_steps!r} must be a positive number of steps")
 
 
 @dataclass
@@ -45,10 +68,19 @@ class NTPConfig:
     bucket_size: int = 500_000_000
     """Elements per message of the gradient and parameter exchange between replicas (as DeepSpeed's
     `reduce_bucket_size`): bounds the exchange buffers, and smaller buckets start streaming sooner in backward."""
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    """Give a replica slower than its peers a smaller share of the global batch (a mapping of its fields also works)."""
 
     def __post_init__(self):
         if self.degrees is not None:
             self.degrees = tuple(int(d) for d in self.degrees)
+        if isinstance(self.straggler, Mapping) or self.straggler is None:
+            value = dict(self.straggler or {})
+            known = {f.name for f in fields(StragglerConfig)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise ConfigError(f"ntp.straggler.{unknown[0]} is not a known setting; valid: {sorted(known)}")
+            self.straggler = StragglerConfig(**value)
 
     @classmethod
     def from_any(cls, value) -> "NTPConfig":
@@ -80,6 +112,7 @@ class NTPConfig:
             raise ConfigError(f"ntp.bucket_size={self.bucket_size} must be a positive number of elements")
         if self.zero_redundancy < 0:
             raise ConfigError(f"ntp.zero_redundancy={self.zero_redundancy} must be 0 or more")
+        self.straggler.validate()
         degrees = self.replica_degrees
         if len(degrees) != self.replicas:
             raise ConfigError(f"ntp.degrees={list(degrees)} lists {len(degrees)} replicas but "

@@ -4,12 +4,15 @@ Anchor replicas (the most common layout) run DeepSpeed unchanged: its data-paral
 and optimizer. A contributor replica adds its gradients into its anchor's before the anchor reduces, and copies
 the anchor's updated parameters after the anchor steps; it keeps no optimizer state. Every micro-batch's loss is
 weighted by its share of the global batch's tokens, so the update is the token-weighted mean over all samples.
+A new batch plan (different samples and micro-batches per replica, same topology) is taken at a step boundary
+(`set_batch_plan`), without rebuilding the engine.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,6 +80,11 @@ class NTPEngine(DeepSpeedEngine):
         self.stream_parameters = len(plan.anchors) >= 2 and bool(self._params.outgoing or self._params.incoming)
         self._params_out, self._params_in = OutgoingParameters(self._params), IncomingParameters(self._params)
         self._loss_weight = None
+        self._step_start_micro = 0
+        """`micro_steps` when the current batch plan took effect: micro-batches are counted per step from there."""
+        self.sync_wait_s = 0.0
+        """Seconds this rank has spent in the gradient exchange between replicas during backward (a running total):
+        what a replica's step work is measured without."""
         self.on_phase = lambda step, phase: None
         """Called at every phase boundary (forward, backward, grad_sync, optimizer): the fault-injection seam."""
         self.in_optimizer_step = False
@@ -143,6 +151,34 @@ class NTPEngine(DeepSpeedEngine):
                 self._loss_weight = labels.shape[0] / self.batch_plan.global_samples
         return super().forward(*inputs, **kwargs)
 
+    def set_batch_plan(self, plan: BatchPlan) -> None:
+        """Run the next steps with `plan` (same replicas; e.g. a straggler-aware re-plan); call at a step boundary on
+        every rank. Anchors must share one micro-batch count in it (`ntp_ds.batch.split_micro_batches`)."""
+        if (self.micro_steps - self._step_start_micro) % self._micro_count() or self._loss_weight is not None:
+            raise RuntimeError("set_batch_plan must be called between steps, not inside one")
+        if len(plan.replicas) != len(self.batch_plan.replicas):
+            raise ValueError(f"the plan has {len(plan.replicas)} replicas, the topology "
+                             f"{len(self.batch_plan.replicas)}")
+        self.batch_plan, self._step_start_micro = plan, self.micro_steps
+        micro_sizes = plan.replicas[self.ntp_groups.replica].micro_sizes
+        batch = deepspeed_batch(micro_sizes, len(self.ntp_groups.dp_ranks), self.is_anchor)
+        self._config.train_micro_batch_size_per_gpu = batch["train_micro_batch_size_per_gpu"]
+        self._config.gradient_accumulation_steps = batch["gradient_accumulation_steps"]
+        self._config.train_batch_size = batch["train_batch_size"]
+        if hasattr(self.optimizer, "gradient_accumulation_steps"):
+            self.optimizer.gradient_accumulation_steps = batch["gradient_accumulation_steps"]
+
+    def _micro_count(self) -> int:
+        return self.batch_plan.replicas[self.ntp_groups.replica].micro_steps
+
+    def allreduce_gradients(self, *args, **kwargs):
+        """DeepSpeed's reduction over the anchors, timed into `sync_wait_s`."""
+        start = time.perf_counter()
+        try:
+            return super().allreduce_gradients(*args, **kwargs)
+        finally:
+            self.sync_wait_s += time.perf_counter() - start
+
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         """Back-propagate the micro-batch's mean loss, weighted by its share of the global batch."""
         if self._loss_weight is None:
@@ -162,7 +198,9 @@ class NTPEngine(DeepSpeedEngine):
                 for h in hooks:
                     h.remove()
             if hooks:
+                start = time.perf_counter()
                 self._outgoing.flush()
+                self.sync_wait_s += time.perf_counter() - start
             return loss
         # The contributors' buckets are added as this backward produces each gradient: receives are posted now,
         # nothing waits for a contributor before the backward starts.
@@ -173,14 +211,18 @@ class NTPEngine(DeepSpeedEngine):
             for h in hooks:
                 h.remove()
         if hooks:
+            start = time.perf_counter()
             self._incoming.finish()
+            self.sync_wait_s += time.perf_counter() - start
         return loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        if self.is_anchor:
-            return super().is_gradient_accumulation_boundary()
-        micro = self.batch_plan.replicas[self.ntp_groups.replica].micro_steps
-        return (self.micro_steps + 1) % micro == 0
+        """The last micro-batch of this replica's share of the step, counted from when the plan took effect."""
+        if "_step_start_micro" not in self.__dict__ or (self.is_anchor and (
+                self._is_gradient_accumulation_boundary is not None or self.zenflow
+                or not self.managed_gradient_accumulation())):
+            return super().is_gradient_accumulation_boundary()  # while DeepSpeed builds, and its modes NTP never sets
+        return (self.micro_steps - self._step_start_micro + 1) % self._micro_count() == 0
 
     def _contributor_backward(self, scaled, retain_graph: bool) -> None:
         """Plain autograd under DeepSpeed's engine-backward flag: a contributor has no optimizer and reduces nothing."""
@@ -345,6 +387,17 @@ class NTPEngine(DeepSpeedEngine):
         if state is not None:
             write_hf_dir(path, self.module.config, state)
         wire.barrier(self.ntp_groups.tp_control)
+
+
+def deepspeed_batch(micro_sizes: tuple[int, ...], dp_size: int, anchor: bool) -> dict:
+    """The batch fields of a replica's DeepSpeed config for its micro-batches: an anchor accumulates over them; a
+    contributor accumulates on its own (`NTPEngine.is_gradient_accumulation_boundary`), so DeepSpeed must not scale
+    its gradients by an accumulation count."""
+    if not anchor:
+        return {"train_micro_batch_size_per_gpu": max(micro_sizes), "gradient_accumulation_steps": 1,
+                "train_batch_size": max(micro_sizes)}
+    return {"train_micro_batch_size_per_gpu": max(micro_sizes), "gradient_accumulation_steps": len(micro_sizes),
+            "train_batch_size": max(micro_sizes) * len(micro_sizes) * dp_size}
 
 
 def write_hf_shard(path, tensors: dict[str, torch.Tensor], file: str) -> None:

@@ -18,12 +18,13 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.config import DeepSpeedConfig
 
-from ntp_ds.batch import max_micro_batch, plan_batch
+from ntp_ds.batch import BatchPlan, max_micro_batch, plan_batch
+from ntp_ds.batch.straggler import Replan, rebalance
 from ntp_ds.comm import wire
 from ntp_ds.comm.groups import (NTPMpu, ReplicaGroups, backend_for_device, build_groups, prepare_backend,
                                 start_generation)
 from ntp_ds.engine.config import ConfigError, NTPConfig, check_batch, env_world_size, load_deepspeed_config
-from ntp_ds.engine.engine import NTPEngine
+from ntp_ds.engine.engine import NTPEngine, deepspeed_batch
 from ntp_ds.layout import LayoutError, Topology, plan_gradient_sync
 from ntp_ds.models import Llama, LlamaConfig
 from ntp_ds.layout.sharding import shard_tensor
@@ -48,6 +49,12 @@ class JobSpec:
                            self.ds_config["train_micro_batch_size_per_gpu"], self.ntp.batch_policy, sync.anchors,
                            limits)
         return sync, batch
+
+    def rebalance(self, topology: Topology, anchors: tuple[int, ...], plan: BatchPlan,
+                  per_sample_s) -> Replan | None:
+        """The straggler-aware re-plan of `plan` for the replicas' measured seconds per sample (None: keep it)."""
+        return rebalance(plan, per_sample_s, self.ds_config["train_micro_batch_size_per_gpu"], anchors,
+                         _micro_limits(self, topology), self.ntp.straggler.threshold)
 
 
 def model_config_of(model) -> LlamaConfig:
@@ -98,16 +105,10 @@ def shard_module(model, config: LlamaConfig, groups: ReplicaGroups) -> Llama:
 def _rank_deepspeed_config(ds_config: dict, groups: ReplicaGroups, micro_sizes: tuple[int, ...]) -> dict:
     """DeepSpeed sees this replica's own micro-batch plan; a contributor gets no optimizer and no ZeRO."""
     cfg = copy.deepcopy(ds_config)
-    cfg["train_micro_batch_size_per_gpu"] = max(micro_sizes)
-    cfg["gradient_accumulation_steps"] = len(micro_sizes)
-    cfg["train_batch_size"] = max(micro_sizes) * len(micro_sizes) * len(groups.dp_ranks)
+    cfg.update(deepspeed_batch(micro_sizes, len(groups.dp_ranks), groups.is_anchor))
     if not groups.is_anchor:
-        # The contributor accumulates on its own (NTPEngine.is_gradient_accumulation_boundary): DeepSpeed must not
-        # scale its gradients by an accumulation count.
         for key in ("optimizer", "scheduler", "zero_optimization"):
             cfg.pop(key, None)
-        cfg["gradient_accumulation_steps"] = 1
-        cfg["train_batch_size"] = max(micro_sizes)
     return cfg
 
 

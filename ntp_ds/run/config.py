@@ -18,7 +18,7 @@ from typing import Any
 
 from ntp_ds.batch import POLICIES
 from ntp_ds.control.faults import FaultSchedule
-from ntp_ds.engine.config import ConfigError, NTPConfig, check_batch, load_deepspeed_config
+from ntp_ds.engine.config import ConfigError, NTPConfig, StragglerConfig, check_batch, load_deepspeed_config
 from ntp_ds.layout import LayoutError, Topology
 from ntp_ds.models import LlamaConfig
 from ntp_ds.schema import SchemaError, build, register
@@ -91,6 +91,8 @@ class ParallelConfig:
     """A worker whose beats stop for this long counts as dead (how a hang is detected)."""
     join_timeout_s: float = 3600.0
     """How long a joining worker (a repair, `ntp-ds launch --join`) waits for the running job to take it in."""
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    """Straggler-aware batch planning: `enabled`, `threshold`, `every_steps` (see `ntp_ds.engine.config`)."""
 
     def ntp(self) -> NTPConfig:
         kw = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_NTP}

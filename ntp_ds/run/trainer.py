@@ -8,6 +8,12 @@ rebuilt engine and its timings; the trainer accounts them (detection, recovery, 
 step again and records a `recovery` event in events.jsonl and W&B once that step has completed (with the time from
 the failure to it). Without a recovery an error ends the run.
 
+With `parallel.straggler.enabled`, every rank measures its step work (forward and backward, without the gradient
+exchange's waits on other replicas) and, every `every_steps` completed steps, the ranks exchange those windows over
+the control group and each computes the same straggler-aware plan (`ntp_ds.batch.straggler`); a new plan is taken at
+that step boundary (`engine.set_batch_plan`) and recorded as a `replan` event. A `slow` fault stretches this rank's
+micro-batches (`injector.stretch`).
+
 Stop requests (SIGINT, SIGTERM) come in through `stop`: after every completed step the trainer asks whether the job
 stops there (every rank gets the same answer, `ntp_ds.run.stop`); a stopped run writes the weights and checkpoint
 of that step, a `run_stopped` event and a summary with status `stopped`. A run started from a checkpoint
@@ -35,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ntp_ds.batch.loader import GlobalBatchSampler, replica_micro_batches
+from ntp_ds.batch.straggler import HISTORY, per_sample_estimate, replica_step_times
 from ntp_ds.comm import wire
 from ntp_ds.goodput import GoodputMeter, StepTiming, split_failure_time
 from ntp_ds.run.config import RunConfig
@@ -69,6 +76,9 @@ class Injector(Protocol):
     """Fault injection at the engine's phase boundaries (`ntp_ds.control.FaultInjector`); step is 1-based."""
 
     def check(self, step: int, phase: str) -> None: ...
+
+    def stretch(self, busy_s: float) -> float:
+        """Sleep as long as a slowed rank takes beyond `busy_s` of micro-batch work; return the seconds slept."""
 
 
 class Stop(Protocol):
@@ -112,6 +122,16 @@ class Trainer:
         self._last_end = clock()
         self._unfinished: dict | None = None
         """The latest recovery's event, recorded once the step it interrupted has completed."""
+        self.step_samples: list[int] = []
+        """Samples each replica ran in the last step (a re-plan at its end changes the next step's)."""
+        self.work_s = 0.0
+        """This rank's work in the last step: forward and backward, without waits on other replicas' gradients."""
+        self._work_window: list[float] = []
+        """`work_s` of the steps completed under the current plan since the last straggler decision."""
+        self._per_sample_history: list[tuple[float, ...]] = []
+        """The replicas' measured seconds per sample in the last `HISTORY` windows of this topology."""
+        self._replan: dict | None = None
+        """The `replan` event of the last step, recorded after its metrics."""
 
     @property
     def rank(self) -> int:
@@ -153,7 +173,12 @@ class Trainer:
             metrics = {**self.meter.record_step(timing), "loss": loss}
             if self.global_loss is not None:
                 metrics["global_loss"] = self.global_loss
+            if self.cfg.parallel.straggler.enabled:
+                metrics.update({f"samples/replica_{r}": n for r, n in enumerate(self.step_samples)})
             self.recorder.step(metrics)
+            if self._replan is not None:
+                self.recorder.event("replan", step, **self._replan)
+                self._replan = None
             self._record_recovery(step)
             if self.stop is not None and self.stop.should_stop(step, publish=self.writer) \
                     and step < self.cfg.train.steps:
@@ -176,13 +201,18 @@ class Trainer:
     def train_step(self, step: int) -> tuple[StepTiming, float]:
         """Run one optimizer step over this replica's micro-batches; return its timing and mean loss."""
         engine, clock = self.engine, self.clock
-        compute_s = comm_s = 0.0
+        compute_s = comm_s = work_s = 0.0
         loss_sum, samples = 0.0, 0
         plan, replica = engine.batch_plan, engine.ntp_groups.replica
+        stretch = getattr(self.injector, "stretch", None)
         for batch in replica_micro_batches(self.dataset, self.sampler, plan, replica, step - 1):
-            t = clock()
+            t, waited = clock(), getattr(engine, "sync_wait_s", 0.0)
             loss = engine(batch)
             engine.backward(loss)
+            work = clock() - t - (getattr(engine, "sync_wait_s", 0.0) - waited)
+            if stretch is not None:
+                work += stretch(work)
+            work_s += work
             t2 = clock()
             engine.step()
             end = clock()
@@ -190,6 +220,8 @@ class Trainer:
             n = batch["input_ids"].shape[0]
             loss_sum, samples = loss_sum + float(loss.detach()) * n, samples + n
         self.global_loss = self._global_loss(loss_sum, samples)
+        self.work_s, self.step_samples = work_s, [part.samples for part in plan.replicas]
+        self._balance(step)
         end = clock()
         timing = StepTiming(step=step, wall_s=max(end - self._last_end, compute_s + comm_s), compute_s=compute_s,
                             comm_wait_s=comm_s, tokens=plan.global_samples * self.cfg.data.seq_len,
@@ -210,6 +242,41 @@ class Trainer:
         total, count = wire.sum_counts([loss_sum / degree, samples / degree])
         return total / count if count > 0 else None
 
+    # -- straggler-aware batch plan ------------------------------------------------------------------------------
+    def _balance(self, step: int) -> None:
+        """Every `every_steps` steps under one plan, agree on the replicas' work per step and re-plan if it pays.
+
+        Every rank sends its own window (one small all-gather over the control group per window), so every rank
+        computes the same plan from the same numbers.
+        """
+        cfg = self.cfg.parallel.straggler
+        if not (cfg.enabled and dist.is_initialized() and wire.has_control()):
+            return
+        self._work_window.append(self.work_s)
+        if len(self._work_window) < cfg.every_steps:
+            return
+        window, self._work_window = self._work_window, []
+        engine = self.engine
+        plan, groups = engine.batch_plan, engine.ntp_groups
+        step_s = replica_step_times(wire.all_gather_object((groups.replica, window)), len(plan.replicas))
+        measured = tuple(t / part.samples for t, part in zip(step_s, plan.replicas))
+        self._per_sample_history = (self._per_sample_history + [measured])[-HISTORY:]
+        per_sample = per_sample_estimate(self._per_sample_history)
+        replan = engine.job.rebalance(groups.topology, groups.plan.anchors, plan, per_sample)
+        if replan is None:
+            return
+        engine.set_batch_plan(replan.plan)
+        self._replan = {"samples_before": [p.samples for p in plan.replicas],
+                        "samples_after": [p.samples for p in replan.plan.replicas],
+                        "micro_batches_after": [p.micro_steps for p in replan.plan.replicas],
+                        "step_work_s": list(step_s), "per_sample_s": list(replan.per_sample_s),
+                        "predicted_step_s_before": replan.before_s, "predicted_step_s_after": replan.after_s,
+                        "window_steps": len(window)}
+        if self.writer:
+            log.warning("step %d: re-planned the batch from measured work per step %s s: samples per replica %s -> "
+                        "%s (predicted step %.3f -> %.3f s)", step, _seconds(step_s), self._replan["samples_before"],
+                        self._replan["samples_after"], replan.before_s, replan.after_s)
+
     # -- failures ----------------------------------------------------------------------------------------------
     def _recover(self, step: int, error: BaseException) -> int:
         """Hand a failed step to live recovery, account its time; return the step to run next.
@@ -223,6 +290,7 @@ class Trainer:
         log.info("step %d failed (%s); recovering", step, _first_line(error))
         report = self.recovery.recover(self, step, error)
         self.engine = report.engine
+        self._work_window, self._per_sample_history, self._replan = [], [], None  # a new topology, a new plan
         self._move_records()
         self._record_recovery(None)  # a failure while re-running a step: record the previous recovery as it is
         resumed_at = self.clock()
@@ -258,6 +326,7 @@ class Trainer:
         if report is None:
             return step
         self.engine = report.engine
+        self._work_window, self._per_sample_history, self._replan = [], [], None  # a new topology, a new plan
         self._move_records()
         self._record_recovery(None)
         self.meter.record_lost("recovery", self.clock() - started, active_gpus=sum(self.degrees))
@@ -313,7 +382,7 @@ class Trainer:
         self.recorder.event("run_resumed" if self.resumed_from else "run_start", self.step,
                             degrees=list(self.degrees), world_size=cfg.world_size,
                             allocated_gpus=cfg.allocated_gpus, live_recovery=self.recovery is not None,
-                            faults=[dict(rank=f.rank, step=f.step, phase=f.phase, kind=f.kind) for f in faults])
+                            faults=[f.as_dict() for f in faults])
         if self.resumed_from and self.writer:
             log.info("resuming the run in %s from its checkpoint at step %d", self.run_dir, self.resumed_from)
         if faults and self.writer:
@@ -396,7 +465,15 @@ def is_writer(engine) -> bool:
 
 
 def _describe(faults) -> str:
-    return "; ".join(f"{f.kind} on rank {f.rank} at step {f.step} ({f.phase})" for f in faults)
+    return "; ".join(f"{_kind(f)} on rank {f.rank} at step {f.step} ({f.phase})" for f in faults)
+
+
+def _kind(fault) -> str:
+    return f"slow (x{fault.factor:g})" if fault.kind == "slow" else fault.kind
+
+
+def _seconds(values) -> str:
+    return "[" + ", ".join(f"{v:.3f}" for v in values) + "]"
 
 
 def _first_line(error: BaseException) -> str:

@@ -1,0 +1,109 @@
+"""Straggler-aware batch planning: the same job with one replica slowed by a fixed factor, fixed plan vs aware plan.
+
+Both runs are `ntp-ds train` on 3 replicas x TP 1 (gloo on CPU) under `preserve_global_batch`, with the same
+`slow` fault: launch rank 2 (replica 2) takes `--slow-factor` times as long for each micro-batch from step 1 (it
+sleeps factor - 1 times the forward and backward work it measured, as a throttled device would compute).
+
+- fixed: `parallel.straggler.enabled=false`; every replica keeps a third of the global batch, so every step waits on
+  the slow replica.
+- aware: `parallel.straggler.enabled=true`; after each window of `--every-steps` steps the planner moves samples
+  away from the slow replica when that predicts a step more than `--threshold` shorter.
+
+Time is the sum of the step times (the writer's `step_time_s` in metrics.jsonl) after `--warmup` steps, the aware
+run's first windows at the fixed plan included. The final weights of both runs are compared as well (under
+`preserve_global_batch` they are the same up to reduction order). The last line reads
+`straggler_speedup=<fixed time / aware time> slow_factor=<f>` (target: at least 1.2 at a slow factor of 1.5 on one
+of 3 replicas).
+
+    python benchmarks/straggler.py                      # slow factor 1.5, about a minute on a laptop CPU
+    python benchmarks/straggler.py --slow-factor 2 --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPLICAS, SLOW_RANK = 3, 2
+
+
+def _train(run_dir: Path, args, aware: bool) -> None:
+    overrides = ["recipe=cpu_demo", "parallel.tp=1", f"parallel.replicas={REPLICAS}", "parallel.timeout_s=60",
+                 f"model.hidden_size={args.hidden}", f"model.intermediate_size={3 * args.hidden}",
+                 f"model.num_hidden_layers={args.layers}", "model.num_attention_heads=4", "model.num_key_value_heads=2",
+                 f"data.seq_len={args.seq}", f"train.steps={args.steps}", f"train.global_batch={args.global_batch}",
+                 f"train.micro_batch={args.micro}", "train.save_checkpoint=false", "logging=disabled",
+                 "logging.progress=false", "logging.level=WARNING",
+                 f"fault.faults=[{{rank:{SLOW_RANK},step:1,phase:forward,kind:slow,factor:{args.slow_factor}}}]",
+                 f"parallel.straggler.enabled={str(aware).lower()}", f"parallel.straggler.every_steps={args.every_steps}",
+                 f"parallel.straggler.threshold={args.threshold}", f"hydra.run.dir={run_dir}"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                                     os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-m", "ntp_ds.cli", "train", *overrides], env=env, capture_output=True,
+                          text=True, timeout=args.timeout)
+    if done.returncode != 0:
+        raise SystemExit(f"the {'aware' if aware else 'fixed'} run failed:\n{done.stderr[-4000:]}")
+
+
+def _records(run_dir: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+
+
+def _max_weight_difference(a: Path, b: Path) -> float:
+    from safetensors.torch import load_file
+
+    x, y = load_file(a / "final" / "model.safetensors"), load_file(b / "final" / "model.safetensors")
+    return max((x[k] - y[k]).abs().max().item() for k in x)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--slow-factor", type=float, default=1.5, help="how many times as long replica 2's "
+                        "micro-batches take (default 1.5)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the times")
+    parser.add_argument("--every-steps", type=int, default=5, help="parallel.straggler.every_steps of the aware run")
+    parser.add_argument("--threshold", type=float, default=0.05, help="parallel.straggler.threshold of the aware run")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--global-batch", type=int, default=24)
+    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--timeout", type=float, default=600, help="bound on each run, seconds")
+    args = parser.parse_args(argv)
+    if not args.slow_factor >= 1:
+        parser.error(f"--slow-factor={args.slow_factor} must be at least 1")
+    if not 0 <= args.warmup < args.steps:
+        parser.error(f"--warmup={args.warmup} must lie in 0..steps-1={args.steps - 1}")
+
+    with tempfile.TemporaryDirectory(prefix="ntp_straggler_") as tmp:
+        times, runs = {}, {}
+        for name, aware in (("fixed", False), ("aware", True)):
+            runs[name] = Path(tmp) / name
+            _train(runs[name], args, aware)
+            steps = _records(runs[name], "metrics.jsonl")[args.warmup:]
+            times[name] = sum(m["step_time_s"] for m in steps)
+        replans = [e for e in _records(runs["aware"], "events.jsonl") if e["event"] == "replan"]
+        last = _records(runs["aware"], "metrics.jsonl")[-1]
+        diff = _max_weight_difference(runs["fixed"], runs["aware"])
+    measured = args.steps - args.warmup
+    print(f"job: {REPLICAS} replicas x TP 1, hidden {args.hidden}, {args.layers} layers, seq {args.seq}, global batch "
+          f"{args.global_batch}, micro-batch {args.micro}; rank {SLOW_RANK} slowed x{args.slow_factor:g} from step 1")
+    for e in replans:
+        print(f"replan at step {e['step']}: samples {e['samples_before']} -> {e['samples_after']}, work per step "
+              f"{[round(t, 3) for t in e['step_work_s']]} s, predicted step {e['predicted_step_s_before']:.3f} -> "
+              f"{e['predicted_step_s_after']:.3f} s")
+    print(f"final samples per replica: {[last[f'samples/replica_{r}'] for r in range(REPLICAS)]}")
+    print(f"fixed_s={times['fixed']:.3f} aware_s={times['aware']:.3f} ({measured} steps each) "
+          f"max_weight_difference={diff:.3g}")
+    print(f"straggler_speedup={times['fixed'] / times['aware']:.4f} slow_factor={args.slow_factor:g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
