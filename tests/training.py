@@ -155,12 +155,14 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
                             last_good_dir=last_good_dir)
         injector = FaultInjector(schedule, rank, engine.store)
     engine.on_phase = recovery.on_phase = injector.check
+    if joins and not os.environ.get("NTP_JOIN"):
+        _await_join_requests(engine.store, len(joins))
     data, sampler = dataset(config), GlobalBatchSampler(256, seed=1)
     noticed = []
     while engine.global_steps < steps:
         step = engine.global_steps
         try:
-            if step > 0 and (grown := recovery.at_boundary(step)) is not None:
+            if step > 0 and (grown := recovery.at_boundary(step, steps)) is not None:
                 engine = grown.engine
                 engine.on_phase = injector.check
             for batch in replica_micro_batches(data, sampler, engine.batch_plan, engine.ntp_groups.replica,
@@ -191,3 +193,15 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
             "full": full, "events": recovery.events, "global_steps": engine.global_steps,
             "degrees": engine.ntp_groups.topology.degrees, "noticed": noticed, "fired": fired,
             "failed_attempts": recovery.failed_attempts}
+
+
+def _await_join_requests(store, n: int, timeout_s: float = 90.0) -> None:
+    """Hold the members until the test's `n` joiners have asked (bounded), so that when a joiner is taken in
+    depends on the steps it asked for, not on how fast its process started."""
+    from ntp_ds.control.joins import JoinRequests
+
+    requests, deadline = JoinRequests(store), time.monotonic() + timeout_s
+    while len(requests.read()) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(requests.read())} of {n} joiners asked within {timeout_s:g} s")
+        time.sleep(0.05)

@@ -279,11 +279,12 @@ class Recovery:
         return engine, event
 
     # -- growing back -------------------------------------------------------------------------------------------
-    def at_boundary(self, completed: int) -> RecoveryOutcome | None:
-        """After step `completed`: admit due joiners (global rank 0 plans it) and grow if this is the planned
-        boundary; return the grown engine's outcome, or None (one store request per rank while nobody joins)."""
+    def at_boundary(self, completed: int, last_step: int | None = None) -> RecoveryOutcome | None:
+        """After step `completed`: admit due joiners (global rank 0 plans it, while a step is left for them after
+        the next one, `last_step` being the run's last) and grow if this is the planned boundary; return the grown
+        engine's outcome, or None (one store request per rank while nobody joins)."""
         generation = self.membership.generation
-        if self.members.index(self.rank) == 0:
+        if self.members.index(self.rank) == 0 and (last_step is None or completed + 2 <= last_step):
             self._plan_joins(generation, completed)
         plan = read_join_plan(self.store, generation)
         if plan is None or plan.after != completed or not plan.joiners:

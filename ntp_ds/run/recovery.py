@@ -88,7 +88,7 @@ class LiveRecovery:
 
     def at_boundary(self, trainer, step: int) -> RecoveryReport | None:
         """Take in the workers that join after step `step`; return the grown engine's report, or None."""
-        outcome = self.recovery.at_boundary(step)
+        outcome = self.recovery.at_boundary(step, trainer.cfg.train.steps)
         if outcome is None:
             return None
         fields = {k: v for k, v in outcome.event.items() if k not in TRAINER_FIELDS}
