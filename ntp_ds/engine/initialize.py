@@ -6,11 +6,9 @@
 from __future__ import annotations
 
 import copy
-import json
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Callable
 
 import deepspeed
@@ -25,7 +23,8 @@ from ntp_ds.comm.groups import (NTPMpu, ReplicaGroups, backend_for_device, build
 from ntp_ds.engine.config import ConfigError, NTPConfig, check_batch, env_world_size, load_deepspeed_config
 from ntp_ds.engine.engine import NTPEngine
 from ntp_ds.layout import LayoutError, Topology, plan_gradient_sync
-from ntp_ds.models import Llama, LlamaConfig
+from ntp_ds.models import CausalLMShard, HFCausalLM, HFConfig, Llama, LlamaConfig
+from ntp_ds.models.hf import check_supported, is_hf_model, is_model_dir
 from ntp_ds.layout.sharding import shard_tensor
 
 
@@ -35,7 +34,7 @@ class JobSpec:
 
     ds_config: dict
     ntp: NTPConfig
-    model_config: LlamaConfig
+    model_config: LlamaConfig | HFConfig
     optimizer: Callable | None = None
     lr_scheduler: Callable | None = None
     seq_len: int | None = None
@@ -50,15 +49,26 @@ class JobSpec:
         return sync, batch
 
 
-def model_config_of(model) -> LlamaConfig:
+def model_config_of(model) -> LlamaConfig | HFConfig:
+    """The model config of what `initialize` was given; an HF model's TP plan is checked here."""
     if isinstance(model, Llama):
         return model.config
     if isinstance(model, LlamaConfig):
-        return model
-    if isinstance(model, (str, os.PathLike)):
-        return LlamaConfig.from_hf_dict(json.loads((Path(model) / "config.json").read_text()))
-    raise ConfigError(f"model must be an ntp_ds.models.Llama, a LlamaConfig or an HF directory, "
-                      f"got {type(model).__name__}")
+        config = model
+    elif is_hf_model(model):
+        config = HFConfig.from_transformers(model.config)
+    elif is_model_dir(model):
+        config = HFConfig.from_pretrained(model)
+    else:
+        raise ConfigError(f"model must be an ntp_ds.models.Llama, a LlamaConfig, a transformers causal LM "
+                          f"(AutoModelForCausalLM; from_config(...) for fresh weights) or an HF model directory "
+                          f"with a config.json; got {model!r}")
+    if isinstance(config, HFConfig):
+        try:
+            check_supported(config)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return config
 
 
 def build_topology(units, ntp: NTPConfig) -> Topology:
@@ -80,11 +90,14 @@ def _micro_limits(spec: JobSpec, topology: Topology):
                                  budget, micro) for lay in topology.layouts)
 
 
-def shard_module(model, config: LlamaConfig, groups: ReplicaGroups) -> Llama:
-    """This rank's shard of `model` (an unsharded Llama, an HF directory, or a config for fresh weights)."""
+def shard_module(model, config: LlamaConfig | HFConfig, groups: ReplicaGroups) -> CausalLMShard:
+    """This rank's shard of `model`: an unsharded Llama or transformers model, an HF directory, or a LlamaConfig
+    for fresh weights."""
     layout, tp_rank, tp_group = groups.layout, groups.tp_rank, groups.tp_group
+    if is_hf_model(model):
+        return HFCausalLM.from_model(model, layout, tp_rank, tp_group)
     if isinstance(model, (str, os.PathLike)):
-        return Llama.from_pretrained(model, layout=layout, tp_rank=tp_rank, tp_group=tp_group)
+        return HFCausalLM.from_pretrained(model, layout=layout, tp_rank=tp_rank, tp_group=tp_group)
     if not isinstance(model, Llama):
         return Llama(config, layout=layout, tp_rank=tp_rank, tp_group=tp_group, seed=0)
     shard = Llama(config, layout=layout, tp_rank=tp_rank, tp_group=tp_group, init=False)
@@ -148,7 +161,7 @@ def join_world(ntp: NTPConfig, store=None, generation: int = 0, rank: int | None
     start_generation(ntp.timeout_s)
 
 
-def build_engine(spec: JobSpec, topology: Topology, module_for: Callable[[ReplicaGroups], Llama],
+def build_engine(spec: JobSpec, topology: Topology, module_for: Callable[[ReplicaGroups], CausalLMShard],
                  store=None) -> NTPEngine:
     """Build this rank's groups, shard and NTPEngine for `topology` (the process group must exist)."""
     sync, batch_plan = spec.plan(topology)
@@ -172,9 +185,10 @@ def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_l
                store=None) -> NTPEngine:
     """Build this rank's NTPEngine.
 
-    `model`: an unsharded `Llama` (every rank keeps only its shard of it), a `LlamaConfig` (fresh weights from seed
-    0) or an HF directory. `config`: a DeepSpeed config dict or JSON path; `train_batch_size` is the failure-free
-    global batch. `ntp`: an NTPConfig or a dict of its fields. `store`: the coordination store (default: the
+    `model`: an unsharded `Llama` or transformers causal LM (`AutoModelForCausalLM`; every rank keeps only its
+    shard of it), a `LlamaConfig` (fresh weights from seed 0) or an HF model directory (each rank reads only its
+    shard; run through transformers' own modules). `config`: a DeepSpeed config dict or JSON path;
+    `train_batch_size` is the failure-free global batch. `ntp`: an NTPConfig or a dict of its fields. `store`: the coordination store (default: the
     launcher's, from `NTP_STORE`, when set). Every check runs before a process group is built.
     """
     spec, topology = prepare(model, config, ntp, optimizer, lr_scheduler, seq_len)
