@@ -54,20 +54,16 @@ def model_config_of(model) -> LlamaConfig | HFConfig:
     if isinstance(model, Llama):
         return model.config
     if isinstance(model, LlamaConfig):
-        config = model
-    elif is_hf_model(model):
-        config = HFConfig.from_transformers(model.config)
-    elif is_model_dir(model):
-        config = HFConfig.from_pretrained(model)
-    else:
+        return model
+    if not (is_hf_model(model) or is_model_dir(model)):
         raise ConfigError(f"model must be an ntp_ds.models.Llama, a LlamaConfig, a transformers causal LM "
                           f"(AutoModelForCausalLM; from_config(...) for fresh weights) or an HF model directory "
                           f"with a config.json; got {model!r}")
-    if isinstance(config, HFConfig):
-        try:
-            check_supported(config)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    try:
+        config = HFConfig.from_transformers(model.config) if is_hf_model(model) else HFConfig.from_pretrained(model)
+        check_supported(config)
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
     return config
 
 
