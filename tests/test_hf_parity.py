@@ -69,6 +69,15 @@ def hf_reference(tmp_path, family: str, tied: bool) -> dict:
                 loss=out.loss.detach(), grads=grads, model=model)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls on a loaded two-core machine: one intra-op thread is faster by orders of magnitude."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf")
