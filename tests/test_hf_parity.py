@@ -186,7 +186,7 @@ def test_unsupported_plan_is_refused_naming_the_entry():
     with pytest.raises(ValueError, match="qkv_proj"):
         plan_of(cfg)
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=1, n_head=8, vocab_size=128))
-    with pytest.raises(ConfigError, match="model: "):
+    with pytest.raises(ConfigError, match="model: model_type='gpt2' has no base_model_tp_plan"):
         model_config_of(gpt2)
     with pytest.raises(ConfigError, match="model must be"):
         model_config_of("/nonexistent/dir")

@@ -60,8 +60,14 @@ def model_config_of(model) -> LlamaConfig | HFConfig:
                           f"(AutoModelForCausalLM; from_config(...) for fresh weights) or an HF model directory "
                           f"with a config.json; got {model!r}")
     try:
-        config = HFConfig.from_transformers(model.config) if is_hf_model(model) else HFConfig.from_pretrained(model)
-        check_supported(config)
+        if is_hf_model(model):
+            hf_config = model.config
+        else:
+            import transformers
+
+            hf_config = transformers.AutoConfig.from_pretrained(model)
+        check_supported(hf_config)
+        config = HFConfig.from_transformers(hf_config)
     except ValueError as e:
         raise ConfigError(f"model: {e}") from None
     return config

@@ -56,13 +56,17 @@ def plan_of(hf_config) -> dict[str, str]:
     return plan
 
 
-def check_supported(config: HFConfig) -> None:
-    """Refuse, before any process group exists, a model whose TP plan or output head ntp_ds cannot shard."""
+def check_supported(hf_config) -> None:
+    """Refuse, before any process group exists, a transformers config whose model ntp_ds cannot shard."""
     import transformers
 
-    hf_config = config.to_transformers()
     plan_of(hf_config)
-    model_class = transformers.AutoModelForCausalLM._model_mapping[type(hf_config)]
+    model_class = transformers.AutoModelForCausalLM._model_mapping.get(type(hf_config))
+    if model_class is None:
+        raise ValueError(f"model_type={hf_config.model_type!r} has no AutoModelForCausalLM class")
+    if model_class.base_model_prefix != "model":
+        raise ValueError(f"{model_class.__name__} keeps its decoder in {model_class.base_model_prefix!r}; ntp_ds "
+                         f"supports causal LMs whose decoder is 'model' (HF names model.layers.*, lm_head)")
     for name, style in (getattr(model_class, "_tp_plan", None) or {}).items():
         if name not in HEAD_OUTPUTS:
             raise ValueError(f"{model_class.__name__}._tp_plan entry {name!r} ({style!r}) is not supported; "
@@ -236,7 +240,7 @@ class HFCausalLM(CausalLMShard):
                    tp_group=None) -> "HFCausalLM":
         """This rank's shard of an unsharded transformers causal LM (left unchanged)."""
         full = dict(hf.named_parameters())
-        weight = full["model.embed_tokens.weight"]
+        weight = hf.get_input_embeddings().weight
         model = cls(HFConfig.from_transformers(hf.config), layout, tp_rank, tp_group, weight.device, weight.dtype)
         for name, (spec, _) in model.param_specs().items():
             model.get_parameter(name).copy_(shard_tensor(full[name].detach(), spec, model.layout, tp_rank))
