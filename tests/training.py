@@ -139,17 +139,17 @@ def train_with_checkpoint(rank, world_size, ntp: dict, stage: int, steps: int, c
 
 def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, global_batch: int, micro: int,
                         steps: int, faults: list, heartbeat_timeout_s: float = 2.0, zero_redundancy: int = 1,
-                        last_good_dir: str | None = None, timeout_s: float = 12.0):
+                        last_good_dir: str | None = None, timeout_s: float = 12.0, make_model=None):
     """One rank of a run with injected faults and live recovery; returns its final state and recovery events."""
     import ntp_ds
     from ntp_ds.comm import wire
     from ntp_ds.control.faults import DeviceError, FaultInjector, FaultSchedule, fired_key
     from ntp_ds.recovery.manager import Recovery, RecoveryImpossible
 
-    config = tiny_config()
+    model = make_model() if make_model else full_model(tiny_config())
+    config = model.config
     ntp = dict(ntp, timeout_s=timeout_s, zero_redundancy=zero_redundancy)
-    engine = ntp_ds.initialize(model=full_model(config), config=deepspeed_config(optim, stage, global_batch, micro),
-                               ntp=ntp)
+    engine = ntp_ds.initialize(model=model, config=deepspeed_config(optim, stage, global_batch, micro), ntp=ntp)
     recovery = Recovery(engine, engine.store, rank, heartbeat_timeout_s=heartbeat_timeout_s,
                         last_good_dir=last_good_dir)
     injector = FaultInjector(FaultSchedule.from_config(faults, world_size), rank, engine.store)

@@ -61,7 +61,7 @@ def check_supported(hf_config) -> None:
     import transformers
 
     plan_of(hf_config)
-    model_class = transformers.AutoModelForCausalLM._model_mapping.get(type(hf_config))
+    model_class = transformers.AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
     if model_class is None:
         raise ValueError(f"model_type={hf_config.model_type!r} has no AutoModelForCausalLM class")
     if model_class.base_model_prefix != "model":
