@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -77,9 +78,8 @@ def _matches(pattern: str, name: str) -> bool:
     return re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), name) is not None
 
 
-def _enter_tp(module, args, kwargs):
+def _enter_tp(group, module, args, kwargs):
     """Forward pre-hook of a module holding colwise projections: its hidden states enter the TP region here."""
-    group = module.ntp_tp_group
     if args:
         return (copy_to_tp(args[0], group),) + tuple(args[1:]), kwargs
     if "hidden_states" not in kwargs:
@@ -151,9 +151,7 @@ def apply_tp_plan(base: nn.Module, config: HFConfig, layout: ShardLayout, rank: 
                 raise ValueError(f"{parent_name} holds {name} but has no num_key_value_groups to set")
             parent.num_key_value_groups = n_q // n_kv if regular else 1
     for parent_name in entries:
-        parent = base.get_submodule(parent_name)
-        parent.ntp_tp_group = group
-        parent.register_forward_pre_hook(_enter_tp, with_kwargs=True)
+        base.get_submodule(parent_name).register_forward_pre_hook(partial(_enter_tp, group), with_kwargs=True)
     return grad_summed
 
 
