@@ -50,14 +50,33 @@ def dataset(config: LlamaConfig) -> SyntheticTokens:
     return SyntheticTokens(config.vocab_size, SEQ, size=256, seed=3, branching=0)
 
 
+def tiny_qwen2(seed: int = 0):
+    """A seeded transformers Qwen2 causal LM (8 query heads on 2 KV heads, q/k/v biases), biases drawn too."""
+    import transformers
+
+    config = transformers.Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2ForCausalLM(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.02)
+    return model
+
+
 def train_ntp(rank, world_size, ntp: dict, optim: str, stage: int, global_batch: int, micro: int, steps: int,
-              model_overrides: dict | None = None):
-    """One rank of an NTP run; returns its local shards and, on the consolidating rank, the full weights."""
+              model_overrides: dict | None = None, make_model=None, save_dir: str | None = None):
+    """One rank of an NTP run; returns its local shards and, on the consolidating rank, the full weights.
+
+    `make_model`: a function building the unsharded model (default: the own Llama of `tiny_config`); `save_dir`:
+    where the engine writes the final weights with `save_pretrained`."""
     import ntp_ds
 
-    config = tiny_config(**(model_overrides or {}))
-    engine = ntp_ds.initialize(model=full_model(config), config=deepspeed_config(optim, stage, global_batch, micro),
-                               ntp=ntp)
+    model = make_model() if make_model else full_model(tiny_config(**(model_overrides or {})))
+    config = model.config
+    engine = ntp_ds.initialize(model=model, config=deepspeed_config(optim, stage, global_batch, micro), ntp=ntp)
     data, sampler = dataset(config), GlobalBatchSampler(256, seed=1)
     replica = engine.ntp_groups.replica
     losses = []
@@ -70,22 +89,26 @@ def train_ntp(rank, world_size, ntp: dict, optim: str, stage: int, global_batch:
     engine.settle_parameters()  # a contributor's last parameter copy may still be streaming
     shards = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     full = engine.consolidated_state_dict()
+    if save_dir:
+        engine.save_pretrained(save_dir)
     return {"replica": replica, "tp_rank": engine.ntp_groups.tp_rank, "layout": engine.ntp_groups.layout,
             "shards": shards, "full": full, "global_samples": engine.batch_plan.global_samples,
             "global_steps": engine.global_steps}
 
 
-def train_reference(optim: str, global_samples: int, steps: int, model_overrides: dict | None = None):
+def train_reference(optim: str, global_samples: int, steps: int, model_overrides: dict | None = None,
+                    make_model=None):
     """A single process training the unsharded model on the union of every replica's samples."""
-    config = tiny_config(**(model_overrides or {}))
-    model = full_model(config)
+    model = make_model() if make_model else full_model(tiny_config(**(model_overrides or {})))
+    config = model.config
     opt = make_optimizer(optim, model.parameters())
     data, sampler = dataset(config), GlobalBatchSampler(256, seed=1)
     for step in range(steps):
         items = [data[i] for i in sampler.indices(step, global_samples)]
         batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
         opt.zero_grad()
-        model(batch["input_ids"], labels=batch["labels"]).backward()
+        loss = model(batch["input_ids"], labels=batch["labels"])
+        (loss if torch.is_tensor(loss) else loss.loss).backward()
         opt.step()
     return model
 
@@ -117,12 +140,13 @@ def train_with_checkpoint(rank, world_size, ntp: dict, stage: int, steps: int, c
 def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, global_batch: int, micro: int,
                         steps: int, faults: list, heartbeat_timeout_s: float = 2.0, zero_redundancy: int = 1,
                         last_good_dir: str | None = None, timeout_s: float = 12.0, joins: dict | None = None,
-                        joiner_overrides: dict | None = None):
+                        joiner_overrides: dict | None = None, make_model=None):
     """One rank of a run with injected faults and live recovery; returns its final state and recovery events.
 
     A joiner (`run_ranks(..., joiners=N)`: NTP_JOIN set) asks the running job for a place from step `joins[rank]`
     on and trains from where it is admitted; members take joiners in at step boundaries. `joiner_overrides[rank]`
     changes that joiner's DeepSpeed config (a joiner of another job); a refused joiner returns {"refused": reason}.
+    `make_model` builds the unsharded model (default: the tiny Llama).
     """
     import os
 
@@ -134,12 +158,13 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
     from ntp_ds.engine.initialize import prepare
     from ntp_ds.recovery.manager import Recovery, RecoveryImpossible
 
-    config = tiny_config()
+    model = make_model() if make_model else full_model(tiny_config())
+    config = model.config
     ntp = dict(ntp, timeout_s=timeout_s, zero_redundancy=zero_redundancy)
     ds = deepspeed_config(optim, stage, global_batch, micro)
     schedule = FaultSchedule.from_config(faults, world_size + len(joins or {}))  # joiners may fail too
     if os.environ.get("NTP_JOIN"):
-        spec, _ = prepare(full_model(config), {**ds, **(joiner_overrides or {}).get(rank, {})}, ntp)
+        spec, _ = prepare(model, {**ds, **(joiner_overrides or {}).get(rank, {})}, ntp)
         store = connect_from_env(timeout_s)
         injector = FaultInjector(schedule, rank, store)
         try:
@@ -150,7 +175,7 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
             return {"refused": str(refused)}
         engine = recovery.engine
     else:
-        engine = ntp_ds.initialize(model=full_model(config), config=ds, ntp=ntp)
+        engine = ntp_ds.initialize(model=model, config=ds, ntp=ntp)
         recovery = Recovery(engine, engine.store, rank, heartbeat_timeout_s=heartbeat_timeout_s,
                             last_good_dir=last_good_dir)
         injector = FaultInjector(schedule, rank, engine.store)

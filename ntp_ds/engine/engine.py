@@ -30,6 +30,7 @@ from ntp_ds.engine import fragments as state
 from ntp_ds.engine.copies import StateCopies
 from ntp_ds.layout import ParamSpec, plan_buddies
 from ntp_ds.layout.sharding import unshard_into
+from ntp_ds.models.checkpoint import write_hf_dir
 
 
 TOPOLOGY_FILE = "ntp_topology.json"
@@ -414,12 +415,3 @@ def write_hf_index(path, config, weight_map: dict[str, str], total_size: int) ->
     (path / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-
-
-def write_hf_dir(path, config, state: dict[str, torch.Tensor]) -> None:
-    """Write unsharded weights as an HF Llama directory."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
-    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"),
-              metadata={"format": "pt"})

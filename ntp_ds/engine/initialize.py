@@ -6,11 +6,9 @@
 from __future__ import annotations
 
 import copy
-import json
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Callable
 
 import deepspeed
@@ -26,7 +24,8 @@ from ntp_ds.comm.groups import (NTPMpu, ReplicaGroups, backend_for_device, build
 from ntp_ds.engine.config import ConfigError, NTPConfig, check_batch, env_world_size, load_deepspeed_config
 from ntp_ds.engine.engine import NTPEngine, deepspeed_batch
 from ntp_ds.layout import LayoutError, Topology, plan_gradient_sync
-from ntp_ds.models import Llama, LlamaConfig
+from ntp_ds.models import CausalLMShard, HFCausalLM, HFConfig, Llama, LlamaConfig
+from ntp_ds.models.hf import check_supported, is_hf_model, is_model_dir
 from ntp_ds.layout.sharding import shard_tensor
 
 
@@ -36,7 +35,7 @@ class JobSpec:
 
     ds_config: dict
     ntp: NTPConfig
-    model_config: LlamaConfig
+    model_config: LlamaConfig | HFConfig
     optimizer: Callable | None = None
     lr_scheduler: Callable | None = None
     seq_len: int | None = None
@@ -57,15 +56,28 @@ class JobSpec:
                          _micro_limits(self, topology), self.ntp.straggler.threshold)
 
 
-def model_config_of(model) -> LlamaConfig:
+def model_config_of(model) -> LlamaConfig | HFConfig:
+    """The model config of what `initialize` was given; an HF model's TP plan is checked here."""
     if isinstance(model, Llama):
         return model.config
     if isinstance(model, LlamaConfig):
         return model
-    if isinstance(model, (str, os.PathLike)):
-        return LlamaConfig.from_hf_dict(json.loads((Path(model) / "config.json").read_text()))
-    raise ConfigError(f"model must be an ntp_ds.models.Llama, a LlamaConfig or an HF directory, "
-                      f"got {type(model).__name__}")
+    if not (is_hf_model(model) or is_model_dir(model)):
+        raise ConfigError(f"model must be an ntp_ds.models.Llama, a LlamaConfig, a transformers causal LM "
+                          f"(AutoModelForCausalLM; from_config(...) for fresh weights) or an HF model directory "
+                          f"with a config.json; got {model!r}")
+    try:
+        if is_hf_model(model):
+            hf_config = model.config
+        else:
+            import transformers
+
+            hf_config = transformers.AutoConfig.from_pretrained(model)
+        check_supported(hf_config)
+        config = HFConfig.from_transformers(hf_config)
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from None
+    return config
 
 
 def build_topology(units, ntp: NTPConfig) -> Topology:
@@ -87,11 +99,14 @@ def _micro_limits(spec: JobSpec, topology: Topology):
                                  budget, micro) for lay in topology.layouts)
 
 
-def shard_module(model, config: LlamaConfig, groups: ReplicaGroups) -> Llama:
-    """This rank's shard of `model` (an unsharded Llama, an HF directory, or a config for fresh weights)."""
+def shard_module(model, config: LlamaConfig | HFConfig, groups: ReplicaGroups) -> CausalLMShard:
+    """This rank's shard of `model`: an unsharded Llama or transformers model, an HF directory, or a LlamaConfig
+    for fresh weights."""
     layout, tp_rank, tp_group = groups.layout, groups.tp_rank, groups.tp_group
+    if is_hf_model(model):
+        return HFCausalLM.from_model(model, layout, tp_rank, tp_group)
     if isinstance(model, (str, os.PathLike)):
-        return Llama.from_pretrained(model, layout=layout, tp_rank=tp_rank, tp_group=tp_group)
+        return HFCausalLM.from_pretrained(model, layout=layout, tp_rank=tp_rank, tp_group=tp_group)
     if not isinstance(model, Llama):
         return Llama(config, layout=layout, tp_rank=tp_rank, tp_group=tp_group, seed=0)
     shard = Llama(config, layout=layout, tp_rank=tp_rank, tp_group=tp_group, init=False)
@@ -149,7 +164,7 @@ def join_world(ntp: NTPConfig, store=None, generation: int = 0, rank: int | None
     start_generation(ntp.timeout_s)
 
 
-def build_engine(spec: JobSpec, topology: Topology, module_for: Callable[[ReplicaGroups], Llama],
+def build_engine(spec: JobSpec, topology: Topology, module_for: Callable[[ReplicaGroups], CausalLMShard],
                  store=None) -> NTPEngine:
     """Build this rank's groups, shard and NTPEngine for `topology` (the process group must exist)."""
     sync, batch_plan = spec.plan(topology)
@@ -173,9 +188,10 @@ def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_l
                store=None) -> NTPEngine:
     """Build this rank's NTPEngine.
 
-    `model`: an unsharded `Llama` (every rank keeps only its shard of it), a `LlamaConfig` (fresh weights from seed
-    0) or an HF directory. `config`: a DeepSpeed config dict or JSON path; `train_batch_size` is the failure-free
-    global batch. `ntp`: an NTPConfig or a dict of its fields. `store`: the coordination store (default: the
+    `model`: an unsharded `Llama` or transformers causal LM (`AutoModelForCausalLM`; every rank keeps only its
+    shard of it), a `LlamaConfig` (fresh weights from seed 0) or an HF model directory (each rank reads only its
+    shard; run through transformers' own modules). `config`: a DeepSpeed config dict or JSON path;
+    `train_batch_size` is the failure-free global batch. `ntp`: an NTPConfig or a dict of its fields. `store`: the coordination store (default: the
     launcher's, from `NTP_STORE`, when set). Every check runs before a process group is built.
     """
     spec, topology = prepare(model, config, ntp, optimizer, lr_scheduler, seq_len)

@@ -1,4 +1,8 @@
-"""Llama model configuration, read from and written to Hugging Face `config.json` form."""
+"""Model configurations, read from and written to Hugging Face `config.json` form.
+
+`LlamaConfig` is the own Llama's; `HFConfig` carries any supported transformers decoder's `config.json` and the
+shapes the engine plans with. Both give the same fields to the layout, memory and checkpoint code.
+"""
 
 from __future__ import annotations
 
@@ -123,4 +127,102 @@ class LlamaConfig:
         }
         if dtype is not None:
             d["dtype"] = d["torch_dtype"] = dtype
+        return d
+
+
+@dataclass
+class HFConfig:
+    """A transformers decoder's full `config.json` dict, with the shape fields the engine plans with read from it.
+
+    Build it with `from_transformers` (a `PretrainedConfig`) or `from_pretrained` (a directory), which fill every
+    default, so the dict is complete and `to_hf_dict` writes back what transformers reads.
+    """
+
+    hf: dict
+    """The config dict (`PretrainedConfig.to_dict()`), `model_type` included."""
+
+    def __post_init__(self):
+        d = self.hf
+        if not d.get("model_type"):
+            raise ValueError("model_type is missing from the Hugging Face config")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            value = d.get(name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer (model_type {d['model_type']!r})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise LayoutError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                              f"num_key_value_heads={self.num_key_value_heads}")
+
+    @classmethod
+    def from_transformers(cls, config) -> "HFConfig":
+        """Read a transformers `PretrainedConfig` (of a model instance, or loaded with `AutoConfig`)."""
+        return cls(config.to_dict())
+
+    @classmethod
+    def from_pretrained(cls, path) -> "HFConfig":
+        """Read the `config.json` of an HF model directory through transformers (which fills the defaults)."""
+        import transformers
+
+        return cls.from_transformers(transformers.AutoConfig.from_pretrained(path))
+
+    def to_transformers(self):
+        """The transformers `PretrainedConfig` of this dict."""
+        import transformers
+
+        return transformers.AutoConfig.for_model(**self.hf)
+
+    @property
+    def model_type(self) -> str:
+        return self.hf["model_type"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf["vocab_size"]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hf["hidden_size"]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.hf["intermediate_size"]
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.hf["num_hidden_layers"]
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.hf["num_attention_heads"]
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.hf.get("num_key_value_heads") or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hf.get("head_dim") or self.hidden_size // self.num_attention_heads
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(self.hf.get("tie_word_embeddings", False))
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.hf.get("max_position_embeddings", 2048)
+
+    def units(self) -> ModelUnits:
+        """Sharding units of this model: query heads, KV heads, FFN columns and vocabulary rows."""
+        return ModelUnits(heads=self.num_attention_heads, kv_heads=self.num_key_value_heads,
+                          ffn=self.intermediate_size, vocab=self.vocab_size)
+
+    def to_hf_dict(self, dtype: str | None = None) -> dict:
+        """The `config.json` dict, naming the causal-LM class `AutoModelForCausalLM` builds for it."""
+        d = dict(self.hf)
+        if not d.get("architectures"):
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            d["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[self.model_type]]
+        if dtype is not None:
+            d["dtype"] = dtype
         return d

@@ -11,20 +11,17 @@ import zlib
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ntp_ds.layout import units as U
-from ntp_ds.layout.shard_layout import LayoutError, ParamSpec, ShardLayout
+from ntp_ds.layout.shard_layout import ParamSpec, ShardLayout
 from ntp_ds.models.config import LlamaConfig
-from ntp_ds.models.tp_layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp,
-                                     index_table, vocab_parallel_cross_entropy)
-
-SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
-
+from ntp_ds.models.causal_lm import CausalLMShard
+from ntp_ds.models.checkpoint import checkpoint_dtype, load_shards
+from ntp_ds.models.tp_layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, check_shard,
+                                     copy_to_tp, local_kv_index)
 
 INIT_CHUNK_UNITS = 64
 """Units drawn from one generator by `Llama.init_weights`."""
@@ -92,8 +89,7 @@ class Attention(nn.Module):
                                            layout, rank, group, **kw)
         self.o_proj = RowParallelLinear(c.num_attention_heads * hd, c.hidden_size, ParamSpec("heads", 1, hd),
                                         layout, rank, group, **kw)
-        table = index_table(layout, "kv", rank).tolist()
-        kv_index = [table[h // layout.units.group] for h in U.units_of(layout.owned("heads", rank))]
+        kv_index = local_kv_index(layout, rank)
         n_q, n_kv = len(kv_index), U.count(layout.owned("kv", rank))
         self.regular_gqa = n_q % n_kv == 0 and kv_index == [i // (n_q // n_kv) for i in range(n_q)]
         self.register_buffer("kv_index", torch.tensor(kv_index, device=device), persistent=False)
@@ -163,7 +159,7 @@ class Decoder(nn.Module):
         return self.norm(x)
 
 
-class Llama(nn.Module):
+class Llama(CausalLMShard):
     """Causal LM; `layout=None` is the unsharded model (TP 1), otherwise the shard of TP rank `tp_rank`.
 
     Every weight is initialized as this rank's shard of one full tensor drawn from `seed`, so any layout gets the
@@ -175,12 +171,7 @@ class Llama(nn.Module):
                  seed: int | None = None, init: bool = True, device=None, dtype=None):
         super().__init__()
         layout = layout or ShardLayout.balanced(config.units(), 1)
-        if layout.units != config.units():
-            raise LayoutError(f"layout units {layout.units} do not match the config's {config.units()}")
-        if not 0 <= tp_rank < layout.tp:
-            raise LayoutError(f"tp_rank={tp_rank} is outside the layout's tp={layout.tp}")
-        if tp_group is not None and dist.get_world_size(tp_group) != layout.tp:
-            raise LayoutError(f"tp_group has {dist.get_world_size(tp_group)} ranks; the layout has tp={layout.tp}")
+        check_shard(config.units(), layout, tp_rank, tp_group)
         self.config, self.layout, self.tp_rank, self.tp_group = config, layout, tp_rank, tp_group
         kw = dict(device=device, dtype=dtype)
         self.model = Decoder(config, layout, tp_rank, tp_group, **kw)
@@ -190,34 +181,15 @@ class Llama(nn.Module):
         if init:
             self.init_weights(int(torch.randint(0, 2**62, ()).item()) if seed is None else seed)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Return the local vocab-shard logits [batch, seq, local_vocab], or with labels the mean next-token loss."""
-        if labels is None:
-            return self.logits(input_ids)
-        total, count = self.loss_sum(input_ids, labels)
-        return total / count
+    def embedding(self) -> VocabParallelEmbedding:
+        return self.model.embed_tokens
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.layout.tp > 1 and self.tp_group is None:
-            raise RuntimeError(f"a shard of a tp={self.layout.tp} layout needs its tp_group to run")
+        self.check_runnable()
         h = copy_to_tp(self.model(input_ids), self.tp_group)
         if self.config.tie_word_embeddings:
             return F.linear(h, self.model.embed_tokens.weight)
         return self.lm_head(h)
-
-    def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (summed loss, counted tokens) of predicting labels[t + 1] at t, skipping labels equal to -100."""
-        shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
-        return vocab_parallel_cross_entropy(self.logits(input_ids), shifted, self.layout, self.tp_rank,
-                                            self.tp_group, table=self.model.embed_tokens.local_index)
-
-    def param_specs(self) -> dict[str, tuple[ParamSpec, tuple[int, ...]]]:
-        """Map every parameter name to how it is sharded and its full (unsharded) shape."""
-        out = {}
-        for name, _ in self.named_parameters():
-            module = self.get_submodule(name.rpartition(".")[0])
-            out[name] = (module.spec, module.full_shape)
-        return out
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0):
@@ -246,23 +218,9 @@ class Llama(nn.Module):
         """
         path = Path(path)
         config = LlamaConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
-        files = _weight_files(path)
-        if dtype is None:
-            with safe_open(path / files["model.embed_tokens.weight"], framework="pt") as f:
-                dtype = SAFETENSORS_DTYPES[f.get_slice("model.embed_tokens.weight").get_dtype()]
-        model = cls(config, layout, tp_rank, tp_group, init=False, device=device, dtype=dtype)
-        specs = model.param_specs()
-        by_file: dict[str, list[str]] = {}
-        for name in specs:
-            if name not in files:
-                raise KeyError(f"{name} is missing from the checkpoint in {path}")
-            by_file.setdefault(files[name], []).append(name)
-        with torch.no_grad():
-            for file, names in by_file.items():
-                with safe_open(path / file, framework="pt") as f:
-                    for name in names:
-                        shard = _read_shard(f, name, *specs[name], model.layout, tp_rank)
-                        model.get_parameter(name).copy_(shard)
+        model = cls(config, layout, tp_rank, tp_group, init=False, device=device,
+                    dtype=dtype or checkpoint_dtype(path, "model.embed_tokens.weight"))
+        load_shards(model, path)
         return model
 
     def save_pretrained(self, path):
@@ -275,26 +233,3 @@ class Llama(nn.Module):
         dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
         (path / "config.json").write_text(json.dumps(self.config.to_hf_dict(dtype), indent=2) + "\n")
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _weight_files(path: Path) -> dict[str, str]:
-    """Map tensor names to the safetensors file holding them (single file or sharded index)."""
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        return dict(json.loads(index.read_text())["weight_map"])
-    with safe_open(path / "model.safetensors", framework="pt") as f:
-        return {name: "model.safetensors" for name in f.keys()}
-
-
-def _read_shard(f, name: str, spec: ParamSpec, full_shape: tuple[int, ...], layout: ShardLayout,
-                rank: int) -> torch.Tensor:
-    """Read only `rank`'s units of tensor `name` from an open safetensors file."""
-    sl = f.get_slice(name)
-    if tuple(sl.get_shape()) != tuple(full_shape):
-        raise ValueError(f"{name} has shape {tuple(sl.get_shape())} in the checkpoint; the config gives {full_shape}")
-    if spec.kind == "replicated":
-        return sl[:]
-    u = spec.unit_size
-    spans = [(a * u, b * u) for a, b in layout.owned(spec.kind, rank)]
-    parts = [sl[a:b] if spec.dim == 0 else sl[:, a:b] for a, b in spans]
-    return torch.cat(parts, dim=spec.dim)

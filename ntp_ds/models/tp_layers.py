@@ -13,7 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ntp_ds.comm import wire
-from ntp_ds.layout.shard_layout import ParamSpec, ShardLayout
+from ntp_ds.layout import units as U
+from ntp_ds.layout.shard_layout import LayoutError, ParamSpec, ShardLayout
 from ntp_ds.layout.sharding import shard_tensor, unshard_into
 
 
@@ -83,58 +84,89 @@ def index_table(layout: ShardLayout, kind: str, rank: int, device=None) -> torch
     return table
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x W^T with output features sharded by units of `spec.kind` (dim 0); x must come through `copy_to_tp`.
+def local_kv_index(layout: ShardLayout, rank: int) -> list[int]:
+    """For each query head `rank` owns (in unit order), the local index of the KV head it reads."""
+    table = index_table(layout, "kv", rank).tolist()
+    return [table[h // layout.units.group] for h in U.units_of(layout.owned("heads", rank))]
 
-    KV projections shared by several ranks get their weight gradient summed over the holders inside backward.
+
+def check_shard(units, layout: ShardLayout, tp_rank: int, tp_group) -> None:
+    """Refuse a layout of other units, a rank outside it, or a TP group of another size."""
+    if layout.units != units:
+        raise LayoutError(f"layout units {layout.units} do not match the config's {units}")
+    if not 0 <= tp_rank < layout.tp:
+        raise LayoutError(f"tp_rank={tp_rank} is outside the layout's tp={layout.tp}")
+    if tp_group is not None and dist.get_world_size(tp_group) != layout.tp:
+        raise LayoutError(f"tp_group has {dist.get_world_size(tp_group)} ranks; the layout has tp={layout.tp}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with output features sharded by units of `spec.kind` (dim 0); x must come through `copy_to_tp`.
+
+    The bias, when there is one, is sharded with its output features. KV projections shared by several ranks get
+    their weight and bias gradients summed over the holders inside backward.
     """
 
     def __init__(self, in_features: int, out_features: int, spec: ParamSpec, layout: ShardLayout, tp_rank: int,
-                 group=None, device=None, dtype=None):
+                 group=None, device=None, dtype=None, bias: bool = False):
         super().__init__()
         assert spec.dim == 0, "column-parallel weights are sharded along dim 0"
         self.spec, self.full_shape, self.layout, self.tp_rank, self.group = (
             spec, (out_features, in_features), layout, tp_rank, group)
+        self.shard_specs = {"weight": (spec, self.full_shape), "bias": (spec, (out_features,))}
         shape = layout.shard_shape(spec, self.full_shape, tp_rank)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(shape[0], device=device, dtype=dtype)) if bias else None
         self.sum_shared = spec.kind == "kv" and layout.shares_kv() and _active(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
+        w, b = self.weight, self.bias
         if self.sum_shared:
             w = _SumSharedGrad.apply(w, self.spec, self.full_shape, self.layout, self.tp_rank, self.group)
-        return F.linear(x, w)
+            if b is not None:
+                b = _SumSharedGrad.apply(b, self.spec, self.full_shape[:1], self.layout, self.tp_rank, self.group)
+        return F.linear(x, w, b)
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum over ranks of x_local W_local^T, input features sharded by units of `spec.kind` (dim 1)."""
+    """y = sum over ranks of x_local W_local^T, plus a replicated bias; input features sharded by `spec.kind` (dim 1)."""
 
     def __init__(self, in_features: int, out_features: int, spec: ParamSpec, layout: ShardLayout, tp_rank: int,
-                 group=None, device=None, dtype=None):
+                 group=None, device=None, dtype=None, bias: bool = False):
         super().__init__()
         assert spec.dim == 1, "row-parallel weights are sharded along dim 1"
         self.spec, self.full_shape, self.group = spec, (out_features, in_features), group
+        self.shard_specs = {"weight": (spec, self.full_shape), "bias": (ParamSpec("replicated"), (out_features,))}
         shape = layout.shard_shape(spec, self.full_shape, tp_rank)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tp(F.linear(x, self.weight), self.group)
+        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding whose rows are the rank's vocabulary units; tokens held elsewhere give zeros before the sum."""
+    """Embedding whose rows are the rank's vocabulary units; tokens held elsewhere give zeros before the sum.
+
+    `padding_idx` (a global token id) gets no gradient on the rank that holds it, as in `nn.Embedding`.
+    """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, layout: ShardLayout, tp_rank: int, group=None,
-                 device=None, dtype=None):
+                 device=None, dtype=None, padding_idx: int | None = None):
         super().__init__()
         self.spec, self.full_shape, self.group = ParamSpec("vocab", 0, 1), (num_embeddings, embedding_dim), group
+        self.shard_specs = {"weight": (self.spec, self.full_shape)}
         shape = layout.shard_shape(self.spec, self.full_shape, tp_rank)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-        self.register_buffer("local_index", index_table(layout, "vocab", tp_rank, device), persistent=False)
+        table = index_table(layout, "vocab", tp_rank)
+        self.register_buffer("local_index", table.to(device), persistent=False)
+        local_pad = -1 if padding_idx is None else int(table[padding_idx])
+        self.local_padding_idx = None if local_pad < 0 else local_pad
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = self.local_index[ids]
-        out = F.embedding(local.clamp(min=0), self.weight)
+        out = F.embedding(local.clamp(min=0), self.weight, padding_idx=self.local_padding_idx)
         out = out.masked_fill((local < 0).unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self.group)
 

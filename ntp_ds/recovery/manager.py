@@ -31,7 +31,7 @@ from ntp_ds.engine.initialize import JobSpec, build_engine, build_topology, join
 from ntp_ds.layout import ShardLayout, Topology
 from ntp_ds.layout import units as U
 from ntp_ds.layout.sharding import gather_units, packed_numel, scatter_units
-from ntp_ds.models import Llama
+from ntp_ds.models import CausalLMShard, empty_shard
 from ntp_ds.recovery.placement import Placement
 from ntp_ds.recovery.plan import plan_last_good, plan_unit_moves, rereplicated_moves
 from ntp_ds.recovery.reslice import reslice
@@ -429,7 +429,7 @@ class Recovery:
         survivors = change.survivors
         me = survivors.index(self.rank)
         holders = [self.members.index(r) for r in survivors]
-        model = Llama(self.job.model_config, init=False, device="meta")
+        model = empty_shard(self.job.model_config, device="meta")
         specs = {n: s for n, (s, _) in model.param_specs().items()}
         shapes = {n: shape for n, (_, shape) in model.param_specs().items()}
         try:
@@ -490,10 +490,9 @@ class Recovery:
         raise error
 
     # -- parameters ---------------------------------------------------------------------------------------------
-    def _reshard(self, groups, snapshot, moves, moved: dict, rereplicated=()) -> Llama:
+    def _reshard(self, groups, snapshot, moves, moved: dict, rereplicated=()) -> CausalLMShard:
         """Build this rank's new shard: keep the units it held, pull the missing ones from their holders."""
-        module = Llama(self.job.model_config, layout=groups.layout, tp_rank=groups.tp_rank,
-                       tp_group=groups.tp_group, init=False)
+        module = empty_shard(self.job.model_config, groups.layout, groups.tp_rank, groups.tp_group)
         spec_shapes = module.param_specs()
         specs = {n: s for n, (s, _) in spec_shapes.items()}
         full_shapes = {n: shape for n, (_, shape) in spec_shapes.items()}
