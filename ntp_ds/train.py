@@ -231,7 +231,7 @@ def run_worker(cfg, started: float, stop) -> int:
         trainer.recorder.event("run_stopped", trainer.step, reason=str(stop))
         trainer.recorder.abort()
         if live is not None:
-            live.close()
+            live.close(finished=True)
         return 1
     except BaseException:
         trainer.recorder.abort()

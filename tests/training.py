@@ -198,13 +198,13 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
             recovery.leave("device error")
         except (RuntimeError, TimeoutError, ConnectionError) as error:
             if isinstance(error, RecoveryImpossible):
-                recovery.close()
+                recovery.close(finished=True)
                 return {"stopped": str(error), "events": recovery.events}
             noticed.append(time.time())
             try:
                 engine = recovery.recover(error).engine
             except RecoveryImpossible as stop:
-                recovery.close()
+                recovery.close(finished=True)
                 return {"stopped": str(stop), "events": recovery.events}
             engine.on_phase = injector.check
     full = engine.consolidated_state_dict()

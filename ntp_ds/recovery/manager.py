@@ -99,10 +99,11 @@ class Recovery:
         the new generation and "transfer" as the lost units move: the fault-injection seams."""
 
     def close(self, finished: bool = False) -> None:
-        """Stop beating; with `finished` (the run is over), global rank 0 also refuses the joiners still waiting."""
-        if finished and self.engine is not None and self.members.index(self.rank) == 0:
+        """Stop beating; with `finished` (the run is over, or stopped), global rank 0 also refuses the joiners still
+        waiting."""
+        if finished and self.members and self.members[0] == self.rank:
             try:
-                self._refuse_all("the job finished before it could take this worker in")
+                self._refuse_all("the job ended before it could take this worker in")
             except Exception as e:  # the store may be gone with the job: the joiners' own bound ends their wait
                 log.warning("could not answer the joiners still waiting: %s", e)
         self.heartbeat.stop()
