@@ -124,8 +124,9 @@ class JoinRequests:
 
 
 def undecided(store, requests: list[JoinRequest]) -> list[JoinRequest]:
-    """The requests without a verdict yet."""
-    return [r for r in requests if not store.check([verdict_key(r.rank)])]
+    """The requests without a verdict yet (a rank's latest, when it asked again)."""
+    latest = {r.rank: r for r in requests}
+    return [r for r in latest.values() if not store.check([verdict_key(r.rank)])]
 
 
 def propose_join(store, plan: JoinPlan) -> JoinPlan:
@@ -146,6 +147,22 @@ def refuse(store, rank: int, reason: str) -> None:
 def admit(store, plan: JoinPlan) -> None:
     for rank in plan.joiners:
         store.set(verdict_key(rank), json.dumps({"generation": plan.generation}))
+
+
+def await_decision(store, generation: int, timeout_s: float, *, clock: Callable[[], float] = time.monotonic,
+                   sleep: Callable[[float], None] = time.sleep, max_poll_s: float = 0.5):
+    """Wait (bounded) for the membership decision that ends `generation` (the grown membership the members commit
+    at the planned boundary, or a recovery's, if a failure came first)."""
+    from ntp_ds.control.membership import MembershipChange, decision_key
+
+    deadline, pause, key = clock() + timeout_s, 0.05, decision_key(generation)
+    while not store.check([key]):
+        if clock() >= deadline:
+            raise JoinTimeout(f"the job did not reach the boundary that ends generation {generation} within "
+                              f"{timeout_s:g} s")
+        sleep(pause)
+        pause = min(2 * pause, max_poll_s)
+    return MembershipChange.decode(store.get(key))
 
 
 def await_verdict(store, rank: int, timeout_s: float, *, clock: Callable[[], float] = time.monotonic,

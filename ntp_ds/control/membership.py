@@ -119,6 +119,11 @@ def decide(generation: int, members: Sequence[int], reports: Sequence[FailureRep
                             tuple(sorted(first.items())))
 
 
+def decision_key(generation: int) -> str:
+    """Store key of the membership decision that ends `generation`."""
+    return f"decision/{generation}"
+
+
 MAX_POLL_S = 0.16
 """Longest pause between two polls of a waiting rank once it has backed off."""
 
@@ -190,7 +195,7 @@ class Membership:
 
     @staticmethod
     def _decision_key(generation: int) -> str:
-        return f"decision/{generation}"
+        return decision_key(generation)
 
     def _check_generation(self, generation: int) -> None:
         if generation < self.generation:

@@ -22,8 +22,9 @@ from ntp_ds.comm import wire
 from ntp_ds.comm.exchange import Side, UnitExchange
 from ntp_ds.control.heartbeat import (Heartbeat, LivenessMonitor, LivenessReader, mark_exited, poll_liveness,
                                       request_fence)
-from ntp_ds.control.joins import (JoinFailed, JoinPlan, JoinRequest, JoinRequests, admit, await_verdict,
-                                  fingerprint, propose_join, read_join_plan, refuse, request_join, undecided)
+from ntp_ds.control.joins import (JoinFailed, JoinPlan, JoinRequest, JoinRequests, admit, await_decision,
+                                  await_verdict, fingerprint, propose_join, read_join_plan, refuse, request_join,
+                                  undecided, verdict_key)
 from ntp_ds.control.membership import BarrierWait, Membership, MembershipChange, barrier, replica_membership
 from ntp_ds.engine.config import ConfigError
 from ntp_ds.engine.engine import Snapshot, write_hf_index, write_hf_shard
@@ -37,6 +38,10 @@ from ntp_ds.recovery.plan import plan_last_good, plan_unit_moves, rereplicated_m
 from ntp_ds.recovery.reslice import reslice
 
 log = logging.getLogger("ntp_ds.recovery")
+
+
+JOIN_ATTEMPTS = 3
+"""Boundaries a joiner asks for before it gives up, when failures keep taking them."""
 
 
 class RecoveryImpossible(RuntimeError):
@@ -268,7 +273,8 @@ class Recovery:
         totals = wire.sum_counts([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), state["bytes_received"],
                                   state["restored_bytes"], int(whole)] + list(received.values()))
         self.heartbeat.watch(self._peers(engine), set(new_members) - {self.rank})
-        barrier(self.store, f"recovery/{generation}/done", self.rank, new_members, self.job.ntp.timeout_s)
+        barrier(self.store, f"recovery/{generation}/done/{_digest(new_members)}", self.rank, new_members,
+                self.job.ntp.timeout_s)
         self.engine, self.placement = engine, placement
         event = {"generation": generation, **event,
                  "degrees_before": list(snapshot.topology.degrees), "degrees_after": list(new_topology.degrees),
@@ -384,11 +390,23 @@ class Recovery:
         """Ask the running job on `store` to take launch rank `rank` in from step `not_before` on; wait (at most
         `timeout_s`) to be admitted, then receive this rank's shard and optimizer state from the members. Return
         the Recovery, whose `engine` is ready for the next step. Raise JoinRefused with the job's reason."""
-        request_join(store, JoinRequest(rank, job_fingerprint(job), not_before, node, time.time()))
+        deadline = time.monotonic() + timeout_s
         # Beat while waiting: the members see this rank alive when they plan and when they meet it.
         heartbeat = Heartbeat(store.clone(), rank, kwargs.get("heartbeat_interval_s", 0.5)).start()
         try:
-            plan = await_verdict(store, rank, timeout_s)
+            for attempt in range(JOIN_ATTEMPTS):
+                request_join(store, JoinRequest(rank, job_fingerprint(job), not_before, node, time.time()))
+                plan = await_verdict(store, rank, max(0.0, deadline - time.monotonic()))
+                change = await_decision(store, plan.generation, max(0.0, deadline - time.monotonic()))
+                if rank in change.survivors:
+                    break
+                # A failure took the boundary the plan named (the members recovered instead): ask again.
+                log.warning("rank %d: generation %d went to a recovery (%s); asking to join again", rank,
+                            change.generation, change.reason)
+                store.delete_key(verdict_key(rank))
+            else:
+                raise JoinFailed(f"rank {rank}: {JOIN_ATTEMPTS} boundaries planned for this joiner went to "
+                                 f"recoveries instead")
         finally:
             heartbeat.stop()
         recovery = cls(None, store, rank, job=job, members=plan.members, generation=plan.generation + 1, **kwargs)
@@ -467,7 +485,8 @@ class Recovery:
         that dies or hangs on the way is found within the heartbeat timeout and this attempt fails (the recovery
         then starts again without it), where the process group's own rendezvous would wait for its store timeout."""
         others = set(members) - {self.rank}
-        wait = BarrierWait(self.store, f"recovery/{generation}/arrive", self.rank, members, self.job.ntp.timeout_s)
+        wait = BarrierWait(self.store, f"recovery/{generation}/arrive/{_digest(members)}", self.rank, members,
+                           self.job.ntp.timeout_s)
         while (pause := wait.poll()) is not None:
             dead = poll_liveness(self.store, self.monitor, self.reader) & others
             if dead:
@@ -560,6 +579,12 @@ def _lost_shard_bytes(topology: Topology, members, gone, rebuilt, engine) -> int
             if units:
                 total += packed_numel(spec, engine.full_shapes[name], units) * width
     return total
+
+
+def _digest(members) -> str:
+    """A short name for a member list: ranks that expect different members never share a barrier (a joiner
+    admitted at a boundary that a failure took instead waits at its own, and fails on the dead rank it names)."""
+    return fingerprint(list(members))[:12]
 
 
 def parameter_dtype(ds_config: dict) -> torch.dtype:
