@@ -4,7 +4,9 @@ Protocol (keys in the job's store; ranks are launch ranks, which a joiner gets f
 1. The joiner appends a `JoinRequest` to `join/requests`: its rank, the fingerprint of its job configuration and the
    first step it may train (`not_before`: a repaired GPU comes back at a scheduled step, a spare at once).
 2. After every completed step s, global rank 0 of the running generation g reads the requests (one request while
-   none is new) and, for those due, commits a `JoinPlan` to `join/plan/{g}`: grow once step s + 1 is complete. As
+   none is new) and, for those due, commits a `JoinPlan` to `join/plan/{g}`: grow once step s + 1 is complete. A
+   joiner admitted at a boundary that a failure took instead (the members recovered) is planned again in the next
+   generation; it waits for that newer admission. As
    with a stop (`ntp_ds.control.job`), no rank can have completed s + 1 yet, so every member meets the plan at the
    same boundary. A joiner whose configuration differs, or that has no place to go, gets a refusal instead.
 3. Each member reads `join/plan/{g}` after every step (one request); at the planned boundary they commit the grown
@@ -109,24 +111,41 @@ def request_join(store, request: JoinRequest) -> None:
 
 
 class JoinRequests:
-    """Global rank 0's view of the requests: read only when their counter moved."""
+    """Global rank 0's view of the requests: read only when their counter moved; a request refused, or whose rank
+    became a member, is settled and never read again."""
 
     def __init__(self, store):
-        self.store, self._seen, self._requests = store, 0, []
+        self.store, self._seen, self._requests = store, 0, {}
+        self._settled: set[int] = set()
 
     def read(self) -> list[JoinRequest]:
         events = self.store.add(EVENTS_KEY, 0)
         if events != self._seen:
             self._seen = events
             raw = self.store.get(REQUESTS_KEY).decode() if self.store.check([REQUESTS_KEY]) else ""
-            self._requests = [JoinRequest.decode(line) for line in raw.splitlines() if line]
-        return list(self._requests)
+            self._requests = {r.rank: r for r in map(JoinRequest.decode, filter(None, raw.splitlines()))}
+        return list(self._requests.values())
 
-
-def undecided(store, requests: list[JoinRequest]) -> list[JoinRequest]:
-    """The requests without a verdict yet (a rank's latest, when it asked again)."""
-    latest = {r.rank: r for r in requests}
-    return [r for r in latest.values() if not store.check([verdict_key(r.rank)])]
+    def pending(self, generation: int, members) -> list[JoinRequest]:
+        """The requests to plan in `generation`: never answered, or admitted at the boundary of an older generation
+        that a recovery took instead (the joiner then waits for a newer admission)."""
+        out = []
+        for request in self.read():
+            if request.rank in self._settled:
+                continue
+            if request.rank in members:
+                self._settled.add(request.rank)
+                continue
+            key = verdict_key(request.rank)
+            if not self.store.check([key]):
+                out.append(request)
+                continue
+            verdict = json.loads(self.store.get(key))
+            if "refused" in verdict:
+                self._settled.add(request.rank)
+            elif int(verdict["generation"]) < generation:
+                out.append(request)
+        return out
 
 
 def propose_join(store, plan: JoinPlan) -> JoinPlan:
@@ -165,11 +184,20 @@ def await_decision(store, generation: int, timeout_s: float, *, clock: Callable[
     return MembershipChange.decode(store.get(key))
 
 
-def await_verdict(store, rank: int, timeout_s: float, *, clock: Callable[[], float] = time.monotonic,
-                  sleep: Callable[[float], None] = time.sleep, max_poll_s: float = 0.5) -> JoinPlan:
-    """Wait (bounded) for this joiner's verdict; return the plan that admits it, raise JoinRefused or JoinTimeout."""
+def _answered(store, key: str, newer_than: int) -> bool:
+    if not store.check([key]):
+        return False
+    verdict = json.loads(store.get(key))
+    return "refused" in verdict or int(verdict["generation"]) > newer_than
+
+
+def await_verdict(store, rank: int, timeout_s: float, *, newer_than: int = -1,
+                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                  max_poll_s: float = 0.5) -> JoinPlan:
+    """Wait (bounded) for this joiner's verdict (an admission into a generation after `newer_than`); return the plan
+    that admits it, raise JoinRefused or JoinTimeout."""
     deadline, pause, key = clock() + timeout_s, 0.05, verdict_key(rank)
-    while not store.check([key]):
+    while not _answered(store, key, newer_than):
         if clock() >= deadline:
             raise JoinTimeout(f"rank {rank}: the running job did not admit or refuse this joiner within {timeout_s:g} s "
                               f"(is a job running on this store, and has it reached the join step?)")

@@ -21,10 +21,9 @@ import torch
 from ntp_ds.comm import wire
 from ntp_ds.comm.exchange import Side, UnitExchange
 from ntp_ds.control.heartbeat import (Heartbeat, LivenessMonitor, LivenessReader, mark_exited, poll_liveness,
-                                      request_fence)
+                                      read_exits, request_fence)
 from ntp_ds.control.joins import (JoinFailed, JoinPlan, JoinRequest, JoinRequests, admit, await_decision,
-                                  await_verdict, fingerprint, propose_join, read_join_plan, refuse, request_join,
-                                  undecided, verdict_key)
+                                  await_verdict, fingerprint, propose_join, read_join_plan, refuse, request_join)
 from ntp_ds.control.membership import BarrierWait, Membership, MembershipChange, barrier, replica_membership
 from ntp_ds.engine.config import ConfigError
 from ntp_ds.engine.engine import Snapshot, write_hf_index, write_hf_shard
@@ -299,7 +298,7 @@ class Recovery:
         return self.grow(plan)
 
     def _refuse_all(self, reason: str) -> None:
-        for request in undecided(self.store, self.joins.read()):
+        for request in self.joins.pending(self.membership.generation + 1, self.members):
             refuse(self.store, request.rank, self._unfit(request) or f"rank {request.rank}: {reason}")
 
     def _unfit(self, request: JoinRequest) -> str | None:
@@ -313,8 +312,12 @@ class Recovery:
         return None
 
     def _plan_joins(self, generation: int, completed: int) -> None:
-        pending = undecided(self.store, self.joins.read())
+        pending = self.joins.pending(generation, self.members)
         if not pending or read_join_plan(self.store, generation) is not None:
+            return
+        gone = read_exits(self.store)  # a joiner that failed its join, or died waiting, is not planned again
+        pending = [r for r in pending if r.rank not in gone]
+        if not pending:
             return
         due, refused, walls = [], {}, {}
         for request in pending:
@@ -394,16 +397,18 @@ class Recovery:
         # Beat while waiting: the members see this rank alive when they plan and when they meet it.
         heartbeat = Heartbeat(store.clone(), rank, kwargs.get("heartbeat_interval_s", 0.5)).start()
         try:
+            request_join(store, JoinRequest(rank, job_fingerprint(job), not_before, node, time.time()))
+            newer_than = -1
             for attempt in range(JOIN_ATTEMPTS):
-                request_join(store, JoinRequest(rank, job_fingerprint(job), not_before, node, time.time()))
-                plan = await_verdict(store, rank, max(0.0, deadline - time.monotonic()))
+                plan = await_verdict(store, rank, max(0.0, deadline - time.monotonic()), newer_than=newer_than)
                 change = await_decision(store, plan.generation, max(0.0, deadline - time.monotonic()))
                 if rank in change.survivors:
                     break
-                # A failure took the boundary the plan named (the members recovered instead): ask again.
-                log.warning("rank %d: generation %d went to a recovery (%s); asking to join again", rank,
+                # A failure took the boundary the plan named (the members recovered instead): global rank 0 plans
+                # this joiner again in the next generation.
+                log.warning("rank %d: generation %d went to a recovery (%s); waiting to be planned again", rank,
                             change.generation, change.reason)
-                store.delete_key(verdict_key(rank))
+                newer_than = plan.generation
             else:
                 raise JoinFailed(f"rank {rank}: {JOIN_ATTEMPTS} boundaries planned for this joiner went to "
                                  f"recoveries instead")
