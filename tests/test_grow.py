@@ -93,8 +93,10 @@ def test_a_joiner_of_another_job_or_without_a_place_is_refused():
 
 def test_the_demo_fails_shrinks_is_repaired_and_grows_back(tmp_path):
     """Through `ntp-ds train`: rank 3 crashes at step 2, its launcher starts a replacement that trains from step 5 on;
-    the final weights equal the failure-free run's."""
-    common = ["recipe=cpu_demo", "data.seq_len=16", "train.steps=7", "logging=disabled", "logging.progress=false"]
+    the final weights equal the failure-free run's. A learning-rate warm-up runs through both rebuilt engines: a
+    rebuilt engine that restarted its schedule would end elsewhere."""
+    common = ["recipe=cpu_demo", "data.seq_len=16", "train.steps=7", "optim.warmup_steps=6", "logging=disabled",
+              "logging.progress=false"]
     repaired = ntp_ds("train", *common, "fault.faults=[{rank:3,step:2,phase:backward,kind:crash},"
                       "{rank:3,step:5,kind:repair}]", f"hydra.run.dir={tmp_path / 'repaired'}", timeout=240)
     assert repaired.returncode == 0, repaired.stderr[-5000:]
