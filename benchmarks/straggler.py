@@ -13,7 +13,9 @@ Time is the sum of the step times (the writer's `step_time_s` in metrics.jsonl) 
 run's first windows at the fixed plan included. The final weights of both runs are compared as well (under
 `preserve_global_batch` they are the same up to reduction order). The last line reads
 `straggler_speedup=<fixed time / aware time> slow_factor=<f>` (target: at least 1.2 at a slow factor of 1.5 on one
-of 3 replicas).
+of 3 replicas); the line before it gives the planner's own predicted speedup. With fewer CPU cores than ranks the
+ranks share cores, and a sample moved off the slowed replica lengthens the others' compute: measure on one core
+(or device) per rank.
 
     python benchmarks/straggler.py                      # slow factor 1.5, about a minute on a laptop CPU
     python benchmarks/straggler.py --slow-factor 2 --steps 40
@@ -101,6 +103,15 @@ def main(argv=None) -> int:
     print(f"final samples per replica: {[last[f'samples/replica_{r}'] for r in range(REPLICAS)]}")
     print(f"fixed_s={times['fixed']:.3f} aware_s={times['aware']:.3f} ({measured} steps each) "
           f"max_weight_difference={diff:.3g}")
+    if replans:
+        first = replans[0]
+        print(f"predicted_speedup={first['predicted_step_s_before'] / replans[-1]['predicted_step_s_after']:.4f} "
+              f"(the planner's, from the per-sample times it measured)")
+    cores = os.cpu_count() or 1
+    if cores < REPLICAS:
+        print(f"note: {cores} CPU cores for {REPLICAS} ranks: the ranks share cores, so samples moved off the slowed "
+              f"replica lengthen the others' compute, and the measured speedup stays below the prediction; one core "
+              f"(or device) per rank measures the planner alone")
     print(f"straggler_speedup={times['fixed'] / times['aware']:.4f} slow_factor={args.slow_factor:g}")
     return 0
 
