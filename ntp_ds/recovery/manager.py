@@ -350,14 +350,14 @@ class Recovery:
                                   f"rank{'s' if len(plan.joiners) > 1 else ''} {', '.join(map(str, plan.joiners))} "
                                   f"joined")
         committed = self.membership.commit(change)
-        if committed != change:  # a failure was reported first: recover from it (the joiners are refused then)
+        if committed != change:  # a failure was reported first: recover from it (its joiners are planned again)
             raise RuntimeError(f"a failure was reported at the join boundary: {committed.reason}")
         snapshot, old_members = self.engine.snapshot(), self.members
         self.engine.release()
         self.engine = None
         self.membership.adopt(change)
         try:
-            return self._grow(snapshot, old_members, plan, change, t0, traffic_before)
+            return self._grow(snapshot, plan, t0, traffic_before)
         except (RuntimeError, TimeoutError, ConnectionError) as error:
             if isinstance(error, RecoveryImpossible):
                 raise
@@ -365,25 +365,29 @@ class Recovery:
                         change.generation, error)
             return self._recover_from(snapshot, old_members, error, time.time())
 
-    def _grow(self, snapshot, old_members, plan, change, t0, traffic_before) -> RecoveryOutcome:
+    def _grow(self, snapshot, plan: JoinPlan, t0: float, traffic_before) -> RecoveryOutcome:
+        """Both sides of a grow, from the new generation's rendezvous on: members pass their boundary snapshot, a
+        joiner None (it learns the old topology from the members)."""
         wire.teardown()
         gc.collect()
-        self._regroup(change.generation, plan.members)
+        generation = plan.generation + 1
+        self._regroup(generation, plan.members)
         snapshot = self._share_context(snapshot)
         placement, members, _ = self.placement.grow(plan.members_before, plan.joiners, self.job.ntp.min_tp)
         if members != plan.members:
             raise RecoveryImpossible(f"the join plan seats {plan.members}, this rank's placement {members}")
         topology = placement.topology(self.placement, snapshot.topology)
         t_regrouped = time.time()
-        event = {"joined": list(plan.joiners), "reason": change.reason, "regroup_s": t_regrouped - t0,
-                 "requested_wall": list(plan.requested_wall)}
-        engine, event = self._install(snapshot, old_members, change.generation, topology, plan.members, placement,
+        joined = ", ".join(map(str, plan.joiners))
+        event = {"joined": list(plan.joiners), "reason": f"rank{'s' if len(plan.joiners) > 1 else ''} {joined} joined",
+                 "regroup_s": t_regrouped - t0, "requested_wall": list(plan.requested_wall)}
+        engine, event = self._install(snapshot, plan.members_before, generation, topology, plan.members, placement,
                                       set(), traffic_before, event)
         event["joiner_shard_bytes"] = _joiner_shard_bytes(topology, plan.members, plan.joiners, engine)
         event["reshard_s"] = time.time() - t_regrouped
         event["grow_s"] = time.time() - t0
-        log.warning("rank %d: grew to generation %d with rank(s) %s, TP degrees %s -> %s", self.rank,
-                    change.generation, list(plan.joiners), event["degrees_before"], event["degrees_after"])
+        log.warning("rank %d: grew to generation %d with rank(s) %s, TP degrees %s -> %s", self.rank, generation,
+                    joined, event["degrees_before"], event["degrees_after"])
         self.events.append(event)
         return RecoveryOutcome(engine, event)
 
@@ -418,7 +422,7 @@ class Recovery:
         if on_phase is not None:
             recovery.on_phase = on_phase
         try:
-            recovery._take_place(plan)
+            recovery._grow(None, plan, time.time(), wire.traffic())
         except (RuntimeError, TimeoutError, ConnectionError) as error:
             # The members recover without this rank from the state they held at the boundary: say it is gone.
             mark_exited(store, rank, f"join failed: {error}")
@@ -428,22 +432,6 @@ class Recovery:
                              f"its place ({' '.join(str(error).split())[:300]}); the job went on without it") from None
         return recovery
 
-    def _take_place(self, plan: JoinPlan) -> None:
-        """The joiner's side of `grow`: meet the members, learn the old topology, receive the shard and state."""
-        t0 = time.time()
-        traffic_before = wire.traffic()
-        self._regroup(plan.generation + 1, plan.members)
-        snapshot = self._share_context(None)
-        placement, _, _ = self.placement.grow(plan.members_before, plan.joiners, self.job.ntp.min_tp)
-        topology = placement.topology(self.placement, snapshot.topology)
-        t_regrouped = time.time()
-        event = {"joined": list(plan.joiners), "reason": "join", "regroup_s": t_regrouped - t0}
-        engine, event = self._install(snapshot, plan.members_before, plan.generation + 1, topology, plan.members,
-                                      placement, set(), traffic_before, event)
-        event["joiner_shard_bytes"] = _joiner_shard_bytes(topology, plan.members, plan.joiners, engine)
-        event["reshard_s"] = time.time() - t_regrouped
-        event["grow_s"] = time.time() - t0
-        self.events.append(event)
 
     def _save_last_good(self, snapshot, change) -> str:
         """Write the survivors' shards of the last completed step as a sharded HF directory: each survivor
