@@ -18,19 +18,19 @@ from tests.training import train_with_recovery
 STEPS = 6
 
 
-def run(degrees, stage, faults, joins, min_tp=1, timeout=240, joiner_overrides=None):
+def run(degrees, stage, faults, joins, min_tp=1, timeout=240, joiner_overrides=None, timeout_s=12.0):
     ntp = {"tp": max(degrees), "replicas": len(degrees), "min_tp": min_tp}
     world = sum(degrees)
     joins = {world + i: step for i, step in enumerate(joins)}
     return run_ranks(train_with_recovery, world, ntp, "adamw", stage, GLOBAL_BATCH, MICRO, STEPS, faults, 2.0, 1,
-                     None, 12.0, joins, joiner_overrides, timeout=timeout, store=True, joiners=len(joins))
+                     None, timeout_s, joins, joiner_overrides, timeout=timeout, store=True, joiners=len(joins))
 
 
 def join_events(results):
     return [e for r in results.values() for e in r["events"] if "joined" in e]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [1, 2])  # ZeRO 0: test_a_dropped_replica_is_brought_back
 def test_crash_then_repair_grows_back_to_the_original_degrees(stage):
     results = run((2, 2), stage, [fault(3, 2, "forward")], joins=[4])
     assert set(results) == {0, 1, 2, 4}
@@ -56,7 +56,7 @@ def test_a_second_failure_after_the_grow_back():
 
 def test_a_dropped_replica_is_brought_back():
     # TP 1 replicas: losing rank 1 drops replica 1; the joiner brings it back in its place (the middle one).
-    results = run((1, 1, 1), 2, [fault(1, 2, "forward")], joins=[4])
+    results = run((1, 1, 1), 0, [fault(1, 2, "forward")], joins=[4])
     assert set(results) == {0, 2, 3}
     assert_equivalent(results, STEPS)
     assert all(tuple(r["degrees"]) == (1, 1, 1) for r in results.values())
@@ -75,7 +75,8 @@ def test_two_joiners_complete_two_replicas_in_one_generation():
 
 def test_a_joiner_that_dies_during_the_transfer_costs_the_job_nothing():
     # It asks to train from step 5, so it is taken in after step 4, while the members hold their copies of step 4.
-    results = run((2, 2), 1, [fault(3, 2, "forward"), fault(4, 5, "transfer")], joins=[5])
+    # A gloo send to the dead joiner can wait for the collective timeout (timeout_s): 6 s here.
+    results = run((2, 2), 1, [fault(3, 2, "forward"), fault(4, 5, "transfer")], joins=[5], timeout_s=6.0)
     assert set(results) == {0, 1, 2}
     assert_equivalent(results, STEPS)
     assert all(tuple(r["degrees"]) == (2, 1) for r in results.values())
