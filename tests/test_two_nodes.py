@@ -94,9 +94,9 @@ def test_two_nodes_survive_a_worker_and_the_whole_second_node_and_a_replacement_
     recoveries = _events(run_dir, "recovery")
     assert [e["degrees_after"] for e in recoveries] == [[2, 1], [2, 0]], recoveries
     assert all(e["lossless"] for e in recoveries)
-    (join,) = _events(run_dir, "join")
-    assert join["joined"] == [4, 5] and join["degrees_after"] == [2, 2] and join["lossless"]
-    assert join["bytes_moved"] == join["joiner_shard_bytes"] > 0
+    joins = _events(run_dir, "join")  # the two workers are taken in together, or at two boundaries
+    assert sorted(r for e in joins for r in e["joined"]) == [4, 5] and joins[-1]["degrees_after"] == [2, 2]
+    assert all(e["lossless"] and e["bytes_moved"] == e["joiner_shard_bytes"] > 0 for e in joins)
     want = load_file(str(clean / "final" / "model.safetensors"))
     got = load_file(str(run_dir / "final" / "model.safetensors"))
     assert set(got) == set(want)
