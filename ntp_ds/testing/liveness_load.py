@@ -21,6 +21,7 @@ import heapq
 import random
 import threading
 import time
+import types
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -42,6 +43,9 @@ class LoadSpec:
     duration_s: float = 10.0
     threads: int = 4
     """Client threads (each with its own store connection) that share the simulated nodes."""
+    processes: int = 1
+    """Processes the threads are spread over (real workers are processes: one interpreter driving thousands of
+    them falls behind their beats on a small machine)."""
     hang_at_s: float | None = 2.0
     """When the one hung worker (the last rank of node 0) stops beating; None: every worker stays healthy."""
     per_node: bool = True
@@ -53,7 +57,7 @@ class LoadSpec:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("nodes", "workers_per_node", "threads"):
+        for name in ("nodes", "workers_per_node", "threads", "processes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if not 0 < self.interval_s < self.heartbeat_timeout_s:
@@ -153,24 +157,33 @@ def run_load(spec: LoadSpec) -> LoadResult:
     host, address = host_store(timeout_s=30.0)
     prepare_store(host)
     shares = [list(range(t, spec.nodes, spec.threads)) for t in range(spec.threads)]
-    sims = [_Share(spec, connect_store(address, 30.0), nodes) for nodes in shares]
-    for sim in sims:
-        sim.setup()
-    gc.collect()
-    gc.freeze()  # tens of thousands of long-lived simulated objects: keep the collector from rescanning them
-    start = time.monotonic() + 0.1
-    for sim in sims:
-        sim.counting.calls.clear()
-        sim.counting.start = start
-    threads = [threading.Thread(target=sim.run, args=(start,), name=f"ntp-load-{i}", daemon=True)
-               for i, sim in enumerate(sims)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(spec.duration_s + 30.0)
-    gc.unfreeze()
-    if any(t.is_alive() for t in threads):
-        raise TimeoutError(f"load threads did not finish within {spec.duration_s + 30.0}s")
+    if spec.processes == 1:
+        sims = _run_shares(spec, address, shares, None)
+    else:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        pipes, procs = [], []
+        for p in range(spec.processes):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_run_shares, args=(spec, address, shares[p::spec.processes], child), daemon=True)
+            proc.start()
+            pipes.append(parent)
+            procs.append(proc)
+        bound = time.monotonic() + 60.0
+        for conn in pipes:  # every process has set its workers up
+            if not conn.poll(max(0.0, bound - time.monotonic())):
+                raise TimeoutError("a load process did not set up its workers within 60 s")
+            conn.recv()
+        start = time.monotonic() + 0.2
+        for conn in pipes:
+            conn.send(start)
+        sims = []
+        for conn, proc in zip(pipes, procs):
+            if not conn.poll(spec.duration_s + 40.0):
+                raise TimeoutError(f"load process {proc.pid} did not finish within {spec.duration_s + 40.0}s")
+            sims += conn.recv()
+            proc.join(5.0)
     errors = [e for sim in sims for e in sim.errors]
     if errors:
         raise RuntimeError(f"{len(errors)} store calls failed; first: {errors[0]!r}")
@@ -193,6 +206,49 @@ def run_load(spec: LoadSpec) -> LoadResult:
                       detection, max(sim.worst_lag for sim in sims),
                       [per_second[s] for s in range(int(spec.duration_s))], dict(decisions), agreement,
                       len(confirmed_at), confirm)
+
+
+def _run_shares(spec: LoadSpec, address: str, shares: list[list[int]], conn) -> list:
+    """Set up and run some shares, one thread each; with `conn` (a child process) wait for the common start time
+    and send back what each share saw, else return the shares themselves."""
+    sims = [_Share(spec, connect_store(address, 30.0), nodes) for nodes in shares]
+    for sim in sims:
+        sim.setup()
+    gc.collect()
+    gc.freeze()  # tens of thousands of long-lived simulated objects: keep the collector from rescanning them
+    if conn is None:
+        start = time.monotonic() + 0.1
+    else:
+        conn.send("ready")
+        start = conn.recv()
+    for sim in sims:
+        sim.counting.calls.clear()
+        sim.counting.start = start
+    threads = [threading.Thread(target=sim.run, args=(start,), name=f"ntp-load-{i}", daemon=True)
+               for i, sim in enumerate(sims)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(spec.duration_s + 30.0)
+    gc.unfreeze()
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError(f"load threads did not finish within {spec.duration_s + 30.0}s")
+    if conn is None:
+        return sims
+    conn.send([_Seen(sim) for sim in sims])
+    conn.close()
+    return []
+
+
+class _Seen:
+    """What one share saw, without its store connection: sent back from a load process."""
+
+    def __init__(self, sim):
+        self.errors = [repr(e) for e in sim.errors]
+        self.counting = types.SimpleNamespace(calls=sim.counting.calls, per_second=sim.counting.per_second)
+        self.deaths, self.hung_last_beat, self.worst_lag = sim.deaths, sim.hung_last_beat, sim.worst_lag
+        self.decided, self.decided_at = sim.decided, sim.decided_at
+        self.confirmed_at, self.first_report = sim.confirmed_at, sim.first_report
 
 
 class _Share:

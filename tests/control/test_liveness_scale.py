@@ -187,10 +187,11 @@ def test_peers_are_symmetric_and_span_few_nodes():
 
 @pytest.mark.timeout(120)
 def test_4096_workers_on_512_nodes_see_no_false_death_at_a_3s_timeout():
-    # Beat once a second: one Python process on two shared cores cannot drive 4,096 workers' beats, watches and
-    # agreement any faster without itself falling behind (worst_beat_lag_s); benchmarks/control_plane.py runs 0.5 s.
+    # Beat once a second, the simulated workers spread over two processes: one Python process on two shared cores
+    # cannot drive 4,096 workers' beats, watches and agreement without itself falling behind them by more than the
+    # timeout (worst_beat_lag_s 3.5-5.8 s measured, with false deaths that were the harness's); two: about 2 s.
     spec = LoadSpec(nodes=512, workers_per_node=8, interval_s=1.0, heartbeat_timeout_s=3.0, duration_s=15.0,
-                    hang_at_s=2.0)
+                    hang_at_s=2.0, processes=2)
     result = run_load(spec)
     print(result.line())
     assert sum(result.ops.values()) > 10 * spec.world_size  # every worker beat and polled many times
