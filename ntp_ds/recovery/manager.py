@@ -98,6 +98,8 @@ class Recovery:
         self.placement = Placement.initial(build_topology(self.job.model_config.units(), self.job.ntp))
         """Which configured replica and healthy TP slot each member holds: where joiners go."""
         self.joins = JoinRequests(store)
+        self.fingerprint = job_fingerprint(self.job)
+        """What a joiner's configuration must match."""
         self.on_phase = lambda step, phase: None
         """Called with phase "recovery" once the new membership is agreed, "rendezvous" as the survivors meet for
         the new generation and "transfer" as the lost units move: the fault-injection seams."""
@@ -303,10 +305,10 @@ class Recovery:
 
     def _unfit(self, request: JoinRequest) -> str | None:
         """Why `request` can never be taken in, or None."""
-        mine = job_fingerprint(self.job)
-        if request.fingerprint != mine:
+        if request.fingerprint != self.fingerprint:
             return (f"rank {request.rank} runs another job configuration (fingerprint {request.fingerprint}, the "
-                    f"job's is {mine}): the same model, DeepSpeed and parallel configs are required to join")
+                    f"job's is {self.fingerprint}): the same model, DeepSpeed and parallel configs are required to "
+                    f"join")
         if request.rank in self.members:
             return f"rank {request.rank} is already a member of the job"
         return None
@@ -326,7 +328,7 @@ class Recovery:
             elif request.not_before <= completed + 2:  # it trains from step completed + 2 on
                 due.append(request.rank)
                 walls[request.rank] = request.wall
-        placement, members, unseated = self.placement.grow(self.members, tuple(sorted(due)), self.job.ntp.min_tp)
+        _, members, unseated = self.placement.grow(self.members, tuple(sorted(due)), self.job.ntp.min_tp)
         for rank in unseated:
             refused[rank] = (f"rank {rank}: no replica has a free place (every replica is at its configured TP "
                              f"degree, and too few joiners to bring back a dropped replica at min_tp="
@@ -346,9 +348,7 @@ class Recovery:
         t0 = time.time()
         traffic_before = wire.traffic()
         generation = self.membership.generation
-        change = MembershipChange(generation + 1, frozenset(), tuple(sorted(plan.members)), 0.0,
-                                  f"rank{'s' if len(plan.joiners) > 1 else ''} {', '.join(map(str, plan.joiners))} "
-                                  f"joined")
+        change = MembershipChange(generation + 1, frozenset(), tuple(sorted(plan.members)), 0.0, _joined(plan))
         committed = self.membership.commit(change)
         if committed != change:  # a failure was reported first: recover from it (its joiners are planned again)
             raise RuntimeError(f"a failure was reported at the join boundary: {committed.reason}")
@@ -378,16 +378,15 @@ class Recovery:
             raise RecoveryImpossible(f"the join plan seats {plan.members}, this rank's placement {members}")
         topology = placement.topology(self.placement, snapshot.topology)
         t_regrouped = time.time()
-        joined = ", ".join(map(str, plan.joiners))
-        event = {"joined": list(plan.joiners), "reason": f"rank{'s' if len(plan.joiners) > 1 else ''} {joined} joined",
-                 "regroup_s": t_regrouped - t0, "requested_wall": list(plan.requested_wall)}
+        event = {"joined": list(plan.joiners), "reason": _joined(plan), "regroup_s": t_regrouped - t0,
+                 "requested_wall": list(plan.requested_wall)}
         engine, event = self._install(snapshot, plan.members_before, generation, topology, plan.members, placement,
                                       set(), traffic_before, event)
         event["joiner_shard_bytes"] = _joiner_shard_bytes(topology, plan.members, plan.joiners, engine)
         event["reshard_s"] = time.time() - t_regrouped
         event["grow_s"] = time.time() - t0
         log.warning("rank %d: grew to generation %d with rank(s) %s, TP degrees %s -> %s", self.rank, generation,
-                    joined, event["degrees_before"], event["degrees_after"])
+                    ", ".join(map(str, plan.joiners)), event["degrees_before"], event["degrees_after"])
         self.events.append(event)
         return RecoveryOutcome(engine, event)
 
@@ -572,6 +571,10 @@ def _lost_shard_bytes(topology: Topology, members, gone, rebuilt, engine) -> int
             if units:
                 total += packed_numel(spec, engine.full_shapes[name], units) * width
     return total
+
+
+def _joined(plan: JoinPlan) -> str:
+    return f"rank{'s' if len(plan.joiners) > 1 else ''} {', '.join(map(str, plan.joiners))} joined"
 
 
 def _digest(members) -> str:

@@ -289,16 +289,12 @@ class Trainer:
         before = self.degrees
         log.info("step %d failed (%s); recovering", step, _first_line(error))
         report = self.recovery.recover(self, step, error)
-        self.engine = report.engine
-        self._work_window, self._per_sample_history, self._replan = [], [], None  # a new topology, a new plan
-        self._move_records()
-        self._record_recovery(None)  # a failure while re-running a step: record the previous recovery as it is
+        self._adopt(report.engine)  # a failure while re-running a step: the previous recovery is recorded as it is
         resumed_at = self.clock()
         lost_in_step = failed_at - self._last_end
         detection, recovery, redone = split_failure_time(lost_in_step, resumed_at - failed_at, report.detection_s)
         for bucket, seconds in (("detection", detection), ("recovery", recovery), ("redone", redone)):
             self.meter.record_lost(bucket, seconds, active_gpus=sum(self.degrees))
-        self._attach_injector()
         self.recoveries += 1
         rerun = getattr(self.engine, "global_steps", step - 1) + 1
         event = {"detection_s": detection, "recovery_s": recovery, "redone_s": redone,
@@ -325,12 +321,8 @@ class Trainer:
             return self._recover(step + 1, error) - 1
         if report is None:
             return step
-        self.engine = report.engine
-        self._work_window, self._per_sample_history, self._replan = [], [], None  # a new topology, a new plan
-        self._move_records()
-        self._record_recovery(None)
+        self._adopt(report.engine)
         self.meter.record_lost("recovery", self.clock() - started, active_gpus=sum(self.degrees))
-        self._attach_injector()
         event = {"degrees_before": list(before), "degrees_after": list(self.degrees), "grow_s": report.recovery_s,
                  **report.fields}
         self._unfinished = {"step": step, "failed_at": started, "event": event, "kind": "join"}
@@ -338,6 +330,15 @@ class Trainer:
             log.warning(describe_join(step, event))
         self._last_end = self.clock()
         return step
+
+    def _adopt(self, engine) -> None:
+        """Go on with the engine of a new topology (after a recovery or a grow): a new batch plan to measure, the
+        records with whoever writes now, the pending recovery event recorded, the injector on the new engine."""
+        self.engine = engine
+        self._work_window, self._per_sample_history, self._replan = [], [], None
+        self._move_records()
+        self._record_recovery(None)
+        self._attach_injector()
 
     def _move_records(self) -> None:
         """Hand the records over, or take them over, when a recovery moved the writer's role."""
