@@ -101,6 +101,36 @@ def test_failure_at_each_phase_ends_equal_to_failure_free_run(degrees, stage, ki
     assert_lossless_and_minimal(results, after)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_death_inside_the_optimizer_step_is_rolled_back_and_the_step_run_again(stage):
+    # Rank 3 dies inside DeepSpeed's optimizer step of step 3, its own partition updated; the survivors finish
+    # theirs and block in the all-gather or at the commit vote. Every member is between the votes, so the step is
+    # rolled back to the copies of step 2 and run again. Two copies per anchor: the one the dead rank held of its
+    # predecessor's state is gone, the other remains.
+    results = run((2, 2, 2), stage, [fault(3, 3, "in_optimizer")], redundancy=2)
+    assert 3 not in results
+    assert_equivalent(results)
+    assert_lossless_and_minimal(results, (2, 1, 2))
+    assert all(e["rolled_back"] for copies in events_of(results) for e in copies)
+
+
+def test_death_inside_the_optimizer_step_with_one_copy_says_what_it_lost():
+    # With one copy per anchor, the owner whose copy lived on the dead rank has only its updated state left: the
+    # roll-back cannot be whole, and recovery says so.
+    results = run((2, 2, 2), 1, [fault(3, 3, "in_optimizer")])
+    verdicts = {(e["rolled_back"], e["lossless"]) for copies in events_of(results) for e in copies}
+    assert verdicts == {(True, False)}
+
+
+def test_death_inside_the_optimizer_step_goes_forward_where_the_state_is_replicated():
+    # Without ZeRO every anchor of a TP index holds its whole state: the survivors all finished the step, so it
+    # stands, and the dead rank's state is its replica peer's.
+    results = run((2, 2), 0, [fault(3, 3, "in_optimizer")])
+    assert_equivalent(results)
+    assert_lossless_and_minimal(results, (2, 1))
+    assert not any(e["rolled_back"] for copies in events_of(results) for e in copies)
+
+
 def test_hf_qwen2_model_recovers_equal_to_failure_free_run():
     # transformers' Qwen2 (8 heads on 2 KV heads, q/k/v biases): the survivors of replica 1 take rank 4's units
     # into a non-contiguous layout, rebuilt through transformers' modules.

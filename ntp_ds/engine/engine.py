@@ -55,10 +55,16 @@ class Snapshot:
     """Units (by kind) of this rank's shard still at the previous step: their streamed copy never arrived."""
     lr_state: tuple | None = None
     """(scheduler state, learning rate of each parameter group) of an anchor; None elsewhere."""
+    before_step: tuple | None = None
+    """With `mid_step`: (global_steps, global_samples, lr_state) as the interrupted step began, for a roll-back."""
     stale_by_rank: dict = field(default_factory=dict)
     """Filled in by recovery: every new rank's stale units."""
     carried_lr: tuple | None = None
     """Filled in by recovery: the learning-rate state the new anchors take."""
+    any_mid_step: bool = False
+    """Filled in by recovery: some member was between the votes of a step."""
+    rolled_back: bool = False
+    """Filled in by recovery: that step is rolled back (every member was between its votes, and copies are kept)."""
 
 
 class NTPEngine(DeepSpeedEngine):
@@ -89,11 +95,16 @@ class NTPEngine(DeepSpeedEngine):
         self.on_phase = lambda step, phase: None
         """Called at every phase boundary (forward, backward, grad_sync, optimizer): the fault-injection seam."""
         self.in_optimizer_step = False
+        """Between the ready vote and the commit vote of a step: this rank's state may be partly updated."""
+        self._before_step = None
         zero_stage = int(job.ds_config.get("zero_optimization", {}).get("stage", 0))  # the job's, on every rank
         self.copies = StateCopies(rank, plan_buddies(topo, plan, zero_stage, ntp.zero_redundancy), list(specs),
                                   on_host=ntp.redundancy_on_host, chunk=ntp.bucket_size)
         if not self.is_anchor:
             self.enable_backward_allreduce = False
+        elif self.optimizer is not None:  # DeepSpeed steps its optimizer once per parameter group under ZeRO 1/2
+            state.inner_optimizer(self).register_step_post_hook(
+                lambda *_: self.on_phase(self.global_steps + 1, "in_optimizer"))
         self.sync_parameters()
         if self.stream_parameters and self._params.incoming:
             self._add_parameter_hooks()
@@ -238,9 +249,11 @@ class NTPEngine(DeepSpeedEngine):
                 self._running_engine_backward = self._running_engine_backward_count > 0
 
     def step(self, lr_kwargs=None):
-        """DeepSpeed's step; at a boundary every rank first confirms it is ready, so a step applies everywhere or
-        nowhere unless a rank dies inside the optimizer itself. The vote runs over the gloo control group, so it is
-        synchronous on every backend (an NCCL all-reduce would only be enqueued)."""
+        """DeepSpeed's step between two votes over the gloo control group (synchronous on every backend: an NCCL
+        all-reduce would only be enqueued). The ready vote: a failure before it leaves every rank's state as the
+        last step left it. The commit vote: every rank has applied this step, so the redundant copies of the last
+        one may be overwritten; a failure between the two votes leaves the step half applied, and recovery rolls
+        it back from those copies (`Snapshot.mid_step`)."""
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self.on_phase(self.global_steps + 1, "optimizer")
@@ -249,6 +262,7 @@ class NTPEngine(DeepSpeedEngine):
                 self.settle_parameters()  # a parameter no module used in this step's forward
             self._params_out.wait()
             self.copies.finish()  # with redundancy_overlap: the previous step's copies, which travelled meanwhile
+            self._before_step = (self.global_steps, self.global_samples, self._lr_state())
             wire.vote(True)
             self.in_optimizer_step = True
         if self.is_anchor:
@@ -259,9 +273,10 @@ class NTPEngine(DeepSpeedEngine):
             self.global_steps += 1
             self.global_samples += self.batch_plan.global_samples
         if boundary:
+            wire.vote(True)
+            self.in_optimizer_step = False
             self.refresh_copies()  # before the parameters: an anchor's messages to a contributor go in this order
             self._copy_parameters()
-            self.in_optimizer_step = False
         if not self.is_anchor:
             self.micro_steps += 1
 
@@ -291,6 +306,7 @@ class NTPEngine(DeepSpeedEngine):
         keys = self.optimizer_keys()
         sources = state.flat_sources(self, keys) if self.is_anchor else None
         self.copies.start(keys, state.optimizer_step(self) if self.is_anchor else 0, wire.device_of(), sources)
+        self.on_phase(self.global_steps, "refresh")  # the copies of the step just applied are on their way
         if self.copies.on_host or not self.job.ntp.redundancy_overlap:
             self.copies.finish()  # host copies are received piece by piece here, whatever the overlap setting
 
@@ -317,7 +333,8 @@ class NTPEngine(DeepSpeedEngine):
             fragments=state.local_fragments(self, keys) if self.is_anchor else {},
             keys=keys, optimizer_step=state.optimizer_step(self) if self.is_anchor else 0,
             held=dict(self.copies.held), global_steps=self.global_steps, global_samples=self.global_samples,
-            mid_step=self.in_optimizer_step, stale=stale, lr_state=self._lr_state())
+            mid_step=self.in_optimizer_step, stale=stale, lr_state=self._lr_state(),
+            before_step=self._before_step if self.in_optimizer_step else None)
 
     def _lr_state(self) -> tuple | None:
         if not self.is_anchor or self.optimizer is None:

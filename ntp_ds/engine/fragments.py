@@ -23,7 +23,7 @@ class Fragment:
     tensors: dict[str, torch.Tensor]
 
 
-def _inner_optimizer(engine):
+def inner_optimizer(engine):
     return getattr(engine.optimizer, "optimizer", engine.optimizer)
 
 
@@ -33,7 +33,7 @@ def uses_hp_mapping(engine) -> bool:
 
 def optimizer_step(engine) -> int:
     """The optimizer's step count (0 before the first step)."""
-    for state in _inner_optimizer(engine).state.values():
+    for state in inner_optimizer(engine).state.values():
         if "step" in state:
             return int(state["step"])
     return 0
@@ -41,7 +41,7 @@ def optimizer_step(engine) -> int:
 
 def state_keys(engine) -> tuple[str, ...]:
     """Names of the per-element optimizer tensors (e.g. exp_avg, exp_avg_sq for Adam); empty for plain SGD."""
-    for state in _inner_optimizer(engine).state.values():
+    for state in inner_optimizer(engine).state.values():
         return tuple(k for k, v in state.items() if torch.is_tensor(v) and v.numel() > 1)
     return ()
 
@@ -49,7 +49,7 @@ def state_keys(engine) -> tuple[str, ...]:
 def local_fragments(engine, keys: tuple[str, ...]) -> dict[str, Fragment]:
     """Views (not copies) of this rank's fp32 masters and optimizer tensors, per parameter name."""
     out = {}
-    inner = _inner_optimizer(engine)
+    inner = inner_optimizer(engine)
     for name, p in engine.module.named_parameters():
         mapping = getattr(p, "_hp_mapping", None)
         if hasattr(p, "_hp_mapping"):
@@ -74,7 +74,7 @@ def flat_sources(engine, keys: tuple[str, ...]) -> tuple[list[torch.Tensor], dic
     parameter group's flat partition (the live tensors, no copy); without ZeRO it is one parameter. Per parameter:
     (index of its run's first source, offset in those sources, fragment start in the local shard, numel).
     """
-    inner = _inner_optimizer(engine)
+    inner = inner_optimizer(engine)
     width = 1 + len(keys)
     if uses_hp_mapping(engine):
         sources = []
@@ -112,7 +112,7 @@ def reset_state(engine, step: int, keys: tuple[str, ...]) -> None:
     """Give a freshly built engine's optimizer zeroed state tensors `keys` and step count `step`, so that
     `local_fragments` returns writable views of every fragment (fp32 masters stay as DeepSpeed initialised them:
     the parameters' values)."""
-    inner = _inner_optimizer(engine)
+    inner = inner_optimizer(engine)
     if uses_hp_mapping(engine):
         if keys:
             for group in engine.optimizer.single_partition_of_fp32_groups:
@@ -124,3 +124,12 @@ def reset_state(engine, step: int, keys: tuple[str, ...]) -> None:
         for p in engine.module.parameters():
             inner.state[p] = {"step": torch.tensor(float(step))}
             inner.state[p].update({k: torch.zeros_like(p) for k in keys})
+
+
+@torch.no_grad()
+def params_from_masters(engine) -> None:
+    """Make the parameters of every new anchor the image of the fp32 masters its optimizer holds (DeepSpeed's own
+    copy into the low-precision partition and all-gather over the data-parallel group, as after a step). Without
+    DeepSpeed's fragment mapping the masters are the parameters themselves."""
+    if engine.optimizer is not None and uses_hp_mapping(engine):
+        engine.optimizer.update_lp_params()

@@ -27,8 +27,9 @@ from ntp_ds.control.joins import (JoinFailed, JoinPlan, JoinRequest, JoinRequest
 from ntp_ds.control.membership import BarrierWait, Membership, MembershipChange, barrier, replica_membership
 from ntp_ds.engine.config import ConfigError
 from ntp_ds.engine.engine import Snapshot, write_hf_index, write_hf_shard
+from ntp_ds.engine.fragments import params_from_masters
 from ntp_ds.engine.initialize import JobSpec, build_engine, build_topology, join_world
-from ntp_ds.layout import ShardLayout, Topology
+from ntp_ds.layout import ShardLayout, Topology, plan_buddies, plan_gradient_sync
 from ntp_ds.layout import units as U
 from ntp_ds.layout.sharding import gather_units, packed_numel, scatter_units
 from ntp_ds.models import CausalLMShard, empty_shard
@@ -225,8 +226,16 @@ class Recovery:
         """Every member's stale units, and what a joiner lacks (the old topology, steps, learning-rate state) from
         the lowest rank that held an optimizer; return the snapshot completed with it."""
         mine = {"stale": snapshot.stale if snapshot is not None else {}, "held": snapshot is not None,
-                "lr": snapshot is not None and snapshot.lr_state is not None}
+                "lr": snapshot is not None and snapshot.lr_state is not None,
+                "mid_step": snapshot is not None and snapshot.mid_step}
         gathered = wire.all_gather_object(mine)
+        # A step no member committed (the commit vote needs every rank) may be half applied: it is rolled back to
+        # the state the last step left, which the redundant copies hold; where no copies are kept the state is
+        # replicated and every survivor finished the step, so it goes forward.
+        rolled_back = (snapshot is not None and all(g["mid_step"] for g in gathered if g["held"])
+                       and bool(self._buddies(snapshot.topology)))
+        if rolled_back:
+            snapshot.global_steps, snapshot.global_samples, snapshot.lr_state = snapshot.before_step
         src = next((i for i, g in enumerate(gathered) if g["lr"]), None)
         if src is None:
             src = next(i for i, g in enumerate(gathered) if g["held"])
@@ -242,8 +251,15 @@ class Recovery:
                                 global_samples=context["global_samples"], mid_step=False, stale={}, lr_state=None)
             self.placement = context["placement"]
         snapshot.stale_by_rank = {i: g["stale"] for i, g in enumerate(gathered)}
+        snapshot.rolled_back = rolled_back
+        snapshot.any_mid_step = any(g["mid_step"] for g in gathered)
         snapshot.carried_lr = context["lr_state"]
         return snapshot
+
+    def _buddies(self, topology) -> dict:
+        """The buddies of every anchor rank of `topology` (empty where the optimizer state is replicated)."""
+        zero_stage = int(self.job.ds_config.get("zero_optimization", {}).get("stage", 0))
+        return plan_buddies(topology, plan_gradient_sync(topology), zero_stage, self.job.ntp.zero_redundancy)
 
     def _install(self, snapshot, old_members, generation, new_topology, new_members, placement, dead_owners,
                  traffic_before, event) -> tuple:
@@ -259,17 +275,20 @@ class Recovery:
         rereplicated = rereplicated_moves(snapshot.topology, new_topology, old_rank_of, moves)
         engine = build_engine(self.job, new_topology,
                               lambda groups: self._reshard(groups, snapshot, moves, moved, rereplicated), self.store)
-        state = reslice(engine, snapshot, dead_owners)
+        state = reslice(engine, snapshot, dead_owners, own=not snapshot.rolled_back)
+        if snapshot.any_mid_step:  # the survivors' parameters may be partly updated: derive them from the masters
+            params_from_masters(engine)
+            engine.sync_parameters()
         engine.global_steps, engine.global_samples = snapshot.global_steps, snapshot.global_samples
         restore_learning_rate(engine, snapshot.carried_lr)
         # Before any optimizer step there is no state to copy (the first step sends it, layout included).
         if wire.sum_counts([len(engine.optimizer_keys())])[0]:
             engine.refresh_copies()
-        # Lossless is what was installed: every element of every new fragment written, from a copy of the last step,
-        # with intact payloads; a rank that died inside the optimizer left that step half done. Before the first
-        # step the fallback (the parameter, zero moments) is the exact state: nothing is lost.
-        whole = ((state["covered"] == state["wanted"] and state["checksums_ok"] and state["fresh"]
-                  and not snapshot.mid_step) or snapshot.global_steps == 0)
+        # Lossless is what was installed: every element of every new fragment written, all of one step (the last
+        # committed one after a roll-back), with intact payloads. Before the first step the fallback (the parameter,
+        # zero moments) is the exact state: nothing is lost, unless that first step was half applied.
+        whole = ((state["covered"] == state["wanted"] and state["checksums_ok"] and state["fresh"])
+                 or (snapshot.global_steps == 0 and not snapshot.any_mid_step))
         received = _received_by_kind(wire.traffic_since(traffic_before))
         totals = wire.sum_counts([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), state["bytes_received"],
                                   state["restored_bytes"], int(whole)] + list(received.values()))
@@ -282,7 +301,7 @@ class Recovery:
                  "bytes_moved": int(totals[0]), "kv_rereplicated_bytes": int(totals[1]),
                  "rank_bytes_received": moved.get("bytes", 0), "optimizer_bytes_moved": int(totals[2]),
                  "optimizer_bytes_restored": int(totals[3]), "lost_optimizer_bytes": state["lost_bytes"],
-                 "traffic_bytes": dict(zip(received, map(int, totals[5:]))),
+                 "traffic_bytes": dict(zip(received, map(int, totals[5:]))), "rolled_back": snapshot.rolled_back,
                  "lossless": int(totals[4]) == len(new_members)}
         return engine, event
 

@@ -260,11 +260,12 @@ def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...], dea
     return figures
 
 
-def reslice(engine, snapshot, dead: set[int] = frozenset()) -> dict:
+def reslice(engine, snapshot, dead: set[int] = frozenset(), own: bool = True) -> dict:
     """Give every new anchor rank the optimizer state of its new fragments; return this rank's measured figures.
-    `dead`: old global ranks that died, whose state comes from copies."""
+    `dead`: old global ranks that died, whose state comes from copies. `own=False` (a roll-back): this rank's live
+    fragments may be partly updated, so only the copies it keeps are served."""
     held = {}  # owner old global rank -> (step, {name: Fragment}) this rank can serve
-    if snapshot.fragments:
+    if snapshot.fragments and own:
         held[snapshot.rank] = (snapshot.optimizer_step, snapshot.fragments)
     for owner, copy in snapshot.held.items():
         held[owner] = (copy.step, copy.fragments)
