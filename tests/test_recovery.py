@@ -131,6 +131,21 @@ def test_death_inside_the_optimizer_step_goes_forward_where_the_state_is_replica
     assert not any(e["rolled_back"] for copies in events_of(results) for e in copies)
 
 
+def test_death_as_the_copies_set_off_rolls_back_a_step_from_the_previous_copies():
+    # Rank 3 dies after step 3 committed, before its copies of that step left: its newest state is nowhere. With
+    # the previous copies kept (two per anchor, each with the step before), the job returns to step 2 and runs
+    # step 3 again. Without them the same death loses rank 3's step: recovery says so.
+    ntp = {"tp": 2, "replicas": 3, "min_tp": 1, "redundancy_keep_previous": True}
+    kept = run_ranks(train_with_recovery, 6, ntp, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS,
+                     [fault(3, 3, "refresh")], 2.0, 2, timeout=200, store=True)
+    assert_equivalent(kept)
+    assert_lossless_and_minimal(kept, (2, 1, 2))
+    assert all(e["rolled_back"] for copies in events_of(kept) for e in copies)
+    lost = run((2, 2, 2), 1, [fault(3, 3, "refresh")], redundancy=2)
+    verdicts = {(e["rolled_back"], e["lossless"]) for copies in events_of(lost) for e in copies}
+    assert verdicts == {(False, False)}
+
+
 def test_hf_qwen2_model_recovers_equal_to_failure_free_run():
     # transformers' Qwen2 (8 heads on 2 KV heads, q/k/v biases): the survivors of replica 1 take rank 4's units
     # into a non-contiguous layout, rebuilt through transformers' modules.

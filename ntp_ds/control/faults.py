@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 PHASES = ("forward", "backward", "grad_sync", "optimizer", "in_optimizer", "refresh", "recovery", "rendezvous",
           "transfer")
 """Where a fault fires: the phase boundaries of a step (`optimizer`: before the ready vote; `in_optimizer`: inside
-DeepSpeed's optimizer step, after a parameter group's update; `refresh`: once the redundant copies of the step just
-applied are posted), and of a recovery."""
+DeepSpeed's optimizer step, after a parameter group's update; `refresh`: as the redundant copies of the step just
+applied set off), and of a recovery."""
 KINDS = ("crash", "hang", "device_error", "slow", "repair")
 REPAIR_PHASE = "boundary"
 """The phase of a `repair`: the failed rank's replacement joins at a step boundary (step = the first it trains)."""

@@ -61,6 +61,10 @@ class NTPConfig:
     """Let the per-step copies travel during the next step (awaited before its optimizer step) instead of completing
     them at the step's end. Faster, but an owner that dies before its copy arrived leaves that step's partition
     nowhere: recovery then reports `lossless: false`."""
+    redundancy_keep_previous: bool = False
+    """Keep each copy of the step before too, while the next one travels (twice the copies' memory), so that a
+    death before the newest copy of the dead rank's state arrived rolls the job back one step instead of losing it.
+    Whole only where a second copy of every state survives the death as well (`zero_redundancy` 2 or more)."""
     memory_budget_gb: float | None = None
     """Per-rank memory budget; a degraded replica lowers its micro-batch to fit it."""
     timeout_s: float = 300.0

@@ -32,15 +32,19 @@ class StateCopies:
     """Send this rank's optimizer state to its buddies and keep the copies other ranks send here."""
 
     def __init__(self, rank: int, buddies: dict[int, tuple[int, ...]], names: list[str], on_host: bool = False,
-                 chunk: int | None = None):
+                 chunk: int | None = None, keep_previous: bool = False):
         """`on_host`: keep the copies in host memory (pinned under CUDA), filled through two device staging buffers
-        of at most `chunk` elements each, so the copies cost no device memory beyond those."""
-        self.on_host, self.chunk = on_host, chunk
+        of at most `chunk` elements each, so the copies cost no device memory beyond those. `keep_previous`: two
+        buffers per copy, so the copy of the step before stays whole while the next one arrives."""
+        self.on_host, self.chunk, self.keep_previous = on_host, chunk, keep_previous
         self.targets = buddies.get(rank, ())
         self.owners = sorted(o for o, bs in buddies.items() if rank in bs)
         self.names = sorted(names)
         self.held: dict[int, HeldCopy] = {}
         """The complete copies, by owner."""
+        self.previous: dict[int, HeldCopy] = {}
+        """With `keep_previous`: the copies of the step before the newest, whole, by owner."""
+        self._spare: dict[int, list[torch.Tensor]] = {}
         self._layouts: dict[int, torch.Tensor] | None = None
         self._buffers: dict[int, list[torch.Tensor]] = {}
         self._in_flight: tuple[wire.Exchange, list] | None = None
@@ -49,8 +53,10 @@ class StateCopies:
         return set(self.targets) | set(self.owners)
 
     def held_bytes(self) -> int:
-        """Bytes of the copies this rank keeps for its owners (complete or being refreshed)."""
-        return sum(b.numel() * b.element_size() for bufs in self._buffers.values() for b in bufs)
+        """Bytes of the copies this rank keeps for its owners (complete or being refreshed; both buffers of each with
+        `keep_previous`)."""
+        return sum(b.numel() * b.element_size() for bufs in [*self._buffers.values(), *self._spare.values()]
+                   for b in bufs)
 
     def start(self, keys: tuple[str, ...], step: int, device,
               sources: tuple[list[torch.Tensor], dict] | None = None) -> None:
@@ -70,6 +76,11 @@ class StateCopies:
                 numels = [_STEP_WIDTH] + lay[2:2 + int(lay[1])].tolist()
                 host = dict(device="cpu", pin_memory=torch.cuda.is_available()) if self.on_host else dict(device=device)
                 self._buffers[o] = [torch.empty(n, dtype=torch.float32, **host) for n in numels]
+                if self.keep_previous:
+                    self._spare[o] = [torch.empty(n, dtype=torch.float32, **host) for n in numels]
+            if self.keep_previous and o in self.held:  # the whole copy stays; the next arrives in the other buffers
+                self.previous[o] = self.held[o]
+                self._buffers[o], self._spare[o] = self._spare[o], self._buffers[o]
             self.held.pop(o, None)  # being overwritten: incomplete until `finish`
         self._device = device
         if not self.on_host:

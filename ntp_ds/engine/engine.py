@@ -56,7 +56,10 @@ class Snapshot:
     lr_state: tuple | None = None
     """(scheduler state, learning rate of each parameter group) of an anchor; None elsewhere."""
     before_step: tuple | None = None
-    """With `mid_step`: (global_steps, global_samples, lr_state) as the interrupted step began, for a roll-back."""
+    """(global_steps, global_samples, lr_state, optimizer step) as the last step began (at its ready vote): where
+    a roll-back returns to."""
+    previous: dict = field(default_factory=dict)
+    """With `redundancy_keep_previous`: the whole copies of the step before the newest, by owner."""
     stale_by_rank: dict = field(default_factory=dict)
     """Filled in by recovery: every new rank's stale units."""
     carried_lr: tuple | None = None
@@ -99,7 +102,8 @@ class NTPEngine(DeepSpeedEngine):
         self._before_step = None
         zero_stage = int(job.ds_config.get("zero_optimization", {}).get("stage", 0))  # the job's, on every rank
         self.copies = StateCopies(rank, plan_buddies(topo, plan, zero_stage, ntp.zero_redundancy), list(specs),
-                                  on_host=ntp.redundancy_on_host, chunk=ntp.bucket_size)
+                                  on_host=ntp.redundancy_on_host, chunk=ntp.bucket_size,
+                                  keep_previous=ntp.redundancy_keep_previous)
         if not self.is_anchor:
             self.enable_backward_allreduce = False
         elif self.optimizer is not None:  # DeepSpeed steps its optimizer once per parameter group under ZeRO 1/2
@@ -262,7 +266,8 @@ class NTPEngine(DeepSpeedEngine):
                 self.settle_parameters()  # a parameter no module used in this step's forward
             self._params_out.wait()
             self.copies.finish()  # with redundancy_overlap: the previous step's copies, which travelled meanwhile
-            self._before_step = (self.global_steps, self.global_samples, self._lr_state())
+            self._before_step = (self.global_steps, self.global_samples, self._lr_state(),
+                                 state.optimizer_step(self) if self.is_anchor else 0)
             wire.vote(True)
             self.in_optimizer_step = True
         if self.is_anchor:
@@ -305,8 +310,8 @@ class NTPEngine(DeepSpeedEngine):
             return
         keys = self.optimizer_keys()
         sources = state.flat_sources(self, keys) if self.is_anchor else None
+        self.on_phase(self.global_steps, "refresh")  # as the copies of the step just applied set off
         self.copies.start(keys, state.optimizer_step(self) if self.is_anchor else 0, wire.device_of(), sources)
-        self.on_phase(self.global_steps, "refresh")  # the copies of the step just applied are on their way
         if self.copies.on_host or not self.job.ntp.redundancy_overlap:
             self.copies.finish()  # host copies are received piece by piece here, whatever the overlap setting
 
@@ -334,7 +339,7 @@ class NTPEngine(DeepSpeedEngine):
             keys=keys, optimizer_step=state.optimizer_step(self) if self.is_anchor else 0,
             held=dict(self.copies.held), global_steps=self.global_steps, global_samples=self.global_samples,
             mid_step=self.in_optimizer_step, stale=stale, lr_state=self._lr_state(),
-            before_step=self._before_step if self.in_optimizer_step else None)
+            before_step=self._before_step, previous=dict(self.copies.previous))
 
     def _lr_state(self) -> tuple | None:
         if not self.is_anchor or self.optimizer is None:

@@ -199,7 +199,7 @@ class Recovery:
 
         self.on_phase(snapshot.global_steps + 1, "rendezvous")
         self._regroup(change.generation, new_members)
-        snapshot = self._share_context(snapshot)
+        snapshot = self._share_context(snapshot, frozenset(old_members.index(g) for g in gone))
         t_regrouped = time.time()
         rebuilt = [r for r in plan.degraded if r not in drop]
         event = {"dead": sorted(gone), "dropped_replicas": list(drop), "detection_s": change.detection_s,
@@ -222,20 +222,19 @@ class Recovery:
         self.monitor = LivenessMonitor(members, self.heartbeat_timeout_s)
         self.heartbeat.watch([])  # peers are known once the new engine is built
 
-    def _share_context(self, snapshot):
+    def _share_context(self, snapshot, dead: frozenset = frozenset()):
         """Every member's stale units, and what a joiner lacks (the old topology, steps, learning-rate state) from
         the lowest rank that held an optimizer; return the snapshot completed with it."""
         mine = {"stale": snapshot.stale if snapshot is not None else {}, "held": snapshot is not None,
                 "lr": snapshot is not None and snapshot.lr_state is not None,
-                "mid_step": snapshot is not None and snapshot.mid_step}
+                "mid_step": snapshot is not None and snapshot.mid_step, **_steps_offered(snapshot)}
         gathered = wire.all_gather_object(mine)
-        # A step no member committed (the commit vote needs every rank) may be half applied: it is rolled back to
-        # the state the last step left, which the redundant copies hold; where no copies are kept the state is
-        # replicated and every survivor finished the step, so it goes forward.
-        rolled_back = (snapshot is not None and all(g["mid_step"] for g in gathered if g["held"])
-                       and bool(self._buddies(snapshot.topology)))
+        rolled_back = snapshot is not None and self._roll_back(snapshot.topology, gathered, dead)
         if rolled_back:
-            snapshot.global_steps, snapshot.global_samples, snapshot.lr_state = snapshot.before_step
+            snapshot.global_steps, snapshot.global_samples, snapshot.lr_state, target = snapshot.before_step
+            # Serve only the copies of the step rolled back to (the newest such of each owner).
+            snapshot.held = {o: c for copies in (snapshot.previous, snapshot.held) for o, c in copies.items()
+                             if c.step == target}
         src = next((i for i, g in enumerate(gathered) if g["lr"]), None)
         if src is None:
             src = next(i for i, g in enumerate(gathered) if g["held"])
@@ -255,6 +254,27 @@ class Recovery:
         snapshot.any_mid_step = any(g["mid_step"] for g in gathered)
         snapshot.carried_lr = context["lr_state"]
         return snapshot
+
+    def _roll_back(self, topology, gathered: list[dict], dead: frozenset) -> bool:
+        """Whether the members return to the state the last step began from (the same answer on every member).
+
+        A step no member committed (the commit vote needs every rank) may be half applied: it is rolled back from
+        the copies of the step before, unless no copies are kept (then the state is replicated and every survivor
+        finished the step, which goes forward). A committed step goes forward, unless a dead owner's newest state
+        reached no buddy while the previous step's copies of every owner survive (`redundancy_keep_previous`).
+        """
+        buddies = self._buddies(topology)
+        if not buddies:
+            return False
+        held = [g for g in gathered if g["held"]]
+        if all(g["mid_step"] for g in held):
+            return True
+        newest = max((s for g in held for s in [g["own_step"], *g["copies"].values()]), default=0)
+        if all(any(g["copies"].get(o) == newest for g in held) for o in dead & set(buddies)):
+            return False
+        target = max((g["before_step"] for g in held if g["before_step"] is not None), default=None)
+        return target is not None and all(
+            any(target in (g["copies"].get(o), g["previous"].get(o)) for g in held) for o in buddies)
 
     def _buddies(self, topology) -> dict:
         """The buddies of every anchor rank of `topology` (empty where the optimizer state is replicated)."""
@@ -276,7 +296,7 @@ class Recovery:
         engine = build_engine(self.job, new_topology,
                               lambda groups: self._reshard(groups, snapshot, moves, moved, rereplicated), self.store)
         state = reslice(engine, snapshot, dead_owners, own=not snapshot.rolled_back)
-        if snapshot.any_mid_step:  # the survivors' parameters may be partly updated: derive them from the masters
+        if snapshot.any_mid_step or snapshot.rolled_back:  # the survivors' parameters may be partly updated: derive them from the masters
             params_from_masters(engine)
             engine.sync_parameters()
         engine.global_steps, engine.global_samples = snapshot.global_steps, snapshot.global_samples
@@ -288,7 +308,7 @@ class Recovery:
         # committed one after a roll-back), with intact payloads. Before the first step the fallback (the parameter,
         # zero moments) is the exact state: nothing is lost, unless that first step was half applied.
         whole = ((state["covered"] == state["wanted"] and state["checksums_ok"] and state["fresh"])
-                 or (snapshot.global_steps == 0 and not snapshot.any_mid_step))
+                 or (snapshot.global_steps == 0 and not (snapshot.any_mid_step or snapshot.rolled_back)))
         received = _received_by_kind(wire.traffic_since(traffic_before))
         totals = wire.sum_counts([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), state["bytes_received"],
                                   state["restored_bytes"], int(whole)] + list(received.values()))
@@ -564,6 +584,16 @@ TRAFFIC_KINDS = {"parameters": ("reshard", "param_sync"), "optimizer": ("reslice
                  "redundancy": ("copy_data", "copy_piece", "copy_layout"),
                  "objects": ("all_gather_object", "gather_object", "broadcast_object")}
 """How recovery's measured traffic is reported: call names of the wire layer by kind; the rest is "control"."""
+
+
+def _steps_offered(snapshot) -> dict:
+    """A member's optimizer steps, for the decision to roll back: its own, its copies' and its previous copies' by
+    owner, and the step its last step began from."""
+    if snapshot is None:
+        return {"own_step": 0, "copies": {}, "previous": {}, "before_step": None}
+    return {"own_step": snapshot.optimizer_step, "copies": {o: c.step for o, c in snapshot.held.items()},
+            "previous": {o: c.step for o, c in snapshot.previous.items()},
+            "before_step": snapshot.before_step[3] if snapshot.before_step else None}
 
 
 def _received_by_kind(traffic: dict[tuple[str, str], int]) -> dict[str, int]:

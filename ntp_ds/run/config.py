@@ -79,6 +79,9 @@ class ParallelConfig:
     """Keep the copies in host memory (pinned), filled through bucket-sized device staging buffers."""
     redundancy_overlap: bool = False
     """Copies travel during the next step (faster; a death before a copy arrives loses that step's partition)."""
+    redundancy_keep_previous: bool = False
+    """Also keep the copies of the step before while the next travel (twice the memory): a death in the refresh rolls
+    back one step instead of losing the dead rank's last one (whole with zero_redundancy >= 2)."""
     memory_budget_gb: float | None = None
     """Per-GPU memory budget; a degraded replica lowers its micro-batch to fit it; null: no limit."""
     timeout_s: float = 300.0
