@@ -498,6 +498,8 @@ def describe_recovery(step: int, event: dict) -> str:
         parts.append(f"moved {_bytes(event['bytes_moved'])} of parameters (lost shard "
                      f"{_bytes(event.get('lost_shard_bytes', 0))}) and {_bytes(event.get('optimizer_bytes_moved', 0))} "
                      f"of optimizer state")
+    if event.get("rolled_back"):
+        parts.append(f"step {step} was half applied or its copies lost: rolled back to step {step - 1}")
     if "lossless" in event:
         parts.append("lossless" if event["lossless"] else "NOT lossless: some state had no surviving copy")
     return "; ".join(parts)
