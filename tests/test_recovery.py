@@ -28,8 +28,8 @@ def fault(rank, step, phase, kind="crash"):
     return {"rank": rank, "step": step, "phase": phase, "kind": kind}
 
 
-def run(degrees, stage, faults, redundancy=1, min_tp=1, timeout=200, last_good_dir=None, make_model=None):
-    ntp = {"tp": max(degrees), "replicas": len(degrees), "min_tp": min_tp}
+def run(degrees, stage, faults, redundancy=1, min_tp=1, timeout=200, last_good_dir=None, make_model=None, **ntp):
+    ntp = {"tp": max(degrees), "replicas": len(degrees), "min_tp": min_tp, **ntp}
     return run_ranks(train_with_recovery, sum(degrees), ntp, "adamw", stage, GLOBAL_BATCH, MICRO, STEPS, faults,
                      2.0, redundancy, last_good_dir, 12.0, None, None, make_model, timeout=timeout, store=True)
 
@@ -135,9 +135,7 @@ def test_death_as_the_copies_set_off_rolls_back_a_step_from_the_previous_copies(
     # Rank 3 dies after step 3 committed, before its copies of that step left: its newest state is nowhere. With
     # the previous copies kept (two per anchor, each with the step before), the job returns to step 2 and runs
     # step 3 again. Without them the same death loses rank 3's step: recovery says so.
-    ntp = {"tp": 2, "replicas": 3, "min_tp": 1, "redundancy_keep_previous": True}
-    kept = run_ranks(train_with_recovery, 6, ntp, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS,
-                     [fault(3, 3, "refresh")], 2.0, 2, timeout=200, store=True)
+    kept = run((2, 2, 2), 1, [fault(3, 3, "refresh")], redundancy=2, redundancy_keep_previous=True)
     assert_equivalent(kept)
     assert_lossless_and_minimal(kept, (2, 1, 2))
     assert all(e["rolled_back"] for copies in events_of(kept) for e in copies)
@@ -195,13 +193,10 @@ def test_overlapped_copies_report_their_real_freshness():
     # With redundancy_overlap the copies of step k travel during step k + 1. A crash late in step k + 1 finds them
     # complete: lossless and equal to the failure-free run. A crash as step k + 1 starts may beat its owner's copy:
     # recovery must then say it is not lossless, and whenever it says lossless the weights must be exact.
-    ntp = {"tp": 2, "replicas": 3, "min_tp": 1, "redundancy_overlap": True}
-    late = run_ranks(train_with_recovery, 6, ntp, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS,
-                     [fault(3, 3, "grad_sync")], 2.0, 1, timeout=200, store=True)
+    late = run((2, 2, 2), 1, [fault(3, 3, "grad_sync")], redundancy_overlap=True)
     assert_equivalent(late)
     assert_lossless_and_minimal(late, (2, 1, 2))
-    early = run_ranks(train_with_recovery, 6, ntp, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS,
-                      [fault(3, 3, "forward")], 2.0, 1, timeout=200, store=True)
+    early = run((2, 2, 2), 1, [fault(3, 3, "forward")], redundancy_overlap=True)
     assert all(r["global_steps"] == STEPS for r in early.values())
     verdicts = {e["lossless"] for copies in events_of(early) for e in copies}
     assert len(verdicts) == 1, "ranks disagree on lossless"
