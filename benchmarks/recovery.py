@@ -216,7 +216,8 @@ def measure_restart(args) -> dict:
         crashed = time.time()
         fired = next(r["fired"] for r in first.values() if r["fired"] is not None)
         t_restart = time.time()
-        second = run_ranks(deepspeed_worker, WORLD, args, ckpt, True, timeout=args.timeout, store=True)
+        # A restarted job starts fresh interpreters that import torch and DeepSpeed again.
+        second = run_ranks(deepspeed_worker, WORLD, args, ckpt, True, timeout=args.timeout, store=True, fresh=True)
         ranks = [second[r] for r in sorted(second)]
         back = max(r["done"][args.fail_step] for r in ranks)
         first_step = max(min(r["done"].values()) for r in ranks)

@@ -49,16 +49,17 @@ def _child(fn, rank, world_size, port, store_address, args, results, environ):
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, store: bool = False,
-              joiners: int = 0) -> list | dict:
+              joiners: int = 0, fresh: bool = False) -> list | dict:
     """Run `fn(rank, world_size, *args)` in `world_size` processes, and in `joiners` more (ranks world_size and up,
     with `NTP_JOIN=1` in their environment) that join the running job through the store.
 
     Without `store`: return the results in rank order; raise if any rank fails. With `store`: return
     {rank: result} of the ranks that returned one; a rank that dies or exits is marked exited in the store and left
     out; a rank that raises still fails the run. Either way, all have to be done within `timeout` seconds, or every
-    process is killed and TimeoutError raised.
+    process is killed and TimeoutError raised. `fresh`: start fresh interpreters even where ranks may be forked
+    (what a restarted job pays to start, for benchmarks that measure it).
     """
-    ctx = _context()
+    ctx = mp.get_context("spawn") if fresh else _context()
     results = ctx.Queue()
     port = free_port()
     host, address = None, None
