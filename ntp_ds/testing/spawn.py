@@ -2,7 +2,8 @@
 
 With `store=True` the parent hosts the coordination store (as `ntp-ds launch` does), kills the children their
 peers declared dead, marks every child that exits without a result as exited in it, and returns the results of the
-ranks that finished (for failure tests). Tests and benchmarks share this spawner.
+ranks that finished (for failure tests). Tests and benchmarks share this spawner. Where the launcher would fork its
+workers, ranks are forked from a server that imported the training stack once; `fresh=True` spawns them instead.
 """
 
 from __future__ import annotations
