@@ -28,7 +28,7 @@ from ntp_ds.comm.groups import ReplicaGroups
 from ntp_ds.comm.streams import IncomingGradients, IncomingParameters, OutgoingGradients, OutgoingParameters
 from ntp_ds.engine import fragments as state
 from ntp_ds.engine.copies import StateCopies
-from ntp_ds.layout import ParamSpec, plan_buddies
+from ntp_ds.layout import ParamSpec
 from ntp_ds.layout.sharding import unshard_into
 from ntp_ds.models.checkpoint import write_hf_dir
 
@@ -100,8 +100,7 @@ class NTPEngine(DeepSpeedEngine):
         self.in_optimizer_step = False
         """Between the ready vote and the commit vote of a step: this rank's state may be partly updated."""
         self._before_step = None
-        zero_stage = int(job.ds_config.get("zero_optimization", {}).get("stage", 0))  # the job's, on every rank
-        self.copies = StateCopies(rank, plan_buddies(topo, plan, zero_stage, ntp.zero_redundancy), list(specs),
+        self.copies = StateCopies(rank, job.buddies(topo, plan), list(specs),
                                   on_host=ntp.redundancy_on_host, chunk=ntp.bucket_size,
                                   keep_previous=ntp.redundancy_keep_previous)
         if not self.is_anchor:

@@ -23,7 +23,7 @@ from ntp_ds.comm.groups import (NTPMpu, ReplicaGroups, backend_for_device, build
                                 start_generation)
 from ntp_ds.engine.config import ConfigError, NTPConfig, check_batch, env_world_size, load_deepspeed_config
 from ntp_ds.engine.engine import NTPEngine, deepspeed_batch
-from ntp_ds.layout import LayoutError, Topology, plan_gradient_sync
+from ntp_ds.layout import LayoutError, Topology, plan_buddies, plan_gradient_sync
 from ntp_ds.models import CausalLMShard, HFCausalLM, HFConfig, Llama, LlamaConfig
 from ntp_ds.models.hf import check_supported, is_hf_model, is_model_dir
 from ntp_ds.layout.sharding import shard_tensor
@@ -48,6 +48,12 @@ class JobSpec:
                            self.ds_config["train_micro_batch_size_per_gpu"], self.ntp.batch_policy, sync.anchors,
                            limits)
         return sync, batch
+
+    def buddies(self, topology: Topology, sync=None) -> dict[int, tuple[int, ...]]:
+        """For every anchor rank of `topology`, the ranks keeping copies of its optimizer state (`plan_buddies`;
+        empty where the state is replicated). `sync`: the topology's gradient-sync plan, if already made."""
+        zero_stage = int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
+        return plan_buddies(topology, sync or plan_gradient_sync(topology), zero_stage, self.ntp.zero_redundancy)
 
     def rebalance(self, topology: Topology, anchors: tuple[int, ...], plan: BatchPlan,
                   per_sample_s) -> Replan | None:

@@ -29,7 +29,7 @@ from ntp_ds.engine.config import ConfigError
 from ntp_ds.engine.engine import Snapshot, write_hf_index, write_hf_shard
 from ntp_ds.engine.fragments import params_from_masters
 from ntp_ds.engine.initialize import JobSpec, build_engine, build_topology, join_world
-from ntp_ds.layout import ShardLayout, Topology, plan_buddies, plan_gradient_sync
+from ntp_ds.layout import ShardLayout, Topology
 from ntp_ds.layout import units as U
 from ntp_ds.layout.sharding import gather_units, packed_numel, scatter_units
 from ntp_ds.models import CausalLMShard, empty_shard
@@ -263,23 +263,20 @@ class Recovery:
         finished the step, which goes forward). A committed step goes forward, unless a dead owner's newest state
         reached no buddy while the previous step's copies of every owner survive (`redundancy_keep_previous`).
         """
-        buddies = self._buddies(topology)
+        buddies = self.job.buddies(topology)
         if not buddies:
             return False
         held = [g for g in gathered if g["held"]]
         if all(g["mid_step"] for g in held):
             return True
+        # Sets of owners, built once: linear in the members' copies, not members x owners.
         newest = max((s for g in held for s in [g["own_step"], *g["copies"].values()]), default=0)
-        if all(any(g["copies"].get(o) == newest for g in held) for o in dead & set(buddies)):
+        fresh = {o for g in held for o, s in g["copies"].items() if s == newest}
+        if dead & set(buddies) <= fresh:
             return False
         target = max((g["before_step"] for g in held if g["before_step"] is not None), default=None)
-        return target is not None and all(
-            any(target in (g["copies"].get(o), g["previous"].get(o)) for g in held) for o in buddies)
-
-    def _buddies(self, topology) -> dict:
-        """The buddies of every anchor rank of `topology` (empty where the optimizer state is replicated)."""
-        zero_stage = int(self.job.ds_config.get("zero_optimization", {}).get("stage", 0))
-        return plan_buddies(topology, plan_gradient_sync(topology), zero_stage, self.job.ntp.zero_redundancy)
+        kept = {o for g in held for copies in (g["copies"], g["previous"]) for o, s in copies.items() if s == target}
+        return target is not None and set(buddies) <= kept
 
     def _install(self, snapshot, old_members, generation, new_topology, new_members, placement, dead_owners,
                  traffic_before, event) -> tuple:
