@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 from ntp_ds.layout import units as U
-from ntp_ds.layout.shard_layout import ModelUnits, ParamSpec, ShardLayout
+from ntp_ds.layout.shard_layout import ShardLayout
 from ntp_ds.layout.sharding import gather_units, shard_tensor, unshard_into
 from ntp_ds.models import HFCausalLM
 from ntp_ds.testing.spawn import run_ranks
+from tests.parity_layouts import LOGITS, UNEVEN_2, UNEVEN_3, UNITS
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -27,16 +28,8 @@ FAMILIES = {
     "qwen3": dict(),  # q/k norms: gradients summed over the TP group
     "mistral": dict(sliding_window=8),  # a real attention mask (sequence 12)
 }
-UNITS = ModelUnits(heads=8, kv_heads=2, ffn=96, vocab=128)
-LOGITS = ParamSpec("vocab", 2, 1)
-UNEVEN_2 = ShardLayout(UNITS, heads=(((0, 1), (5, 8)), ((1, 5),)), ffn=(((0, 10), (50, 96)), ((10, 50),)),
-                       vocab=(((0, 3), (60, 128)), ((3, 60),)))
-UNEVEN_3 = ShardLayout(UNITS, heads=(((0, 1), (7, 8)), ((1, 4),), ((4, 7),)),
-                       ffn=(((0, 5), (90, 96)), ((5, 30), (60, 90)), ((30, 60),)),
-                       vocab=(((100, 128),), ((0, 10), (50, 100)), ((10, 50),)))
 LAYOUTS = {"tp2": ShardLayout.balanced(UNITS, 2), "uneven2": UNEVEN_2, "tp3": ShardLayout.balanced(UNITS, 3),
            "uneven3": UNEVEN_3}
-assert UNEVEN_2.shares_kv() and UNEVEN_3.shares_kv() and LAYOUTS["tp3"].shares_kv()
 
 
 def hf_model(family: str, tied: bool, seed: int):

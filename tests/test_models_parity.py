@@ -11,22 +11,14 @@ import torch
 import torch.distributed as dist
 
 from ntp_ds.layout import units as U
-from ntp_ds.layout.shard_layout import LayoutError, ModelUnits, ParamSpec, ShardLayout
+from ntp_ds.layout.shard_layout import LayoutError, ShardLayout
 from ntp_ds.models import Llama, LlamaConfig
 from ntp_ds.layout.sharding import gather_units, shard_tensor, unshard_into
 from ntp_ds.testing.spawn import run_ranks
+from tests.parity_layouts import LOGITS, UNEVEN_2, UNEVEN_3, UNITS
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=2)
-UNITS = ModelUnits(heads=8, kv_heads=2, ffn=96, vocab=128)
-LOGITS = ParamSpec("vocab", 2, 1)
-
-UNEVEN_2 = ShardLayout(UNITS, heads=(((0, 1), (5, 8)), ((1, 5),)), ffn=(((0, 10), (50, 96)), ((10, 50),)),
-                       vocab=(((0, 3), (60, 128)), ((3, 60),)))
-UNEVEN_3 = ShardLayout(UNITS, heads=(((0, 1), (7, 8)), ((1, 4),), ((4, 7),)),
-                       ffn=(((0, 5), (90, 96)), ((5, 30), (60, 90)), ((30, 60),)),
-                       vocab=(((100, 128),), ((0, 10), (50, 100)), ((10, 50),)))
-assert UNEVEN_2.shares_kv() and UNEVEN_3.shares_kv() and ShardLayout.balanced(UNITS, 3).shares_kv()
 
 
 def hf_reference(tmp_path, tied: bool) -> dict:
