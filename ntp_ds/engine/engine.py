@@ -67,7 +67,13 @@ class Snapshot:
     any_mid_step: bool = False
     """Filled in by recovery: some member was between the votes of a step."""
     rolled_back: bool = False
-    """Filled in by recovery: that step is rolled back (every member was between its votes, and copies are kept)."""
+    """Filled in by recovery: the members return to the state the last step began from (`Recovery._roll_back`)."""
+
+    @property
+    def params_from_masters(self) -> bool:
+        """Whether the survivors' parameters may differ from the optimizer state installed (a step half applied, or
+        rolled back), so the new engine derives them from its masters."""
+        return self.any_mid_step or self.rolled_back
 
 
 class NTPEngine(DeepSpeedEngine):
@@ -96,7 +102,8 @@ class NTPEngine(DeepSpeedEngine):
         """Seconds this rank has spent in the gradient exchange between replicas during backward (a running total):
         what a replica's step work is measured without."""
         self.on_phase = lambda step, phase: None
-        """Called at every phase boundary (forward, backward, grad_sync, optimizer): the fault-injection seam."""
+        """Called at every phase point (forward, backward, grad_sync, optimizer, in_optimizer, refresh): the
+        fault-injection seam."""
         self.in_optimizer_step = False
         """Between the ready vote and the commit vote of a step: this rank's state may be partly updated."""
         self._before_step = None

@@ -293,7 +293,7 @@ class Recovery:
         engine = build_engine(self.job, new_topology,
                               lambda groups: self._reshard(groups, snapshot, moves, moved, rereplicated), self.store)
         state = reslice(engine, snapshot, dead_owners, own=not snapshot.rolled_back)
-        if snapshot.any_mid_step or snapshot.rolled_back:  # the survivors' parameters may be partly updated: derive them from the masters
+        if snapshot.params_from_masters:
             params_from_masters(engine)
             engine.sync_parameters()
         engine.global_steps, engine.global_samples = snapshot.global_steps, snapshot.global_samples
@@ -305,7 +305,7 @@ class Recovery:
         # committed one after a roll-back), with intact payloads. Before the first step the fallback (the parameter,
         # zero moments) is the exact state: nothing is lost, unless that first step was half applied.
         whole = ((state["covered"] == state["wanted"] and state["checksums_ok"] and state["fresh"])
-                 or (snapshot.global_steps == 0 and not (snapshot.any_mid_step or snapshot.rolled_back)))
+                 or (snapshot.global_steps == 0 and not snapshot.params_from_masters))
         received = _received_by_kind(wire.traffic_since(traffic_before))
         totals = wire.sum_counts([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), state["bytes_received"],
                                   state["restored_bytes"], int(whole)] + list(received.values()))
