@@ -249,7 +249,7 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1) -> int:
                 exits[rank] = reason
                 published_at = -math.inf  # publish the exit now, not at the next period
                 try:
-                    mark_exited(store, rank, reason)
+                    mark_exited(store, rank, reason, alarm=proc.returncode != 0)
                 except Exception as e:  # the store is ours; a failed write must not take the survivors down
                     _say(f"could not record rank {rank}'s exit in the store: {e}")
             if not stop.signum:

@@ -245,7 +245,7 @@ def run_worker(cfg, started: float, stop) -> int:
         live.close(finished=True)
     wire.teardown()
     if store is not None:
-        mark_exited(store, rank, "finished")
+        mark_exited(store, rank, "finished", alarm=False)
         if hosts_store:
             outlive_peers(store, rank, cfg.world_size, cfg.parallel.heartbeat_timeout_s)
     return stop.exit_code if trainer.stopped_by is not None else 0

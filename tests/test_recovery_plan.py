@@ -1,8 +1,11 @@
-"""Pure recovery planning: which units each new rank fetches, and from whom."""
+"""Pure recovery planning: which units each new rank fetches, and from whom; the state messages' checksum."""
+
+import torch
 
 from ntp_ds.layout import ModelUnits, Topology
 from ntp_ds.layout import units as U
 from ntp_ds.recovery.plan import plan_unit_moves
+from ntp_ds.recovery.reslice import _message_numel, intact, seal
 
 UNITS = ModelUnits(heads=4, kv_heads=2, ffn=8, vocab=16)
 
@@ -60,3 +63,14 @@ def test_last_good_writers_share_the_model_and_fetch_every_unit_once():
         assert sum(U.count(r) for r in units) == total and U.union(*units) == ((0, total),), name
     with pytest.raises(LookupError, match="no longer hold all of"):
         plan_last_good(old, [0, 2], specs, shapes)  # both TP rank 0: the units of TP rank 1 are gone
+
+
+def test_a_state_message_checksum_is_exact_and_compared_as_bits():
+    # Payload words chosen so that the checksum's high word reads as a float NaN: still intact, compared as bits.
+    message = torch.zeros(_message_numel(3))
+    assert message.numel() == 3 + 1 + 2, "the payload is padded to whole 64-bit words"
+    message[:2].view(torch.int64)[0] = 0x7FC00000 << 32
+    assert intact(seal(message))
+    assert torch.isnan(message[-2:]).any()
+    message[:-2].view(torch.int32)[2] ^= 1  # one bit of the payload flipped in transit
+    assert not intact(message)

@@ -22,11 +22,13 @@ measured on the tensors (and pickled objects) handed to torch.distributed, so a 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import pickle
 import threading
-from collections import Counter
 import time
+import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Mapping, Sequence
@@ -113,9 +115,16 @@ def abort_all() -> None:
 
 def teardown() -> None:
     """Leave this generation's process groups. A group already aborted is not an error (it cannot be destroyed
-    afterwards, and is discarded instead)."""
+    afterwards, and is discarded instead).
+
+    Gloo closes a group's connections when its last reference goes, and a live peer still waiting on this rank then
+    fails at once instead of at its timeout. Release the engine first (`NTPEngine.release`); a group something
+    still holds in a reference cycle is freed by a full garbage collection here, which costs a fraction of a second
+    on a heap the size of DeepSpeed's, so it runs only when a group survives.
+    """
     from deepspeed.utils import groups as ds_groups
 
+    groups = [weakref.ref(g) for g in dist.distributed_c10d._world.pg_map] if dist.is_initialized() else []
     if dist.is_initialized():
         if dist.get_backend() == "nccl":
             abort_all()  # a communicator with a dead peer can block its own destruction
@@ -130,6 +139,9 @@ def teardown() -> None:
                            "deepspeed>=0.19.8")
     release(group=None)
     _state.control = None
+    if any(g() is not None for g in groups):
+        gc.collect()
+        log.debug("process groups held in reference cycles were collected")
 
 
 # -- devices and records ---------------------------------------------------------------------------------------

@@ -13,6 +13,12 @@ the keys of the nodes its peers live on in one request (`LivenessReader`) and ba
 worker started without a launcher (no `NTP_NODE_SIZE`) is read per rank, and so is a node whose key has stopped
 moving (its launcher is gone): per-node reads are an economy, never a second source of truth.
 
+Backing off makes a quiet watcher slow to learn of a death, so every record of one (an abnormal exit, a fence
+request) also raises an alarm (`raise_alarm`): the next of the keys `alarm/1`, `alarm/2`, ... appears, and each
+watching heartbeat has a thread blocked in the store's `wait` for that key, which wakes it to poll at once. The
+store answers such a wait when the key is set (no polling), so a death reaches every rank in one store round trip
+whatever the backoff, and a quiet job costs nothing but one open wait per rank.
+
 Ranks here are launch ranks (the RANK a worker started with): they name a worker across every generation.
 """
 
@@ -25,6 +31,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
+
+from torch.distributed import DistStoreError
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +41,11 @@ EXITED_KEY = "exited"
 """Store key to which `mark_exited` appends one `RANK REASON` line per worker known to have exited."""
 WATCHES_PER_BEAT = 4
 """How often per beat interval a heartbeat thread that watches peers polls them."""
+ALARM_COUNT_KEY = "alarm"
+"""Store counter of the alarms raised so far; alarm number n sets the key `alarm/{n}`."""
+ALARM_WAIT_S = 3600.0
+"""How long one wait for the next alarm lasts before it is renewed. Long: the store client logs each wait that runs
+out, and a stopped heartbeat leaves its (daemon) alarm thread waiting rather than raise an alarm to end it."""
 FENCE_KEY = "fence"
 """Store key to which `request_fence` appends one `RANK REASON` line per worker its peers declared dead."""
 
@@ -81,9 +95,19 @@ def read_beats(store, ranks: Iterable[int]) -> dict[int, Beat]:
     return {r: Beat.decode(store.get(k)) for r, k in zip(ranks, keys) if store.check([k])}
 
 
-def mark_exited(store, rank: int, reason: str) -> None:
-    """Record that worker `rank` has exited (the launcher saw it, or the worker is leaving on its own)."""
+def mark_exited(store, rank: int, reason: str, alarm: bool = True) -> None:
+    """Record that worker `rank` has exited (the launcher saw it, or the worker is leaving on its own) and wake the
+    watchers (`alarm=False`: a worker that finished the job, whose peers are finishing too)."""
     store.append(EXITED_KEY, f"{rank} {' '.join(reason.split())}\n")
+    if alarm:
+        raise_alarm(store)
+
+
+def raise_alarm(store) -> None:
+    """Wake every watching heartbeat now: it polls its peers at once instead of at its backed-off pace. Call after
+    the record that is news (an exit, a fence request), so a woken watcher reads it."""
+    n = store.add(ALARM_COUNT_KEY, 1)
+    store.set(f"{ALARM_COUNT_KEY}/{n}", "")
 
 
 def read_exits(store) -> dict[int, str]:
@@ -101,8 +125,11 @@ def prepare_store(store) -> None:
 def request_fence(store, ranks: Iterable[int], reason: str) -> None:
     """Ask the launchers to stop workers `ranks` for good: their peers declared them dead (a hung worker must never
     come back into the job, and stopping it closes its connections, which ends every wait on it)."""
+    ranks = list(ranks)
     for rank in ranks:
         store.append(FENCE_KEY, f"{rank} {' '.join(reason.split())}\n")
+    if ranks:
+        raise_alarm(store)
 
 
 def read_fences(store) -> dict[int, str]:
@@ -316,7 +343,8 @@ class Heartbeat:
     With `monitor` and `on_dead`, the thread also polls the peers through `reader` (default: per rank) and calls
     `on_dead(new_dead, wall_time)` from the heartbeat thread once for each rank newly found dead. It polls
     WATCHES_PER_BEAT times per beat while something is news (a new death, exit or fence request, a peer silent for half
-    the timeout); otherwise it backs off, doubling the pause up to one beat interval.
+    the timeout); otherwise it backs off, doubling the pause up to one beat interval. A second daemon thread, on a
+    clone of the store client, waits for the next alarm (`raise_alarm`) and wakes the first to poll at once.
     """
 
     def __init__(self, store, rank: int, interval_s: float = 1.0, *, wall: Callable[[], float] = time.time,
@@ -341,7 +369,10 @@ class Heartbeat:
         self._members: set[int] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self.alarms = 0
+        """How many alarms have woken this heartbeat."""
 
     def beat(self) -> Beat:
         """Send one beat now."""
@@ -357,7 +388,30 @@ class Heartbeat:
         self.beat()
         self._thread = threading.Thread(target=self._run, name=f"ntp-heartbeat-{self.rank}", daemon=True)
         self._thread.start()
+        if self.monitor is not None:
+            threading.Thread(target=self._await_alarms, args=(self.store.clone(),), name=f"ntp-alarm-{self.rank}",
+                             daemon=True).start()
         return self
+
+    def _await_alarms(self, store) -> None:
+        """Wait for alarm after alarm (each wait renewed every ALARM_WAIT_S) and wake the polling thread."""
+        seen = None
+        while not self._stop.is_set():
+            try:
+                if seen is None:
+                    seen = int(store.add(ALARM_COUNT_KEY, 0))  # alarms raised before this one started are old
+                store.wait([f"{ALARM_COUNT_KEY}/{seen + 1}"], timedelta(seconds=ALARM_WAIT_S))
+                seen = int(store.add(ALARM_COUNT_KEY, 0))
+                self.alarms += 1
+                self._wake.set()
+            except DistStoreError as err:
+                if "timeout" in str(err).lower():  # the wait ran out: renew it
+                    continue
+                log.debug("rank %d stops waiting for alarms: %s", self.rank, err)
+                return  # the store is gone or broken: the polling thread alone watches (and reports the error)
+            except Exception as err:
+                log.debug("rank %d stops waiting for alarms: %s", self.rank, err)
+                return
 
     def _run(self) -> None:
         # A watching thread looks at its peers WATCHES_PER_BEAT times per beat while something is news, so a silent
@@ -366,7 +420,13 @@ class Heartbeat:
         fastest = self.interval_s / WATCHES_PER_BEAT if self.monitor is not None else self.interval_s
         tick = fastest
         last_beat = time.monotonic()
-        while not self._stop.wait(tick):
+        while True:
+            self._wake.wait(tick)
+            if self._stop.is_set():
+                break
+            if self._wake.is_set():  # an alarm: poll now, and fast while it is news
+                self._wake.clear()
+                tick = fastest
             try:
                 if time.monotonic() - last_beat >= self.interval_s - tick / 2:
                     self.beat()
@@ -420,6 +480,7 @@ class Heartbeat:
     def stop(self, timeout_s: float = 5.0) -> bool:
         """Stop beating; wait at most `timeout_s` for the thread; return whether it has ended."""
         self._stop.set()
+        self._wake.set()
         if self._thread is None:
             return True
         self._thread.join(timeout_s)

@@ -3,7 +3,8 @@
 Protocol (keys in the launcher's store; ranks are launch ranks, stable across generations):
 1. A rank that sees peers die appends a `FailureReport` to `membership/{g}/reports`, where g is its generation.
 2. Every rank that learns of a failure (its own report, or `pending()`) calls `await_decision(g)`. Once reports have
-   been visible to it for `settle_s`, it proposes the union of all reports with `compare_set` on `decision/{g}`:
+   been visible to it for `settle_s`, or every member not reported dead has reported, it proposes the union of all
+   reports with `compare_set` on `decision/{g}`:
    the first writer wins, every later proposer reads back the winner's bytes, so all ranks hold the same
    `MembershipChange` to generation g + 1.
 3. Each survivor `confirm`s: it adopts the change, then meets the other survivors at a barrier that names only
@@ -326,7 +327,7 @@ class DecisionWait:
         now = m._clock()
         if self._reports:
             self._first_seen = now if self._first_seen is None else self._first_seen
-            if now - self._first_seen >= m.settle_s or now >= self.deadline:
+            if now - self._first_seen >= m.settle_s or now >= self.deadline or self._everyone_reported():
                 return m._commit(g, self._reports)
             wake = min(self.deadline, self._first_seen + m.settle_s)
         elif now >= self.deadline:
@@ -336,6 +337,12 @@ class DecisionWait:
         pause = max(0.0, min(self._pause, wake - now))
         self._pause = min(2 * self._pause, m.max_poll_s)
         return pause
+
+    def _everyone_reported(self) -> bool:
+        """Whether every member not reported dead has reported: no one is left to add a death to the union, so the
+        settle window need not run out (a death nobody has seen yet is left for the next generation either way)."""
+        dead = set().union(*(r.ranks for r in self._reports))
+        return {r.reporter for r in self._reports} >= set(self.membership.members) - dead
 
 
 @dataclass(frozen=True)

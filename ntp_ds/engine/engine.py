@@ -327,6 +327,11 @@ class NTPEngine(DeepSpeedEngine):
         Gloo closes a group's connections only when nothing references it; once closed, a live peer still waiting on
         this rank in a collective fails at once instead of at its timeout. The engine is unusable afterwards.
         """
+        # DeepSpeed links each parameter to its optimizer partition with attributes (bound methods of the parameter
+        # itself, its data-parallel group): a reference cycle per parameter that only a full garbage collection
+        # would break, keeping the groups open until then.
+        for p in self.module.parameters():
+            p.__dict__.clear()
         self.destroy()
         self.__dict__.clear()
 

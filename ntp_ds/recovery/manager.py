@@ -9,7 +9,6 @@ re-sliced for the new anchors' ZeRO partitions from their live holders or, for a
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import time
@@ -170,7 +169,6 @@ class Recovery:
         # recovery at once instead of at its process-group timeout (gloo closes them once unreferenced; NCCL
         # communicators are aborted first).
         wire.teardown()
-        gc.collect()
         dead, reason = self._detect(error)
         request_fence(self.store, dead, reason)  # a hung rank is stopped by its launcher before it can come back
         generation = self.membership.generation
@@ -405,7 +403,6 @@ class Recovery:
         """Both sides of a grow, from the new generation's rendezvous on: members pass their boundary snapshot, a
         joiner None (it learns the old topology from the members)."""
         wire.teardown()
-        gc.collect()
         generation = plan.generation + 1
         self._regroup(generation, plan.members)
         snapshot = self._share_context(snapshot)

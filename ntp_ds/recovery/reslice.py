@@ -188,10 +188,28 @@ def _region(t: torch.Tensor, start: int, width: int, block: Block, col: int) -> 
     return t.as_strided((block.row1 - block.row0, block.cols), (width, 1), offset)
 
 
+def _message_numel(payload: int) -> int:
+    """Elements of a message carrying `payload` float32 elements: the payload padded to whole 64-bit words, then the
+    checksum's two words."""
+    return payload + payload % 2 + 2
+
+
 def _checksum(payload: torch.Tensor) -> torch.Tensor:
-    """An exact integer checksum of a float32 payload, as two float32 words (bit-cast int64)."""
-    total = payload.view(torch.int32).to(torch.int64).sum().reshape(1)
-    return total.view(torch.float32)
+    """An exact checksum of a float32 payload of even length, as two float32 words: the sum of its 64-bit words
+    modulo 2**64 (integer addition wraps, so every reduction order gives the same bits; no converted copy)."""
+    return payload.view(torch.int64).sum().reshape(1).view(torch.float32)
+
+
+def seal(message: torch.Tensor) -> torch.Tensor:
+    """Write the checksum of `message`'s payload into its last two words; return it."""
+    message[-2:] = _checksum(message[:-2])
+    return message
+
+
+def intact(message: torch.Tensor) -> bool:
+    """Whether `message`'s payload matches the checksum it carries, compared as bits (a checksum word may read as a
+    float NaN, which equals nothing)."""
+    return torch.equal(_checksum(message[:-2]).view(torch.int32), message[-2:].view(torch.int32))
 
 
 @torch.no_grad()
@@ -210,14 +228,19 @@ def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...], dea
         return [frag.tensors[S.MASTER]] + [frag.tensors.get(k, frag.tensors.get(f"key{i}")) for i, k in enumerate(keys)]
 
     def pack(items: list[StateMove]) -> torch.Tensor:
-        parts = []
+        """One message: every block's regions copied once, straight into place, then the checksum."""
+        message = torch.empty(_message_numel(sum(m.block.numel for m in items) * width), device=device)
+        pos = 0
         for m in items:
             frag = held[m.owner][1][m.name]
             g = index.old_grid(m.name, index.old.locate(m.owner)[1])
-            parts += [_region(t, frag.start, g.width, m.block, m.block.src_col).reshape(-1).to(device, torch.float32)
-                      for t in tensors_of(frag)]
-        payload = torch.cat(parts) if parts else torch.empty(0, device=device)
-        return torch.cat([payload, _checksum(payload)])
+            rows, n = m.block.row1 - m.block.row0, m.block.numel
+            for t in tensors_of(frag):
+                message[pos:pos + n].view(rows, m.block.cols).copy_(
+                    _region(t, frag.start, g.width, m.block, m.block.src_col))
+                pos += n
+        message[pos:-2] = 0  # the padding word's half
+        return seal(message)
 
     by_dst: dict[int, list[StateMove]] = defaultdict(list)
     for m in _order(index, outgoing):
@@ -226,7 +249,7 @@ def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...], dea
     for m in _order(index, incoming):
         by_src[m.src].append(m)
     sends = {dst: pack(items) for dst, items in by_dst.items()}
-    recvs = {src: torch.empty(sum(m.block.numel for m in items) * width + 2, device=device)
+    recvs = {src: torch.empty(_message_numel(sum(m.block.numel for m in items) * width), device=device)
              for src, items in by_src.items() if src != me}
     wire.exchange(sends, recvs, op="reslice").wait()
 
@@ -242,7 +265,7 @@ def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...], dea
     for src, items in by_src.items():
         buf = recvs[src] if src != me else pack(items)
         payload = buf[:-2]
-        figures["checksums_ok"] &= bool(torch.equal(_checksum(payload), buf[-2:]))
+        figures["checksums_ok"] &= intact(buf)
         pos = 0
         for m in items:
             target = targets[m.name]

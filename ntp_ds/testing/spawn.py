@@ -83,7 +83,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, store: bool = 
             if left <= 0:
                 raise TimeoutError(f"ranks {sorted(set(range(total)) - done)} did not finish in {timeout}s")
             try:
-                rank, status, value = results.get(timeout=min(left, 0.2))
+                rank, status, value = results.get(timeout=min(left, 0.05))
             except queue.Empty:
                 for r, p in enumerate(procs):
                     if r in done or p.exitcode is None:
