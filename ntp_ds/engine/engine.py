@@ -306,11 +306,12 @@ class NTPEngine(DeepSpeedEngine):
     def optimizer_keys(self) -> tuple[str, ...]:
         return state.state_keys(self) if self.is_anchor else ()
 
-    def refresh_copies(self) -> None:
+    def refresh_copies(self, overlap: bool | None = None) -> None:
         """Send this rank's optimizer state to its buddies and take in the copies it keeps for others.
 
-        By default the exchange completes here, so every completed step is recoverable. With `redundancy_overlap`
-        it travels during the next step and is adopted before that step's optimizer runs (or at a failure).
+        By default the exchange completes here, so every completed step is recoverable. With `overlap` (default:
+        `redundancy_overlap`) it travels during the next step and is adopted before that step's optimizer runs (or
+        at a failure, which then finds the copies in flight incomplete).
         """
         if not (self.copies.targets or self.copies.owners):
             return
@@ -318,7 +319,8 @@ class NTPEngine(DeepSpeedEngine):
         sources = state.flat_sources(self, keys) if self.is_anchor else None
         self.on_phase(self.global_steps, "refresh")  # as the copies of the step just applied set off
         self.copies.start(keys, state.optimizer_step(self) if self.is_anchor else 0, wire.device_of(), sources)
-        if self.copies.on_host or not self.job.ntp.redundancy_overlap:
+        overlap = self.job.ntp.redundancy_overlap if overlap is None else overlap
+        if self.copies.on_host or not overlap:
             self.copies.finish()  # host copies are received piece by piece here, whatever the overlap setting
 
     def release(self) -> None:

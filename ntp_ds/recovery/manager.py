@@ -296,9 +296,11 @@ class Recovery:
             engine.sync_parameters()
         engine.global_steps, engine.global_samples = snapshot.global_steps, snapshot.global_samples
         restore_learning_rate(engine, snapshot.carried_lr)
-        # Before any optimizer step there is no state to copy (the first step sends it, layout included).
+        # Before any optimizer step there is no state to copy (the first step sends it, layout included). The new
+        # layout's copies travel during the step that follows, off the recovery's critical path, and are awaited
+        # before its optimizer step: a failure before they land is recovered as not lossless.
         if wire.sum_counts([len(engine.optimizer_keys())])[0]:
-            engine.refresh_copies()
+            engine.refresh_copies(overlap=True)
         # Lossless is what was installed: every element of every new fragment written, all of one step (the last
         # committed one after a roll-back), with intact payloads. Before the first step the fallback (the parameter,
         # zero moments) is the exact state: nothing is lost, unless that first step was half applied.
