@@ -20,6 +20,7 @@ from ntp_ds.control.heartbeat import (
     heartbeat_key,
     mark_exited,
     poll_liveness,
+    prepare_store,
     read_beats,
     read_exits,
 )
@@ -140,6 +141,33 @@ def test_heartbeat_reports_each_dead_peer_once():
         done.clear()
         assert done.wait(3.0)
         assert seen == [frozenset({2}), frozenset({1})]
+
+
+def test_an_abnormal_exit_wakes_a_quiet_watcher_at_once_and_a_finished_worker_does_not():
+    # A watcher that has backed off to one poll per 5 s beat learns of an exit through the alarm, in a store round
+    # trip; a worker that finished the job marks its exit without waking anyone.
+    store, _ = host_store()
+    prepare_store(store)
+    seen, dead = [], threading.Event()
+
+    def on_dead(ranks, wall):
+        seen.append(ranks)
+        dead.set()
+
+    for r in (1, 2):
+        Heartbeat(store.clone(), r, interval_s=5.0).beat()
+    watcher = Heartbeat(store.clone(), 0, interval_s=5.0, monitor=LivenessMonitor([], 60.0), on_dead=on_dead)
+    with watcher:
+        watcher.watch([1, 2])
+        time.sleep(1.5)  # quiet: the watcher is in its 5 s pause
+        mark_exited(store, 2, "finished", alarm=False)
+        time.sleep(0.5)
+        assert watcher.alarms == 0 and not seen, "a finished worker raised an alarm"
+        t0 = time.monotonic()
+        mark_exited(store, 1, "exit code -9")
+        assert dead.wait(2.0), "the alarm did not wake the watcher"
+        assert time.monotonic() - t0 < 0.5
+        assert watcher.alarms == 1 and 1 in frozenset().union(*seen)  # (the finished rank 2 is read as gone too)
 
 
 def test_heartbeat_survives_store_errors_and_keeps_the_error():

@@ -157,6 +157,28 @@ def test_settle_window_gathers_concurrent_reports():
     assert changes[0].dead == {3, 4, 5} and changes[0].survivors == (0, 1, 2)
 
 
+def test_the_decision_does_not_wait_out_the_settle_window_once_every_live_member_reported():
+    # A 30 s settle window: every member but the dead one reports at once, so nobody is left to add a death.
+    store = dist.HashStore()
+    views = [Membership(store, r, range(4), settle_s=30.0, poll_s=0.005) for r in range(4)]
+    t0 = time.monotonic()
+
+    def propose(i):
+        views[i].report_failure(0, {3}, 1.0, "collective error")
+        return views[i].await_decision(0, timeout_s=60.0)
+
+    changes = run_threads(propose, 3)
+    assert len(set(changes)) == 1 and changes[0].dead == {3}
+    assert time.monotonic() - t0 < 5.0
+    # One member silent: the window runs (here 0.3 s) before the union is committed.
+    store = dist.HashStore()
+    views = [Membership(store, r, range(4), settle_s=0.3, poll_s=0.005) for r in range(4)]
+    t0 = time.monotonic()
+    views[0].report_failure(0, {3}, 1.0, "collective error")
+    assert views[0].await_decision(0, timeout_s=5.0).dead == {3}
+    assert time.monotonic() - t0 >= 0.3
+
+
 def _propose_in_process(address, rank, n, results):
     store = connect_store(address, 10.0)
     view = Membership(store, rank, range(n), settle_s=0.0, poll_s=0.002)
