@@ -459,6 +459,11 @@ class Heartbeat:
             self.on_dead(frozenset(new), self._wall())
         return bool(new) or changed or suspect
 
+    def silences(self) -> dict[int, float]:
+        """Seconds each watched peer has been silent, on this host's monotonic clock (see `LivenessMonitor`)."""
+        with self._lock:
+            return {r: self.monitor.silent_for(r) for r in self.monitor.ranks} if self.monitor is not None else {}
+
     def watch(self, ranks: Iterable[int], members: Iterable[int] = ()) -> None:
         """Watch exactly `ranks` from now on, each counted alive as of now (a new generation's peers), and report any
         of `members` (the rest of the generation) once a peer of theirs has asked for it to be fenced."""

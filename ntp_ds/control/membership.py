@@ -56,7 +56,8 @@ class MembershipChange:
     dead: frozenset[int]
     survivors: tuple[int, ...]
     detection_s: float
-    """Largest detection latency among the dead: time first reported dead minus the wall stamp of its last beat."""
+    """Largest detection latency among the dead: for each, the shortest silence any reporter had observed (its last
+    sign of life to the report, on the reporter's own monotonic clock; never a difference of two hosts' clocks)."""
     reason: str
     detected_at: tuple[tuple[int, float], ...] = ()
     """(rank, wall time it was first reported dead), for each dead rank."""
@@ -87,23 +88,24 @@ class MembershipChange:
 
 @dataclass(frozen=True)
 class FailureReport:
-    """One rank's claim that `ranks` died: when it noticed, why, and when each was last known alive."""
+    """One rank's claim that `ranks` died: when it noticed (its wall clock, a record only), why, and for how long it
+    had seen no sign of life from each (seconds on its own monotonic clock)."""
 
     reporter: int
     ranks: frozenset[int]
     detected_at: float
     reason: str
-    last_seen: dict[int, float] = field(default_factory=dict)
+    silent_s: dict[int, float] = field(default_factory=dict)
 
     def encode(self) -> str:
         return json.dumps({"reporter": self.reporter, "ranks": sorted(self.ranks), "detected_at": self.detected_at,
-                           "reason": self.reason, "last_seen": {str(r): t for r, t in self.last_seen.items()}})
+                           "reason": self.reason, "silent_s": {str(r): t for r, t in self.silent_s.items()}})
 
     @classmethod
     def decode(cls, raw: bytes | str) -> FailureReport:
         d = json.loads(raw)
         return cls(d["reporter"], frozenset(d["ranks"]), d["detected_at"], d["reason"],
-                   {int(r): t for r, t in d["last_seen"].items()})
+                   {int(r): t for r, t in d["silent_s"].items()})
 
 
 def decide(generation: int, members: Sequence[int], reports: Sequence[FailureReport]) -> MembershipChange:
@@ -112,9 +114,9 @@ def decide(generation: int, members: Sequence[int], reports: Sequence[FailureRep
     if not dead:
         raise ValueError(f"reports of generation {generation} name no current member as dead")
     first = {r: min(rep.detected_at for rep in reports if r in rep.ranks) for r in dead}
-    seen = {r: max(rep.last_seen[r] for rep in reports if r in rep.last_seen) for r in dead
-            if any(r in rep.last_seen for rep in reports)}
-    latency = max((max(0.0, first[r] - seen[r]) for r in seen), default=0.0)
+    silence = [min(rep.silent_s[r] for rep in reports if r in rep.silent_s) for r in dead
+               if any(r in rep.silent_s for rep in reports)]
+    latency = max((max(0.0, s) for s in silence), default=0.0)
     reasons = list(dict.fromkeys(rep.reason for rep in reports))
     return MembershipChange(generation + 1, dead, tuple(sorted(set(members) - dead)), latency, "; ".join(reasons),
                             tuple(sorted(first.items())))
@@ -205,7 +207,7 @@ class Membership:
             raise ValueError(f"generation={generation} is ahead of this rank's generation {self.generation}")
 
     def report_failure(self, generation: int, ranks: Iterable[int], detected_at: float, reason: str,
-                       last_seen: Mapping[int, float] | None = None) -> bool:
+                       silent_s: Mapping[int, float] | None = None) -> bool:
         """Propose that `ranks` died; return False if ignored (older generation, not members, already decided).
 
         A rank reported after the decision is not in it: once the change is adopted, report it again.
@@ -216,7 +218,7 @@ class Membership:
         ranks = frozenset(ranks) & set(self.members)
         if not ranks or self.store.check([self._decision_key(generation)]):
             return False
-        seen = {r: float(t) for r, t in (last_seen or {}).items() if r in ranks and t is not None}
+        seen = {r: float(t) for r, t in (silent_s or {}).items() if r in ranks and t is not None}
         report = FailureReport(self.rank, ranks, float(detected_at), reason, seen)
         self.store.append(self._reports_key(generation), report.encode() + "\n")
         self.store.add(self._events_key(generation), 1)

@@ -164,6 +164,7 @@ class Recovery:
     def _attempt(self, snapshot, old_members, error, failed_at) -> RecoveryOutcome:
         t0 = time.time()
         traffic_before = wire.traffic()
+        silent = self.heartbeat.silences()  # how long each watched peer has shown no sign of life, on this host's clock
         self.heartbeat.watch([])  # the old generation's peers are judged by the detection below, not the watcher
         # Closing our connections fails every collective a live peer still waits on with us, so it joins the
         # recovery at once instead of at its process-group timeout (gloo closes them once unreferenced; NCCL
@@ -173,7 +174,7 @@ class Recovery:
         request_fence(self.store, dead, reason)  # a hung rank is stopped by its launcher before it can come back
         generation = self.membership.generation
         self.membership.report_failure(generation, dead, time.time(), reason,
-                                       {r: self.monitor.last_seen(r) for r in dead})
+                                       {r: silent[r] for r in dead if r in silent})
         # A survivor blocked in a collective with a hung peer arrives only after its process-group timeout.
         bound = 2 * self.job.ntp.timeout_s + self.heartbeat_timeout_s
         change = self.membership.await_decision(generation, bound)

@@ -284,7 +284,7 @@ class _Share:
         self.deaths.extend((watcher, r, wall) for r in ranks)
         monitor = self.workers[watcher].monitor
         if self.memberships[watcher].report_failure(0, ranks, wall, "no heartbeat",
-                                                    {r: monitor.last_seen(r) for r in ranks}):
+                                                    {r: monitor.silent_for(r) for r in ranks if r in monitor.ranks}):
             self.first_report = self.first_report or time.monotonic()
 
     def setup(self) -> None:

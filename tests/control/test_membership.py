@@ -54,15 +54,15 @@ def run_threads(fn, n, timeout=10.0):
 # -- pure ------------------------------------------------------------------------------------------------------
 
 def test_decide_merges_reports_into_one_change():
-    reports = [FailureReport(0, frozenset({3}), 100.5, "collective error", {3: 100.0}),
-               FailureReport(1, frozenset({3, 5}), 101.0, "heartbeat timeout", {5: 99.0}),
+    reports = [FailureReport(0, frozenset({3}), 100.5, "collective error", {3: 0.5}),
+               FailureReport(1, frozenset({3, 5}), 101.0, "heartbeat timeout", {3: 1.5, 5: 2.0}),
                FailureReport(2, frozenset({9}), 100.0, "collective error")]  # 9 is not a member
     change = decide(4, range(8), reports)
     assert change.generation == 5
     assert change.dead == {3, 5}
     assert change.survivors == (0, 1, 2, 4, 6, 7)
     assert change.detected_at == ((3, 100.5), (5, 101.0))
-    assert change.detection_s == pytest.approx(2.0)
+    assert change.detection_s == pytest.approx(2.0)  # rank 3: the shorter silence (0.5 s); rank 5: 2.0 s
     assert change.reason == "collective error; heartbeat timeout"
     assert MembershipChange.decode(change.encode()) == change
     assert change.new_rank(4) == 3
@@ -122,7 +122,7 @@ def test_one_report_becomes_the_decision_every_rank_reads():
     store = dist.HashStore()
     views = [Membership(store, r, range(4), settle_s=0.0, poll_s=0.001) for r in range(4)]
     assert not views[1].pending()
-    assert views[0].report_failure(0, {2}, 10.0, "collective error", {2: 9.5})
+    assert views[0].report_failure(0, {2}, 10.0, "collective error", {2: 0.5})
     assert views[1].pending()
     changes = [v.await_decision(0, timeout_s=2.0) for v in views if v.rank != 2]
     assert len(set(changes)) == 1
