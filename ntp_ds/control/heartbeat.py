@@ -388,8 +388,9 @@ class Heartbeat:
         self.beat()
         self._thread = threading.Thread(target=self._run, name=f"ntp-heartbeat-{self.rank}", daemon=True)
         self._thread.start()
-        if self.monitor is not None:
-            threading.Thread(target=self._await_alarms, args=(self.store.clone(),), name=f"ntp-alarm-{self.rank}",
+        clone = getattr(self.store, "clone", None)
+        if self.monitor is not None and clone is not None:  # (a store without clients of its own is only polled)
+            threading.Thread(target=self._await_alarms, args=(clone(),), name=f"ntp-alarm-{self.rank}",
                              daemon=True).start()
         return self
 
