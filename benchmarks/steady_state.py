@@ -11,7 +11,7 @@ syncs as a contributor of replica 0 (gradients streamed into the anchor's backwa
 the line before the last reads `contributor_overhead_ratio=<ratio>` against the same plain DeepSpeed run (target
 <= 1.10 on CPU, where compute and communication share two cores). It needs `--tp 2` or more.
 
-    python benchmarks/steady_state.py --tp 1 --replicas 2 --steps 40
+    python benchmarks/steady_state.py --tp 1 --replicas 2 --steps 80
     python benchmarks/steady_state.py --tp 2 --replicas 2 --contributor
 """
 
@@ -118,7 +118,8 @@ def main(argv=None) -> int:
     parser.add_argument("--contributor", action="store_true",
                         help="also run replica 1 with a different layout of the same degree (a contributor)")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=80,
+                        help="interleaved steps of each engine (80: two runs agree within about half a point here)")
     args = parser.parse_args(argv)
     if args.contributor and (args.tp < 2 or args.replicas < 2):
         parser.error("--contributor needs --tp 2 or more and --replicas 2 or more (a layout of the same degree "
