@@ -25,7 +25,7 @@ for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ntp_ds.sim import run, run_seeds  # noqa: E402
-from ntp_ds.sim.cli import load_config  # noqa: E402
+from ntp_ds.sim.runspec import load_config  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

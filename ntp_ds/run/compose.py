@@ -14,7 +14,7 @@ import sys
 from ntp_ds.engine.config import ConfigError
 from ntp_ds.run.config import RunConfig
 from ntp_ds.schema import find_schema_error, recipe_note, to_plain
-from ntp_ds.sim.cli import UsageError, _flatten, _hydra_value, _parse, config_dir, read_recipe, recipes_dir
+from ntp_ds.sim.runspec import UsageError, _flatten, _hydra_value, _parse, config_dir, read_recipe, recipes_dir
 
 PRIMARY = "config"
 GROUPS = ("model", "parallel", "data", "optim", "fault", "logging", "launcher")

@@ -11,7 +11,7 @@ from .cluster import Layout
 from .config import SimConfig
 from .failures import POWER, FailureEvents, draw_mix, events_for, steady_failed_fraction
 from .policies import (POLICIES, REBALANCED, LevelTables, capacity_deficit_domains,
-                       extra_power_fraction, job_capacity, tables_for)
+                       extra_power_fraction, job_capacity, tables_for, young_daly_minutes)
 from .sweep import LossPoint, loss_vs_failures
 from .throughput import StepBreakdown, step_breakdown
 from .timeline import History, SpareSetup, integral, replay, time_quantile
@@ -97,20 +97,6 @@ def _rejoin_times(h: History, share: np.ndarray, degree: np.ndarray) -> np.ndarr
     o, n = h.trans_old, h.trans_new
     back = ~h.trans_fail & (share[n] > 0) & (degree[n] != degree[o])
     return np.unique(h.trans_time[back])
-
-
-def young_daly_minutes(write_minutes: float, mtbf_minutes: float) -> float:
-    """Daly's higher-order optimum of the compute time between checkpoints.
-
-    ``sqrt(2 d M) (1 + sqrt(d / 2M) / 3 + d / 18M) - d`` for a write cost ``d`` below
-    ``2M``, else ``M`` (Young's ``sqrt(2 d M)`` to first order).
-    """
-    d, M = write_minutes, mtbf_minutes
-    if not np.isfinite(M):
-        return float("inf")
-    if d >= 2.0 * M:
-        return float(M)
-    return float(np.sqrt(2 * d * M) * (1 + np.sqrt(d / (2 * M)) / 3 + d / (18 * M)) - d)
 
 
 def _down_intervals(times: np.ndarray, length_h, interval_h: float | None,

@@ -31,7 +31,7 @@ def _job_name(i: int, swept: list[str]) -> str:
 def run_multirun(argv: list[str]) -> int:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
-    from .cli import UsageError, _message, _parse, _simulate, load_run
+    from .runspec import UsageError, _message, _parse, _simulate, load_run
     from .config import ConfigError
 
     overrides = _parse(argv)

@@ -202,6 +202,20 @@ def extra_power_fraction(hist: np.ndarray, tables: LevelTables, layout: Layout) 
     return (np.asarray(hist, dtype=float) * per_level).sum(axis=-1) / layout.num_gpus
 
 
+def young_daly_minutes(write_minutes: float, mtbf_minutes: float) -> float:
+    """Daly's higher-order optimum of the compute time between checkpoints.
+
+    ``sqrt(2 d M) (1 + sqrt(d / 2M) / 3 + d / 18M) - d`` for a write cost ``d`` below
+    ``2M``, else ``M`` (Young's ``sqrt(2 d M)`` to first order).
+    """
+    d, M = write_minutes, mtbf_minutes
+    if not np.isfinite(M):
+        return float("inf")
+    if d >= 2.0 * M:
+        return float(M)
+    return float(np.sqrt(2 * d * M) * (1 + np.sqrt(d / (2 * M)) / 3 + d / (18 * M)) - d)
+
+
 def ckpt_availability(event_rate_per_h: float | np.ndarray, ck: CheckpointConfig,
                       interval_minutes: float | None = None) -> np.ndarray:
     """Fraction of wall time doing useful work under checkpoint-restart.

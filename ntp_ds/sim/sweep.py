@@ -18,7 +18,7 @@ from .cluster import Layout
 from .config import SimConfig
 from .failures import (cover_with_hot_spares, event_rate_for_fraction, group_failed_counts,
                        sample_failed_gpus)
-from .policies import POLICIES, ckpt_availability, policy_capacity, scaled_ntp, tables_for
+from .policies import POLICIES, ckpt_availability, policy_capacity, scaled_ntp, tables_for, young_daly_minutes
 from .throughput import step_breakdown
 
 
@@ -65,8 +65,6 @@ def _interval(ck, rate_per_h: float) -> float:
     """Checkpoint interval in minutes at a job event rate (Young/Daly when configured)."""
     if ck.interval_policy == "fixed":
         return ck.interval_minutes
-    from .engine import young_daly_minutes
-
     return young_daly_minutes(ck.write_minutes, 60.0 / rate_per_h if rate_per_h > 0 else np.inf)
 
 

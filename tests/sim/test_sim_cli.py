@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from ntp_ds.sim import SimConfig
-from ntp_ds.sim.cli import _flatten, config_dir, load_config, main, recipes_dir
+from ntp_ds.sim.cli import main
+from ntp_ds.sim.runspec import _flatten, config_dir, load_config, recipes_dir
 
 REPO = Path(__file__).resolve().parents[2]
 # keep CLI runs small: 2048 GPUs, 5 days, a short sweep
@@ -155,7 +156,7 @@ def test_a_key_the_schema_refuses_in_a_recipe_names_the_recipe(tmp_path, monkeyp
     (tmp_path / "sim").mkdir()
     (tmp_path / "sim" / "typo.yaml").write_text("cluster:\n  tpp: 8\n")
     (tmp_path / "sim" / "unset.yaml").write_text("cluster:\n  tp: ???\n")
-    monkeypatch.setattr("ntp_ds.sim.cli.recipes_dir", lambda: tmp_path)
+    monkeypatch.setattr("ntp_ds.sim.runspec.recipes_dir", lambda: tmp_path)
     assert main(["recipe=typo", f"out={tmp_path / 'x'}"]) == 2
     assert capsys.readouterr().err.strip().endswith("sim.cluster.tpp is not a known setting; valid: domain_size, "
                                                    "hot_spares, microbatches, num_gpus, pp, tp (in recipe typo)")

@@ -15,7 +15,7 @@ from ntp_ds.sim.calibration import load as load_calibration
 from ntp_ds.sim.cli import main
 from ntp_ds.sim.cluster import Layout
 from ntp_ds.sim.config import FailureConfig, ModelConfig
-from ntp_ds.sim.engine import young_daly_minutes
+from ntp_ds.sim.policies import young_daly_minutes
 from ntp_ds.sim.failures import HW, POWER, SW, FailureEvents, events_for
 from ntp_ds.sim.granularity import load_ratio, planned_samples, rank_units
 from ntp_ds.sim.timeline import SpareSetup, replay
