@@ -6,6 +6,7 @@ from ntp_ds.layout import ModelUnits, Topology
 from ntp_ds.layout import units as U
 from ntp_ds.recovery.plan import plan_unit_moves
 from ntp_ds.recovery.reslice import _message_numel, intact, seal
+from ntp_ds.recovery.rollback import roll_back
 
 UNITS = ModelUnits(heads=4, kv_heads=2, ffn=8, vocab=16)
 
@@ -74,3 +75,25 @@ def test_a_state_message_checksum_is_exact_and_compared_as_bits():
     assert torch.isnan(message[-2:]).any()
     message[:-2].view(torch.int32)[2] ^= 1  # one bit of the payload flipped in transit
     assert not intact(message)
+
+
+def _offer(own=5, copies=None, previous=None, mid_step=False, before=4, held=True):
+    return {"held": held, "mid_step": mid_step, "own_step": own, "copies": copies or {}, "previous": previous or {},
+            "before_step": before}
+
+
+def test_the_roll_back_decision():
+    # Owners 0 and 1 keep copies on each other; 2 joined (holds nothing) and never counts.
+    joiner = _offer(held=False)
+    # Every member between the votes: the step may be half applied, roll back.
+    assert roll_back({0, 1}, [_offer(mid_step=True), _offer(mid_step=True), joiner], frozenset({2}))
+    # Replicated state (no owners with copies): every survivor finished the step, go forward.
+    assert not roll_back((), [_offer(mid_step=True)], frozenset({1}))
+    # Committed, and the dead owner's newest state reached its buddy: go forward.
+    assert not roll_back({0, 1, 2}, [_offer(copies={1: 5}), _offer(copies={2: 5}), joiner], frozenset({2}))
+    # Committed, but dead owner 2's newest copy never arrived (dropped): roll back to step 4 when every owner's copy
+    # of step 4 survives (`redundancy_keep_previous`), else go forward (and recovery says what it lost).
+    stale = [_offer(copies={1: 5}, previous={1: 4}), _offer(copies={0: 5}, previous={0: 4, 2: 4})]
+    assert roll_back({0, 1, 2}, stale, frozenset({2}))
+    del stale[1]["previous"][2]
+    assert not roll_back({0, 1, 2}, stale, frozenset({2}))

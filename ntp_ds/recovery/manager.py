@@ -35,6 +35,7 @@ from ntp_ds.models import CausalLMShard, empty_shard
 from ntp_ds.recovery.placement import Placement
 from ntp_ds.recovery.plan import plan_last_good, plan_unit_moves, rereplicated_moves
 from ntp_ds.recovery.reslice import reslice
+from ntp_ds.recovery.rollback import offered, roll_back
 
 log = logging.getLogger("ntp_ds.recovery")
 
@@ -224,11 +225,10 @@ class Recovery:
     def _share_context(self, snapshot, dead: frozenset = frozenset()):
         """Every member's stale units, and what a joiner lacks (the old topology, steps, learning-rate state) from
         the lowest rank that held an optimizer; return the snapshot completed with it."""
-        mine = {"stale": snapshot.stale if snapshot is not None else {}, "held": snapshot is not None,
-                "lr": snapshot is not None and snapshot.lr_state is not None,
-                "mid_step": snapshot is not None and snapshot.mid_step, **_steps_offered(snapshot)}
+        mine = {"stale": snapshot.stale if snapshot is not None else {},
+                "lr": snapshot is not None and snapshot.lr_state is not None, **offered(snapshot)}
         gathered = wire.all_gather_object(mine)
-        rolled_back = snapshot is not None and self._roll_back(snapshot.topology, gathered, dead)
+        rolled_back = snapshot is not None and roll_back(self.job.buddies(snapshot.topology), gathered, dead)
         if rolled_back:
             snapshot.global_steps, snapshot.global_samples, snapshot.lr_state, target = snapshot.before_step
             # Serve only the copies of the step rolled back to (the newest such of each owner).
@@ -253,29 +253,6 @@ class Recovery:
         snapshot.any_mid_step = any(g["mid_step"] for g in gathered)
         snapshot.carried_lr = context["lr_state"]
         return snapshot
-
-    def _roll_back(self, topology, gathered: list[dict], dead: frozenset) -> bool:
-        """Whether the members return to the state the last step began from (the same answer on every member).
-
-        A step no member committed (the commit vote needs every rank) may be half applied: it is rolled back from
-        the copies of the step before, unless no copies are kept (then the state is replicated and every survivor
-        finished the step, which goes forward). A committed step goes forward, unless a dead owner's newest state
-        reached no buddy while the previous step's copies of every owner survive (`redundancy_keep_previous`).
-        """
-        buddies = self.job.buddies(topology)
-        if not buddies:
-            return False
-        held = [g for g in gathered if g["held"]]
-        if all(g["mid_step"] for g in held):
-            return True
-        # Sets of owners, built once: linear in the members' copies, not members x owners.
-        newest = max((s for g in held for s in [g["own_step"], *g["copies"].values()]), default=0)
-        fresh = {o for g in held for o, s in g["copies"].items() if s == newest}
-        if dead & set(buddies) <= fresh:
-            return False
-        target = max((g["before_step"] for g in held if g["before_step"] is not None), default=None)
-        kept = {o for g in held for copies in (g["copies"], g["previous"]) for o, s in copies.items() if s == target}
-        return target is not None and set(buddies) <= kept
 
     def _install(self, snapshot, old_members, generation, new_topology, new_members, placement, dead_owners,
                  traffic_before, event) -> tuple:
@@ -581,16 +558,6 @@ TRAFFIC_KINDS = {"parameters": ("reshard", "param_sync"), "optimizer": ("reslice
                  "redundancy": ("copy_data", "copy_piece", "copy_layout"),
                  "objects": ("all_gather_object", "gather_object", "broadcast_object")}
 """How recovery's measured traffic is reported: call names of the wire layer by kind; the rest is "control"."""
-
-
-def _steps_offered(snapshot) -> dict:
-    """A member's optimizer steps, for the decision to roll back: its own, its copies' and its previous copies' by
-    owner, and the step its last step began from."""
-    if snapshot is None:
-        return {"own_step": 0, "copies": {}, "previous": {}, "before_step": None}
-    return {"own_step": snapshot.optimizer_step, "copies": {o: c.step for o, c in snapshot.held.items()},
-            "previous": {o: c.step for o, c in snapshot.previous.items()},
-            "before_step": snapshot.before_step[3] if snapshot.before_step else None}
 
 
 def _received_by_kind(traffic: dict[tuple[str, str], int]) -> dict[str, int]:
