@@ -67,7 +67,7 @@ class Snapshot:
     any_mid_step: bool = False
     """Filled in by recovery: some member was between the votes of a step."""
     rolled_back: bool = False
-    """Filled in by recovery: the members return to the state the last step began from (`Recovery._roll_back`)."""
+    """Filled in by recovery: the members return to the state the last step began from (`recovery.rollback`)."""
 
     @property
     def params_from_masters(self) -> bool:
