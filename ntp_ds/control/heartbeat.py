@@ -14,10 +14,12 @@ worker started without a launcher (no `NTP_NODE_SIZE`) is read per rank, and so 
 moving (its launcher is gone): per-node reads are an economy, never a second source of truth.
 
 Backing off makes a quiet watcher slow to learn of a death, so every record of one (an abnormal exit, a fence
-request) also raises an alarm (`raise_alarm`): the next of the keys `alarm/1`, `alarm/2`, ... appears, and each
-watching heartbeat has a thread blocked in the store's `wait` for that key, which wakes it to poll at once. The
-store answers such a wait when the key is set (no polling), so a death reaches every rank in one store round trip
-whatever the backoff, and a quiet job costs nothing but one open wait per rank.
+request) also raises an alarm (`raise_alarm`): one request sets the key `alarm/{rank}` of every watcher registered
+in `alarm_waiters`, and each watching heartbeat has a thread blocked in the store's `wait` for its own key, which
+wakes it to poll at once. The store answers such a wait when the key is set (no polling), so a death reaches every
+rank in one store round trip whatever the backoff, and a quiet job costs nothing but one open wait per rank. A key
+of its own also lets a stopping heartbeat end its waiting thread (a thread still inside the store's C++ call when
+the interpreter finalizes can abort the process).
 
 Ranks here are launch ranks (the RANK a worker started with): they name a worker across every generation.
 """
@@ -41,11 +43,11 @@ EXITED_KEY = "exited"
 """Store key to which `mark_exited` appends one `RANK REASON` line per worker known to have exited."""
 WATCHES_PER_BEAT = 4
 """How often per beat interval a heartbeat thread that watches peers polls them."""
-ALARM_COUNT_KEY = "alarm"
-"""Store counter of the alarms raised so far; alarm number n sets the key `alarm/{n}`."""
+ALARM_WAITERS_KEY = "alarm_waiters"
+"""Store key to which each watching heartbeat appends its rank: whose `alarm/{rank}` key an alarm sets."""
 ALARM_WAIT_S = 3600.0
-"""How long one wait for the next alarm lasts before it is renewed. Long: the store client logs each wait that runs
-out, and a stopped heartbeat leaves its (daemon) alarm thread waiting rather than raise an alarm to end it."""
+"""How long one wait for an alarm lasts before it is renewed. Long: the store client logs each wait that runs out
+(a stopping heartbeat sets its own key to end the wait)."""
 FENCE_KEY = "fence"
 """Store key to which `request_fence` appends one `RANK REASON` line per worker its peers declared dead."""
 
@@ -103,11 +105,20 @@ def mark_exited(store, rank: int, reason: str, alarm: bool = True) -> None:
         raise_alarm(store)
 
 
+def alarm_key(rank: int) -> str:
+    """Store key whose setting wakes the heartbeat of `rank`."""
+    return f"alarm/{rank}"
+
+
 def raise_alarm(store) -> None:
     """Wake every watching heartbeat now: it polls its peers at once instead of at its backed-off pace. Call after
-    the record that is news (an exit, a fence request), so a woken watcher reads it."""
-    n = store.add(ALARM_COUNT_KEY, 1)
-    store.set(f"{ALARM_COUNT_KEY}/{n}", "")
+    the record that is news (an exit, a fence request), so a woken watcher reads it. Two requests whatever the
+    number of watchers: read the registry, set every watcher's key."""
+    if not store.check([ALARM_WAITERS_KEY]):
+        return
+    ranks = sorted({int(r) for r in store.get(ALARM_WAITERS_KEY).decode().split()})
+    if ranks:
+        store.multi_set([alarm_key(r) for r in ranks], ["1"] * len(ranks))
 
 
 def read_exits(store) -> dict[int, str]:
@@ -371,6 +382,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._alarm_thread: threading.Thread | None = None
         self.alarms = 0
         """How many alarms have woken this heartbeat."""
 
@@ -390,19 +402,28 @@ class Heartbeat:
         self._thread.start()
         clone = getattr(self.store, "clone", None)
         if self.monitor is not None and clone is not None:  # (a store without clients of its own is only polled)
-            threading.Thread(target=self._await_alarms, args=(clone(),), name=f"ntp-alarm-{self.rank}",
-                             daemon=True).start()
+            self._alarm_thread = threading.Thread(target=self._await_alarms, args=(clone(),),
+                                                  name=f"ntp-alarm-{self.rank}", daemon=True)
+            self._alarm_thread.start()
         return self
 
     def _await_alarms(self, store) -> None:
-        """Wait for alarm after alarm (each wait renewed every ALARM_WAIT_S) and wake the polling thread."""
-        seen = None
+        """Register, then wait for alarm after alarm on this rank's key (each wait renewed every ALARM_WAIT_S) and
+        wake the polling thread; the key is cleared before the wake, so an alarm raised meanwhile is read by the
+        poll that follows."""
+        key = alarm_key(self.rank)
+        try:
+            store.delete_key(key)  # left set by an earlier heartbeat of this rank
+            store.append(ALARM_WAITERS_KEY, f"{self.rank} ")
+        except Exception as err:
+            log.debug("rank %d waits for no alarms: %s", self.rank, err)
+            return
         while not self._stop.is_set():
             try:
-                if seen is None:
-                    seen = int(store.add(ALARM_COUNT_KEY, 0))  # alarms raised before this one started are old
-                store.wait([f"{ALARM_COUNT_KEY}/{seen + 1}"], timedelta(seconds=ALARM_WAIT_S))
-                seen = int(store.add(ALARM_COUNT_KEY, 0))
+                store.wait([key], timedelta(seconds=ALARM_WAIT_S))
+                store.delete_key(key)
+                if self._stop.is_set():
+                    return
                 self.alarms += 1
                 self._wake.set()
             except DistStoreError as err:
@@ -490,6 +511,12 @@ class Heartbeat:
         if self._thread is None:
             return True
         self._thread.join(timeout_s)
+        if self._alarm_thread is not None and self._alarm_thread.is_alive() and not self._thread.is_alive():
+            try:  # wake our own waiting thread (this client is free now that the beating thread has ended)
+                self.store.set(alarm_key(self.rank), "stop")
+                self._alarm_thread.join(timeout_s)
+            except Exception as err:  # the store is gone: so is the wait
+                log.debug("rank %d could not end its alarm wait: %s", self.rank, err)
         return not self._thread.is_alive()
 
     def __enter__(self) -> Heartbeat:
