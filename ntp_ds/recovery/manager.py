@@ -141,7 +141,7 @@ class Recovery:
     # -- the whole recovery -------------------------------------------------------------------------------------
     def recover(self, error: BaseException) -> RecoveryOutcome:
         """Recover from `error` (a failed collective or peer); retried if a rank fails during recovery itself."""
-        failed_at = time.time()
+        failed_at = time.monotonic()
         snapshot = self.engine.snapshot()
         old_members = self.members
         traceback.clear_frames(error.__traceback__)
@@ -163,7 +163,7 @@ class Recovery:
         raise RuntimeError(f"rank {self.rank}: recovery did not converge after {len(self.members)} attempts")
 
     def _attempt(self, snapshot, old_members, error, failed_at) -> RecoveryOutcome:
-        t0 = time.time()
+        t0 = time.monotonic()
         traffic_before = wire.traffic()
         silent = self.heartbeat.silences()  # how long each watched peer has shown no sign of life, on this host's clock
         self.heartbeat.watch([])  # the old generation's peers are judged by the detection below, not the watcher
@@ -180,7 +180,7 @@ class Recovery:
         bound = 2 * self.job.ntp.timeout_s + self.heartbeat_timeout_s
         change = self.membership.await_decision(generation, bound)
         self.membership.confirm(change, bound)
-        t_agreed = time.time()
+        t_agreed = time.monotonic()
 
         self.on_phase(snapshot.global_steps + 1, "recovery")
         gone = set(old_members) - set(change.survivors)
@@ -200,15 +200,15 @@ class Recovery:
         self.on_phase(snapshot.global_steps + 1, "rendezvous")
         self._regroup(change.generation, new_members)
         snapshot = self._share_context(snapshot, frozenset(old_members.index(g) for g in gone))
-        t_regrouped = time.time()
+        t_regrouped = time.monotonic()
         rebuilt = [r for r in plan.degraded if r not in drop]
         event = {"dead": sorted(gone), "dropped_replicas": list(drop), "detection_s": change.detection_s,
-                 "failure_to_detection_s": t0 - failed_at, "agreement_s": t_agreed - t0,
+                 "snapshot_s": t0 - failed_at, "agreement_s": t_agreed - t0,
                  "regroup_s": t_regrouped - t_agreed, "reason": change.reason}
         engine, event = self._install(snapshot, old_members, change.generation, new_topology, new_members, placement,
                                       {old_members.index(g) for g in gone}, traffic_before, event)
         event["lost_shard_bytes"] = _lost_shard_bytes(snapshot.topology, old_members, gone, rebuilt, engine)
-        event["reshard_s"] = time.time() - t_regrouped
+        event["reshard_s"] = time.monotonic() - t_regrouped
         log.warning("rank %d: recovered to generation %d, TP degrees %s -> %s", self.rank, change.generation,
                     event["degrees_before"], event["degrees_after"])
         self.events.append(event)
@@ -359,7 +359,7 @@ class Recovery:
         """Take `plan.joiners` in at this boundary: commit the grown membership, hand the joiners their units and
         optimizer state from memory, and return the new engine. A failure on the way (a joiner dies) falls back to
         a recovery from the state held at the boundary."""
-        t0 = time.time()
+        t0 = time.monotonic()
         traffic_before = wire.traffic()
         generation = self.membership.generation
         change = MembershipChange(generation + 1, frozenset(), tuple(sorted(plan.members)), 0.0, _joined(plan))
@@ -377,7 +377,7 @@ class Recovery:
                 raise
             log.warning("rank %d: growing to generation %d failed (%s); recovering without the joiners", self.rank,
                         change.generation, error)
-            return self._recover_from(snapshot, old_members, error, time.time())
+            return self._recover_from(snapshot, old_members, error, time.monotonic())
 
     def _grow(self, snapshot, plan: JoinPlan, t0: float, traffic_before) -> RecoveryOutcome:
         """Both sides of a grow, from the new generation's rendezvous on: members pass their boundary snapshot, a
@@ -390,14 +390,14 @@ class Recovery:
         if members != plan.members:
             raise RecoveryImpossible(f"the join plan seats {plan.members}, this rank's placement {members}")
         topology = placement.topology(self.placement, snapshot.topology)
-        t_regrouped = time.time()
+        t_regrouped = time.monotonic()
         event = {"joined": list(plan.joiners), "reason": _joined(plan), "regroup_s": t_regrouped - t0,
                  "requested_wall": list(plan.requested_wall)}
         engine, event = self._install(snapshot, plan.members_before, generation, topology, plan.members, placement,
                                       set(), traffic_before, event)
         event["joiner_shard_bytes"] = _joiner_shard_bytes(topology, plan.members, plan.joiners, engine)
-        event["reshard_s"] = time.time() - t_regrouped
-        event["grow_s"] = time.time() - t0
+        event["reshard_s"] = time.monotonic() - t_regrouped
+        event["grow_s"] = time.monotonic() - t0
         log.warning("rank %d: grew to generation %d with rank(s) %s, TP degrees %s -> %s", self.rank, generation,
                     ", ".join(map(str, plan.joiners)), event["degrees_before"], event["degrees_after"])
         self.events.append(event)
@@ -434,7 +434,7 @@ class Recovery:
         if on_phase is not None:
             recovery.on_phase = on_phase
         try:
-            recovery._grow(None, plan, time.time(), wire.traffic())
+            recovery._grow(None, plan, time.monotonic(), wire.traffic())
         except (RuntimeError, TimeoutError, ConnectionError) as error:
             # The members recover without this rank from the state they held at the boundary: say it is gone.
             mark_exited(store, rank, f"join failed: {error}")
