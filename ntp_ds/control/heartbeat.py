@@ -135,11 +135,16 @@ def prepare_store(store) -> None:
 
 def request_fence(store, ranks: Iterable[int], reason: str) -> None:
     """Ask the launchers to stop workers `ranks` for good: their peers declared them dead (a hung worker must never
-    come back into the job, and stopping it closes its connections, which ends every wait on it)."""
-    ranks = list(ranks)
+    come back into the job, and stopping it closes its connections, which ends every wait on it).
+
+    Only the first request for a rank raises the alarm: every peer that sees a death, and then every survivor's
+    recovery, asks for its fence, and an alarm per request would cost the store survivors x watchers key writes.
+    """
+    news = False
     for rank in ranks:
         store.append(FENCE_KEY, f"{rank} {' '.join(reason.split())}\n")
-    if ranks:
+        news |= store.add(f"{FENCE_KEY}/{rank}", 1) == 1
+    if news:
         raise_alarm(store)
 
 

@@ -14,15 +14,19 @@ import pytest
 import torch.distributed as dist
 
 from ntp_ds.control.heartbeat import (
+    ALARM_WAITERS_KEY,
     Beat,
     Heartbeat,
     LivenessMonitor,
+    alarm_key,
     heartbeat_key,
     mark_exited,
     poll_liveness,
     prepare_store,
     read_beats,
     read_exits,
+    read_fences,
+    request_fence,
 )
 from ntp_ds.control.store import host_store
 
@@ -168,6 +172,21 @@ def test_an_abnormal_exit_wakes_a_quiet_watcher_at_once_and_a_finished_worker_do
         assert dead.wait(2.0), "the alarm did not wake the watcher"
         assert time.monotonic() - t0 < 0.5
         assert watcher.alarms == 1 and 1 in frozenset().union(*seen)  # (the finished rank 2 is read as gone too)
+
+
+def test_only_the_first_fence_request_of_a_rank_raises_the_alarm():
+    # Every peer of a dead rank, then every survivor's recovery, asks for its fence: one alarm per death, not one
+    # per request (which would cost survivors x watchers key writes).
+    store = dist.HashStore()
+    store.set(ALARM_WAITERS_KEY, "7 8 ")
+    request_fence(store, [3], "no heartbeat")
+    assert store.check([alarm_key(7), alarm_key(8)])
+    store.delete_key(alarm_key(7))
+    request_fence(store, [3], "declared dead by a peer")
+    assert not store.check([alarm_key(7)])
+    assert read_fences(store) == {3: "no heartbeat"}
+    request_fence(store, [3, 4], "collective error")
+    assert store.check([alarm_key(7)])
 
 
 def test_heartbeat_survives_store_errors_and_keeps_the_error():
