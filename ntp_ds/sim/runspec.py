@@ -16,22 +16,23 @@ class UsageError(Exception):
     """Bad command-line input; the message is one line."""
 
 
+def _repo_or_package(folder: str, holds) -> Path:
+    """The repo's `folder` if `holds(it)`, else the package's if it does, else the repo's."""
+    here = Path(__file__).resolve()
+    for cand in (here.parents[2] / folder, here.parents[1] / folder):
+        if holds(cand):
+            return cand
+    return here.parents[2] / folder
+
+
 def config_dir() -> Path:
     """The Hydra config dir: the repo's ``conf/``, else one shipped in the package."""
-    here = Path(__file__).resolve()
-    for cand in (here.parents[2] / "conf", here.parents[1] / "conf"):
-        if (cand / "simulate.yaml").is_file():
-            return cand
-    return here.parents[2] / "conf"
+    return _repo_or_package("conf", lambda d: (d / "simulate.yaml").is_file())
 
 
 def recipes_dir() -> Path:
     """Directory holding ``sim/NAME.yaml`` recipes (repo root, else package)."""
-    here = Path(__file__).resolve()
-    for cand in (here.parents[2] / "recipes", here.parents[1] / "recipes"):
-        if (cand / "sim").is_dir():
-            return cand
-    return here.parents[2] / "recipes"
+    return _repo_or_package("recipes", lambda d: (d / "sim").is_dir())
 
 
 def available_recipes() -> list[str]:
