@@ -6,13 +6,21 @@ ratio is the median over steps of (NTP step time / DeepSpeed step time of the sa
 `overhead_ratio=<ratio>` (target <= 1.01 with zero_redundancy=1; `--redundancy-overlap` lets the copies travel
 during the next step).
 
+The step is sized like a training step, not like a unit test's: 16,384 tokens per replica (micro-batch 4 x 32
+accumulation steps x 128 tokens), still a quarter of what a 70B job with a 4M-token global batch on 64 replicas
+gives each replica. What NTP adds per step is fixed (two votes and the redundant copy: 12 bytes per parameter of
+the rank's ZeRO partition), while the step's compute grows with its tokens, so a step of a few hundred tokens
+measures the copy against almost nothing. To show what the copy costs on this machine, the run also times the copy
+alone after the interleaved rounds (the same bytes, nothing else running) and prints it against a DeepSpeed step.
+
 With `--contributor`, replica 1 runs a different layout of the same degree (its TP ranks' units swapped), so it
 syncs as a contributor of replica 0 (gradients streamed into the anchor's backward, parameters copied back), and
 the line before the last reads `contributor_overhead_ratio=<ratio>` against the same plain DeepSpeed run (target
 <= 1.10 on CPU, where compute and communication share two cores). It needs `--tp 2` or more.
 
-    python benchmarks/steady_state.py --tp 1 --replicas 2 --steps 80
-    python benchmarks/steady_state.py --tp 2 --replicas 2 --contributor
+    python benchmarks/steady_state.py                              # 2 replicas x TP 1, about 7 minutes here
+    python benchmarks/steady_state.py --accum 2 --steps 80         # 1,024 tokens per replica step
+    python benchmarks/steady_state.py --tp 2 --replicas 2 --contributor --accum 8
 """
 
 from __future__ import annotations
@@ -98,28 +106,44 @@ def _worker(rank, world_size, args):
             run(name, step)
             if step >= args.warmup:
                 times[name].append(time.perf_counter() - start)
+    # The redundant copy alone: the same exchange as after each step (the state of the last one, sent again), with
+    # nothing else running.
+    ntp = engines["ntp"]
+    times["copy_alone"], times["copy_bytes"] = [], [ntp.copies.held_bytes()]
+    for _ in range(5 if ntp.copies.targets or ntp.copies.owners else 0):
+        wire.barrier()
+        start = time.perf_counter()
+        ntp.refresh_copies(overlap=False)
+        times["copy_alone"].append(time.perf_counter() - start)
     return times
 
 
-def paired_ratio(results: list[dict], name: str, steps: int) -> float:
-    """Median over steps of (engine step time / plain step time), each the slowest rank's."""
+def paired_ratios(results: list[dict], name: str, steps: int) -> list[float]:
+    """Per step: engine step time / plain step time of the same round, each the slowest rank's."""
     side = [max(r[name][i] for r in results) for i in range(steps)]
     plain = [max(r["plain"][i] for r in results) for i in range(steps)]
-    return statistics.median(s / p for s, p in zip(side, plain))
+    return [s / p for s, p in zip(side, plain)]
+
+
+def paired_ratio(results: list[dict], name: str, steps: int) -> float:
+    """The median of `paired_ratios`, after a line giving their spread."""
+    ratios = paired_ratios(results, name, steps)
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    print(f"{name}: paired ratios over {steps} steps, quartiles {q1:.4f} to {q3:.4f}")
+    return statistics.median(ratios)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_job_args(parser, hidden=256, layers=4, heads=8, kv_heads=4, vocab=1024, seq=128, micro=4, accum=2)
+    add_job_args(parser, hidden=256, layers=4, heads=8, kv_heads=4, vocab=1024, seq=128, micro=4, accum=32)
     parser.add_argument("--redundancy-overlap", action="store_true",
                         help="let the redundant copies travel during the next step (ntp.redundancy_overlap)")
     parser.add_argument("--bucket-size", type=int, default=500_000_000,
                         help="elements per gradient/parameter message between replicas")
     parser.add_argument("--contributor", action="store_true",
                         help="also run replica 1 with a different layout of the same degree (a contributor)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=80,
-                        help="interleaved steps of each engine (80: two runs agree within about half a point here)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40, help="interleaved steps of each engine")
     args = parser.parse_args(argv)
     if args.contributor and (args.tp < 2 or args.replicas < 2):
         parser.error("--contributor needs --tp 2 or more and --replicas 2 or more (a layout of the same degree "
@@ -129,13 +153,21 @@ def main(argv=None) -> int:
     ntp_s = statistics.median(max(r["ntp"][i] for r in results) for i in range(args.steps))
     print(f"topology: {args.replicas} replicas x TP {args.tp}, ZeRO {args.zero_stage}, "
           f"zero_redundancy {args.zero_redundancy} (overlap {args.redundancy_overlap}), {args.steps} interleaved "
-          f"steps each")
+          f"steps each, {args.micro * args.accum * args.seq} tokens per replica step")
     print(f"deepspeed_step_s={plain_s:.4f} ntp_step_s={ntp_s:.4f}")
+    copies = [max(r["copy_alone"][i] for r in results) for i in range(len(results[0]["copy_alone"]))]
+    if copies:
+        copy_s = statistics.median(copies)
+        print(f"redundant_copy_bytes_per_rank={max(r['copy_bytes'][0] for r in results)} copy_alone_s={copy_s:.4f} "
+              f"({copy_s / plain_s:.2%} of a DeepSpeed step)")
     if args.contributor:
         contributor_s = statistics.median(max(r["contributor"][i] for r in results) for i in range(args.steps))
         print(f"contributor_step_s={contributor_s:.4f}")
-        print(f"contributor_overhead_ratio={paired_ratio(results, 'contributor', args.steps):.4f}")
-    print(f"overhead_ratio={paired_ratio(results, 'ntp', args.steps):.4f}")
+    contributor = paired_ratio(results, "contributor", args.steps) if args.contributor else None
+    ratio = paired_ratio(results, "ntp", args.steps)
+    if contributor is not None:
+        print(f"contributor_overhead_ratio={contributor:.4f}")
+    print(f"overhead_ratio={ratio:.4f}")
     return 0
 
 

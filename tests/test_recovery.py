@@ -75,6 +75,8 @@ def assert_lossless_and_minimal(results, degrees_after):
         assert len(restored) == 1, "ranks disagree on the optimizer totals"
         (restored, lost_state), = restored
         assert restored == lost_state, f"restored {restored} optimizer bytes of the {lost_state} the dead held"
+        # Every rank found the fragments it holds where the layout rule puts them, so no addresses were gathered.
+        assert {e["state_index"] for e in copies} == {"layouts"}
         assert copies[0]["traffic_bytes"]["parameters"] >= copies[0]["bytes_moved"]
         for e in copies:
             for key in ("detection_s", "agreement_s", "regroup_s", "reshard_s"):

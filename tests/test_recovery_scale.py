@@ -9,11 +9,11 @@ from collections import Counter
 from pathlib import Path
 
 from ntp_ds.control.membership import replica_membership
-from ntp_ds.layout import KINDS, Topology
+from ntp_ds.layout import KINDS, Topology, plan_gradient_sync
 from ntp_ds.layout import units as U
 from ntp_ds.recovery.plan import plan_unit_moves, rereplicated_moves
 from ntp_ds.recovery.reslice import StateIndex, plan_incoming, plan_outgoing
-from ntp_ds.testing.shapes import gathered_offers, llama_70b, shape_specs, zero_addresses
+from ntp_ds.testing.shapes import gathered_offers, llama_70b, shape_specs, zero_addresses, zero_order
 
 DEAD = 5 * 8 + 3  # TP rank 3 of replica 5
 
@@ -52,8 +52,12 @@ def plan_70b() -> dict:
                             for m in moves if m.kind == kind))
         assert rebuilt == lost, (kind, rebuilt, lost)
 
+    # What recovery gathers: the steps of what each rank can serve. The addresses follow from the layouts; the
+    # gathered ones (every rank's, as the fallback would gather them) are here to check the rule's plan against.
     gathered = gathered_offers(old, new, old_rank_of, specs, shapes)
-    index = StateIndex(gathered, old, new, specs, shapes)
+    index = StateIndex.from_layouts([g["offer"]["steps"] for g in gathered], old, new, specs, shapes,
+                                    zero_order(specs))
+    planned = time.monotonic()
     incoming, outgoing, received = Counter(), Counter(), 0
     for rank in range(new.world_size):
         mine, wanted = plan_incoming(index, rank)
@@ -62,9 +66,25 @@ def plan_70b() -> dict:
         outgoing.update(plan_outgoing(index, rank, gathered[rank]["offer"]["held"]))
         received += sum(m.block.numel for m in mine if m.src != rank)
     assert incoming == outgoing, "senders and receivers disagree"
+    planning_s = time.monotonic() - planned
+    # One rank alone (as in a job) computes only the entries of the TP index it held: its memory follows its shard,
+    # not the world.
+    anchors = plan_gradient_sync(new)
+    for rank in (0, new.ranks_of(5)[3], new.world_size - 1):
+        alone = StateIndex.from_layouts([g["offer"]["steps"] for g in gathered], old, new, specs, shapes,
+                                        zero_order(specs))
+        if anchors.is_anchor(new.locate(rank)[0]):
+            plan_incoming(alone, rank)
+        plan_outgoing(alone, rank, gathered[rank]["offer"]["held"])
+        touched = {t for t, _ in alone.fragments} | {t for t, _ in alone.needs}
+        assert touched == {old.locate(old_rank_of[rank])[1]}, (rank, touched)
+    check = StateIndex.from_gathered(gathered, old, new, specs, shapes)
+    for rank in range(0, new.world_size, 7):
+        assert plan_incoming(check, rank) == plan_incoming(index, rank), f"rank {rank}: the two indexes disagree"
     dead_elements = sum(n for _, n in zero_addresses(old, DEAD, specs, shapes).values())
+    assert index.state_elements({DEAD}) == dead_elements
     rss_mb = _peak_rss_mb()
-    return {"seconds": time.monotonic() - start, "max_rss_mb": rss_mb,
+    return {"seconds": time.monotonic() - start, "max_rss_mb": rss_mb, "state_planning_s": planning_s,
             "unit_moves": len(moves), "state_moves": sum(incoming.values()),
             "state_elements_moved": received, "dead_rank_state_elements": dead_elements}
 

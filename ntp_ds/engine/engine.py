@@ -68,6 +68,8 @@ class Snapshot:
     """Filled in by recovery: some member was between the votes of a step."""
     rolled_back: bool = False
     """Filled in by recovery: the members return to the state the last step began from (`recovery.rollback`)."""
+    order: object = None
+    """An anchor's `layout.zero.FlatOrder`: how its optimizer laid out the state its fragments are part of."""
 
     @property
     def params_from_masters(self) -> bool:
@@ -352,7 +354,8 @@ class NTPEngine(DeepSpeedEngine):
             keys=keys, optimizer_step=state.optimizer_step(self) if self.is_anchor else 0,
             held=dict(self.copies.held), global_steps=self.global_steps, global_samples=self.global_samples,
             mid_step=self.in_optimizer_step, stale=stale, lr_state=self._lr_state(),
-            before_step=self._before_step, previous=dict(self.copies.previous))
+            before_step=self._before_step, previous=dict(self.copies.previous),
+            order=state.flat_order(self) if self.is_anchor else None)
 
     def _lr_state(self) -> tuple | None:
         if not self.is_anchor or self.optimizer is None:

@@ -7,9 +7,12 @@ to another replica every step and re-sliced into a differently partitioned engin
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from ntp_ds.layout.zero import START_ALIGNMENT, FlatOrder
 
 MASTER = "fp32"
 
@@ -105,6 +108,25 @@ def fragment_addresses(engine) -> dict[str, tuple[int, int]]:
         else:
             out[name] = (0, p.numel())
     return out
+
+
+def flat_order(engine) -> FlatOrder | None:
+    """How this engine's optimizer lays out its parameters (`layout.zero`), read off DeepSpeed; None where that rule
+    does not describe it (round-robin gradient partitioning, an optimizer other than ZeRO 1/2 that links fragments,
+    groups of different dtypes)."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    if not uses_hp_mapping(engine):
+        return FlatOrder((tuple(names.values()),), partitioned=False)
+    zero = engine.optimizer
+    groups = getattr(zero, "bit16_groups", None)
+    if (not groups or getattr(zero, "round_robin_gradients", True)
+            or getattr(zero, "nccl_start_alignment_factor", None) != START_ALIGNMENT):
+        return None
+    sizes = {p.element_size() for group in groups for p in group}
+    if len(sizes) != 1:
+        return None
+    alignment = 16 // math.gcd(16, sizes.pop()) if getattr(zero, "parameter_alignment", False) else 1
+    return FlatOrder(tuple(tuple(names[id(p)] for p in group) for group in groups), alignment)
 
 
 @torch.no_grad()

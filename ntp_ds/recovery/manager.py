@@ -296,6 +296,7 @@ class Recovery:
                  "bytes_moved": int(totals[0]), "kv_rereplicated_bytes": int(totals[1]),
                  "rank_bytes_received": moved.get("bytes", 0), "optimizer_bytes_moved": int(totals[2]),
                  "optimizer_bytes_restored": int(totals[3]), "lost_optimizer_bytes": state["lost_bytes"],
+                 "state_index": state["state_index"],
                  "traffic_bytes": dict(zip(received, map(int, totals[5:]))), "rolled_back": snapshot.rolled_back,
                  "lossless": int(totals[4]) == len(new_members)}
         return engine, event

@@ -15,6 +15,7 @@ survivor holds keeps the parameter's value with zero moments, and the recovery i
 from __future__ import annotations
 
 import bisect
+import hashlib
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from ntp_ds.engine import fragments as S
 from ntp_ds.layout import ShardLayout, Topology, plan_gradient_sync
 from ntp_ds.layout import units as U
 from ntp_ds.layout.regions import Block, Grid, blocks, grid, span_in
+from ntp_ds.layout.zero import FlatOrder, anchor_addresses, anchor_fragments
 
 
 @dataclass(frozen=True)
@@ -52,47 +54,108 @@ def unit_sources(old: ShardLayout, new: ShardLayout, tp_rank: int, kind: str) ->
     return out
 
 
+class _Table(dict):
+    """A table whose entries are computed on first lookup."""
+
+    def __init__(self, fill):
+        super().__init__()
+        self._fill = fill
+
+    def __missing__(self, key):
+        value = self[key] = self._fill(key)
+        return value
+
+
 class StateIndex:
     """Who holds which optimizer fragment after a failure, and which fragment each new anchor rank needs.
 
-    Built from every rank's offer (the owners whose fragments it can serve, with their steps and addresses) and
-    need (its new fragments' addresses). Fragments of one old TP index are disjoint under ZeRO and identical
-    without it; identical ones are grouped, since any of their holders can serve them.
+    `fragments[(old TP index, name)]`: (start, numel, owners) of each old anchor fragment someone can serve, by
+    start; fragments of one old TP index are disjoint under ZeRO and identical without it, and identical ones are one
+    entry, since any of their holders can serve them. `needs[(new TP index, name)]`: (start, numel, new rank) of
+    each new anchor's fragment. `holders[owner]`: (server, step) of every copy of an owner's state.
+
+    Built from the layouts (`from_layouts`: addresses follow from the shapes and the optimizer's flat order, and only
+    the offers' steps were gathered; a TP index's entries are computed when first looked up), or from every rank's
+    gathered addresses (`from_gathered`: where that rule was not confirmed on every rank).
     """
 
-    def __init__(self, gathered: list[dict], old: Topology, new: Topology, specs, full_shapes):
+    def __init__(self, steps: list[dict], old: Topology, new: Topology, specs, full_shapes):
+        """`steps[server]`: {owner: step} of every fragment set that new rank can serve."""
         self.old, self.new, self.specs, self.full_shapes = old, new, specs, full_shapes
         self.old_layout = old.layouts[plan_gradient_sync(old).anchors[0]]
         self.new_layout = new.layouts[plan_gradient_sync(new).anchors[0]]
         self.holders: dict[int, list[tuple[int, int]]] = defaultdict(list)  # owner -> [(server, step)]
-        address: dict[tuple[int, str], tuple[int, int]] = {}
-        for server, g in enumerate(gathered):
-            for owner, step in g["offer"]["steps"].items():
+        for server, offered in enumerate(steps):
+            for owner, step in offered.items():
                 self.holders[int(owner)].append((server, int(step)))
+        self.step = max((s for hs in self.holders.values() for _, s in hs), default=0)
+        self.fragments: dict[tuple[int, str], list[tuple[int, int, tuple[int, ...]]]] = _Table(lambda key: [])
+        self.needs: dict[tuple[int, str], list[tuple[int, int, int]]] = _Table(lambda key: [])
+        self._sources: dict[tuple[int, str], list] = {}
+        self.source = "gathered"
+        """How the addresses were learnt: "layouts" or "gathered"."""
+
+    @classmethod
+    def from_gathered(cls, gathered: list[dict], old: Topology, new: Topology, specs, full_shapes) -> "StateIndex":
+        """From every rank's offer (the owners whose fragments it can serve, with their steps and addresses) and need
+        (its new fragments' addresses)."""
+        index = cls([g["offer"]["steps"] for g in gathered], old, new, specs, full_shapes)
+        address: dict[tuple[int, str], tuple[int, int]] = {}
+        for g in gathered:
             for owner, frags in g["offer"]["held"].items():
                 for name, where in frags.items():
                     address[(int(owner), name)] = tuple(where)
-        self.step = max((s for hs in self.holders.values() for _, s in hs), default=0)
         groups: dict[tuple[int, str, tuple[int, int]], list[int]] = defaultdict(list)
         for (owner, name), where in address.items():
             groups[(old.locate(owner)[1], name, where)].append(owner)
-        self.fragments: dict[tuple[int, str], list[tuple[int, int, tuple[int, ...]]]] = defaultdict(list)
         for (tp, name, (start, numel)), owners in groups.items():
-            self.fragments[(tp, name)].append((start, numel, tuple(sorted(owners))))
-        self.needs: dict[tuple[int, str], list[tuple[int, int, int]]] = defaultdict(list)
+            index.fragments[(tp, name)].append((start, numel, tuple(sorted(owners))))
         for rank, g in enumerate(gathered):
             for name, (start, numel) in g["need"].items():
-                self.needs[(new.locate(rank)[1], name)].append((start, numel, rank))
-        for table in (self.fragments, self.needs):
+                index.needs[(new.locate(rank)[1], name)].append((start, numel, rank))
+        for table in (index.fragments, index.needs):
             for entries in table.values():
                 entries.sort()
-        self._sources: dict[tuple[int, str], list] = {}
+        return index
+
+    @classmethod
+    def from_layouts(cls, steps: list[dict], old: Topology, new: Topology, specs, full_shapes,
+                     order: FlatOrder) -> "StateIndex":
+        """From the offers' steps alone: every anchor's fragment follows from its TP index's shapes and `order`."""
+        index = cls(steps, old, new, specs, full_shapes)
+        offered = set(index.holders)
+        columns: dict[tuple[bool, int], dict] = {}
+
+        def column(is_old: bool, tp: int) -> dict:
+            if (is_old, tp) not in columns:
+                topology = old if is_old else new
+                columns[(is_old, tp)] = anchor_fragments(order, topology, tp, specs, full_shapes)
+            return columns[(is_old, tp)]
+
+        def fragments(key):
+            tp, name = key
+            out = []
+            for start, numel, owners in column(True, tp).get(name, ()):
+                held = tuple(o for o in owners if o in offered)
+                if held:
+                    out.append((start, numel, held))
+            return out
+
+        def needs(key):
+            tp, name = key
+            return sorted((start, numel, rank) for start, numel, ranks in column(False, tp).get(name, ())
+                          for rank in ranks)
+
+        index.fragments, index.needs = _Table(fragments), _Table(needs)
+        index.source = "layouts"
+        return index
 
     def state_elements(self, owners) -> int:
-        """Elements of optimizer state (per tensor: masters, or one moment) the given old ranks held."""
+        """Elements of optimizer state (per tensor: masters, or one moment) of the given old ranks that someone
+        offered (a fragment the dead shared with a live anchor counts only if its entry names the dead)."""
         owners = set(owners)
-        return sum(numel for entries in self.fragments.values() for _, numel, group in entries
-                   if owners & set(group))
+        return sum(numel for tp in {self.old.locate(o)[1] for o in owners} for name in self.specs
+                   for _, numel, group in self.fragments[(tp, name)] if owners & set(group))
 
     def sources(self, tp_rank: int, kind: str) -> list[tuple[int, U.Ranges]]:
         key = (tp_rank, kind)
@@ -172,7 +235,7 @@ def plan_outgoing(index: StateIndex, me: int, served: dict[int, dict[str, tuple[
 
 
 def _need_of(index: StateIndex, tp: int, name: str, rank: int) -> tuple[int, int] | None:
-    return next(((s, n) for s, n, r in index.needs.get((tp, name), ()) if r == rank), None)
+    return next(((s, n) for s, n, r in index.needs[(tp, name)] if r == rank), None)
 
 
 def _order(index: StateIndex, moves: list[StateMove]) -> list[StateMove]:
@@ -256,7 +319,8 @@ def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...], dea
     figures = {"bytes_sent": sum(t.numel() * t.element_size() for t in sends.values()),
                "bytes_received": sum(t.numel() * t.element_size() for t in recvs.values()),
                "checksums_ok": True, "covered": 0, "wanted": sum(n for _, n in wanted), "fresh": True,
-               "restored_bytes": 0, "lost_bytes": index.state_elements(dead) * width * 4}
+               "restored_bytes": 0, "lost_bytes": index.state_elements(dead) * width * 4,
+               "state_index": index.source}
     if not engine.is_anchor:
         return figures
     S.reset_state(engine, index.step, keys)
@@ -286,17 +350,63 @@ def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...], dea
 def reslice(engine, snapshot, dead: set[int] = frozenset(), own: bool = True) -> dict:
     """Give every new anchor rank the optimizer state of its new fragments; return this rank's measured figures.
     `dead`: old global ranks that died, whose state comes from copies. `own=False` (a roll-back): this rank's live
-    fragments may be partly updated, so only the copies it keeps are served."""
+    fragments may be partly updated, so only the copies it keeps are served.
+
+    Every rank contributes only the steps of what it can serve (a few numbers), plus the optimizer's flat order from
+    the lowest new anchor: the addresses follow from the layouts. Each rank first checks that rule against the
+    fragments it really holds (old and new, and the copies it keeps); if any rank finds a difference, or the ranks'
+    flat orders differ, every rank gathers the full addresses instead (`StateIndex.from_gathered`)."""
     held = {}  # owner old global rank -> (step, {name: Fragment}) this rank can serve
     if snapshot.fragments and own:
         held[snapshot.rank] = (snapshot.optimizer_step, snapshot.fragments)
     for owner, copy in snapshot.held.items():
         held[owner] = (copy.step, copy.fragments)
-    offer = {"keys": snapshot.keys, "steps": {o: step for o, (step, _) in held.items()},
-             "held": {o: {n: (f.start, f.numel) for n, f in frags.items()} for o, (_, frags) in held.items()}}
-    need = S.fragment_addresses(engine) if engine.is_anchor else {}
-    gathered = wire.all_gather_object({"offer": offer, "need": need})
-    keys = next((tuple(g["offer"]["keys"]) for g in gathered if g["offer"]["keys"]), ())
-    index = StateIndex(gathered, snapshot.topology, engine.ntp_groups.topology, engine.param_specs,
-                       engine.full_shapes)
+    steps = {o: step for o, (step, _) in held.items()}
+    new_order = S.flat_order(engine) if engine.is_anchor else None
+    old_topology, new_topology = snapshot.topology, engine.ntp_groups.topology
+    first_anchor = new_topology.ranks_of(plan_gradient_sync(new_topology).anchors[0])[0]
+    ok, orders = _rule_holds(engine, snapshot, held, new_order)
+    gathered = wire.all_gather_object({"keys": snapshot.keys, "steps": steps, "ok": ok, "orders": orders,
+                                       "order": new_order if engine.ntp_groups.rank == first_anchor else None})
+    keys = next((tuple(g["keys"]) for g in gathered if g["keys"]), ())
+    order = gathered[first_anchor]["order"]
+    args = (old_topology, new_topology, engine.param_specs, engine.full_shapes)
+    if order is not None and all(g["ok"] for g in gathered) and {o for g in gathered for o in g["orders"]} <= {
+            _digest(order)}:
+        index = StateIndex.from_layouts([g["steps"] for g in gathered], *args, order)
+    else:
+        offer = {"steps": steps,
+                 "held": {o: {n: (f.start, f.numel) for n, f in frags.items()} for o, (_, frags) in held.items()}}
+        need = S.fragment_addresses(engine) if engine.is_anchor else {}
+        index = StateIndex.from_gathered(wire.all_gather_object({"offer": offer, "need": need}), *args)
     return move_state(engine, index, held, keys, set(dead))
+
+
+def _digest(order: FlatOrder) -> str:
+    return hashlib.sha256(repr(order).encode()).hexdigest()
+
+
+def _rule_holds(engine, snapshot, held: dict, new_order: FlatOrder | None) -> tuple[bool, list[str]]:
+    """Whether the layout rule gives the addresses of every fragment this rank holds or will hold (its old
+    fragments and the copies it keeps, under the old engine's flat order; its new fragments under the new one), and
+    the digests of the flat orders it saw."""
+    specs, shapes = engine.param_specs, engine.full_shapes
+    old_order = snapshot.order if snapshot.fragments else None
+    orders = [o for o in (old_order, new_order) if o is not None]
+    check_old = old_order or new_order
+    try:
+        if snapshot.fragments and old_order is None:
+            return False, []
+        if check_old is not None:
+            for owner, (_, frags) in held.items():
+                rule = anchor_addresses(check_old, snapshot.topology, owner, specs, shapes)
+                if rule != {n: (f.start, f.numel) for n, f in frags.items()}:
+                    return False, []
+        if engine.is_anchor:
+            rule = anchor_addresses(new_order, engine.ntp_groups.topology, engine.ntp_groups.rank, specs, shapes) \
+                if new_order is not None else None
+            if rule != S.fragment_addresses(engine):
+                return False, []
+    except KeyError:  # a parameter of the flat order without a sharding spec
+        return False, []
+    return True, [_digest(o) for o in orders]

@@ -1,15 +1,14 @@
 """Recovery inputs for a job at any scale, built from shapes alone (meta tensors): no weights, no processes.
 
-The fragment addresses follow ZeRO 1/2's partitioning (a TP index's parameters flattened in order, padded to a
-multiple of the data-parallel degree, cut into equal contiguous partitions, one per anchor replica), so the
-planning code sees what a real job's ranks would gather, at a size whose data could never fit here.
+The fragment addresses follow ZeRO 1/2's partitioning (`layout.zero`: one parameter group in the model's order,
+padded to a multiple of 2 x the data-parallel degree, cut into equal contiguous partitions, one per anchor
+replica), so the planning code sees what a real job's ranks would hold, at a size whose data could never fit here.
 """
 
 from __future__ import annotations
 
-import math
-
 from ntp_ds.layout import Topology, plan_buddies, plan_gradient_sync
+from ntp_ds.layout.zero import FlatOrder, anchor_addresses
 from ntp_ds.models import Llama, LlamaConfig
 
 
@@ -26,22 +25,14 @@ def shape_specs(config: LlamaConfig) -> tuple[dict, dict]:
     return {n: s for n, (s, _) in specs.items()}, {n: shape for n, (_, shape) in specs.items()}
 
 
-def zero_addresses(topology: Topology, rank: int, specs, full_shapes, plan=None) -> dict[str, tuple[int, int]]:
+def zero_order(specs) -> FlatOrder:
+    """The flat order of a ZeRO 1/2 optimizer over one parameter group of the model's parameters."""
+    return FlatOrder((tuple(specs),))
+
+
+def zero_addresses(topology: Topology, rank: int, specs, full_shapes) -> dict[str, tuple[int, int]]:
     """(start, numel) in its local shard of every parameter fragment anchor `rank`'s ZeRO partition holds."""
-    plan = plan or plan_gradient_sync(topology)
-    replica, tp = topology.locate(rank)
-    layout = topology.layouts[replica]
-    dp, index = len(plan.anchors), plan.anchors.index(replica)
-    numels = {n: math.prod(layout.shard_shape(specs[n], full_shapes[n], tp)) for n in specs}
-    size = -(-sum(numels.values()) // dp)
-    lo, hi = index * size, (index + 1) * size
-    out, offset = {}, 0
-    for name, n in numels.items():
-        a, b = max(lo, offset), min(hi, offset + n)
-        if a < b:
-            out[name] = (a - offset, b - a)
-        offset += n
-    return out
+    return anchor_addresses(zero_order(specs), topology, rank, specs, full_shapes)
 
 
 def gathered_offers(old: Topology, new: Topology, old_rank_of: dict[int, int], specs, full_shapes,
@@ -61,7 +52,7 @@ def gathered_offers(old: Topology, new: Topology, old_rank_of: dict[int, int], s
         replica, tp = topology.locate(rank)
         key = (topology is new, topology.layouts[replica], tp, plan.anchors.index(replica))
         if key not in addresses:
-            addresses[key] = zero_addresses(topology, rank, specs, full_shapes, plan)
+            addresses[key] = zero_addresses(topology, rank, specs, full_shapes)
         return addresses[key]
 
     out = []
