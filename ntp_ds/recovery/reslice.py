@@ -352,8 +352,8 @@ def reslice(engine, snapshot, dead: set[int] = frozenset(), own: bool = True) ->
     `dead`: old global ranks that died, whose state comes from copies. `own=False` (a roll-back): this rank's live
     fragments may be partly updated, so only the copies it keeps are served.
 
-    Every rank contributes only the steps of what it can serve (a few numbers), plus the optimizer's flat order from
-    the lowest new anchor: the addresses follow from the layouts. Each rank first checks that rule against the
+    Every rank contributes only the steps of what it can serve (a few numbers) and the lowest new anchor broadcasts
+    the optimizer's flat order: the addresses follow from the layouts. Each rank first checks that rule against the
     fragments it really holds (old and new, and the copies it keeps); if any rank finds a difference, or the ranks'
     flat orders differ, every rank gathers the full addresses instead (`StateIndex.from_gathered`)."""
     held = {}  # owner old global rank -> (step, {name: Fragment}) this rank can serve
@@ -366,13 +366,12 @@ def reslice(engine, snapshot, dead: set[int] = frozenset(), own: bool = True) ->
     old_topology, new_topology = snapshot.topology, engine.ntp_groups.topology
     first_anchor = new_topology.ranks_of(plan_gradient_sync(new_topology).anchors[0])[0]
     ok, orders = _rule_holds(engine, snapshot, held, new_order)
-    gathered = wire.all_gather_object({"keys": snapshot.keys, "steps": steps, "ok": ok, "orders": orders,
-                                       "order": new_order if engine.ntp_groups.rank == first_anchor else None})
+    gathered = wire.all_gather_object({"keys": snapshot.keys, "steps": steps, "ok": ok, "orders": orders})
     keys = next((tuple(g["keys"]) for g in gathered if g["keys"]), ())
-    order = gathered[first_anchor]["order"]
     args = (old_topology, new_topology, engine.param_specs, engine.full_shapes)
-    if order is not None and all(g["ok"] for g in gathered) and {o for g in gathered for o in g["orders"]} <= {
-            _digest(order)}:
+    if all(g["ok"] for g in gathered) and len({o for g in gathered for o in g["orders"]}) == 1:
+        # One object from one rank, not in the gather: every slot of an object gather is as large as the largest.
+        order = wire.broadcast_object(new_order if engine.ntp_groups.rank == first_anchor else None, first_anchor)
         index = StateIndex.from_layouts([g["steps"] for g in gathered], *args, order)
     else:
         offer = {"steps": steps,
