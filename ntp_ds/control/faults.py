@@ -17,9 +17,11 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +49,17 @@ def fault_key(n: int) -> str:
 
 
 def fired_key(rank: int) -> str:
-    """Return the store key where a rank records the fault it fired and the wall time it did (to measure detection)."""
+    """Return the store key where a rank records the fault it fired and when (to measure detection)."""
     return f"fault/fired/{rank}"
+
+
+def clock_domain() -> str:
+    """What makes two processes' monotonic clocks comparable: the same boot of the same host (Linux's boot id;
+    elsewhere the host name)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()
 
 
 def _is_int(value) -> bool:
@@ -241,4 +252,7 @@ class FaultInjector:
         what = f"slow (x{fault.factor:g})" if fault.kind == "slow" else fault.kind
         log.warning("injecting %s on rank %d at step %d, phase %s", what, self.rank, step, fault.phase)
         if self.store is not None and fault.kind != "slow":  # the record times a failure's detection
-            self.store.set(fired_key(self.rank), json.dumps({**fault.as_dict(), "at_step": step, "wall": self._wall()}))
+            # The wall time for people; the monotonic instant, with its clock's domain, for a detection time that a
+            # rank on the same host may subtract from its own.
+            self.store.set(fired_key(self.rank), json.dumps({**fault.as_dict(), "at_step": step, "wall": self._wall(),
+                                                             "monotonic": self._clock(), "clock": clock_domain()}))

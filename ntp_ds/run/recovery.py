@@ -18,7 +18,7 @@ import logging
 import time
 from pathlib import Path
 
-from ntp_ds.control.faults import DeviceError, FaultInjector, fired_key
+from ntp_ds.control.faults import DeviceError, FaultInjector, clock_domain, fired_key
 from ntp_ds.recovery.manager import Recovery
 from ntp_ds.run.config import RunConfig
 from ntp_ds.run.records import LAST_GOOD
@@ -73,16 +73,14 @@ class LiveRecovery:
             self.recovery.leave(f"device error at step {step}")
         if not isinstance(error, PEER_FAILURES):
             raise error
-        noticed = time.time()
+        noticed = time.monotonic()
         outcome = self.recovery.recover(error)
         event = outcome.event
         fields = {k: v for k, v in event.items() if k not in TRAINER_FIELDS}
-        detection_s = event.get("detection_s", 0.0)
         fired = self._fired(event.get("dead", ()))
         if fired:
-            # An injected fault says when the failure happened: detection ends when this rank's step failed.
-            detection_s = max(0.0, noticed - min(f["wall"] for f in fired))
             fields["faults"] = [f"{f['kind']} on rank {f['rank']} at step {f['at_step']} ({f['phase']})" for f in fired]
+        detection_s = detection_from_faults(fired, noticed, event.get("detection_s", 0.0))
         recovery_s = sum(event.get(k, 0.0) for k in ("agreement_s", "regroup_s", "reshard_s"))
         return RecoveryReport(outcome.engine, detection_s=detection_s, recovery_s=recovery_s, fields=fields)
 
@@ -95,7 +93,7 @@ class LiveRecovery:
         return RecoveryReport(outcome.engine, detection_s=0.0, recovery_s=outcome.event["grow_s"], fields=fields)
 
     def _fired(self, dead) -> list[dict]:
-        """The injected faults the dead ranks fired (with the wall time they fired at), if any."""
+        """The injected faults the dead ranks fired (with when they fired), if any."""
         store = self.recovery.store
         keys = [fired_key(r) for r in dead]
         return [json.loads(store.get(k)) for k in keys if store.check([k])]
@@ -104,3 +102,12 @@ class LiveRecovery:
         """Stop beating (at the end of the run, or when it stops); once `finished`, answer the joiners still
         waiting."""
         self.recovery.close(finished)
+
+
+def detection_from_faults(fired: list[dict], noticed: float, measured: float) -> float:
+    """Detection time of a failure: from the injected faults' instant when they fired on this host (a monotonic clock
+    this rank shares) to `noticed` (this rank's step failed, same clock); otherwise `measured`, the event's own
+    figure (each reporter's silence on its own clock): clocks of different hosts are never subtracted."""
+    if fired and all(f.get("clock") == clock_domain() for f in fired):
+        return max(0.0, noticed - min(f["monotonic"] for f in fired))
+    return measured

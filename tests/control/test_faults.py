@@ -20,6 +20,7 @@ from ntp_ds.control.faults import (
     Fault,
     FaultInjector,
     FaultSchedule,
+    clock_domain,
     fault_key,
     fired_key,
     send_fault,
@@ -127,7 +128,20 @@ def test_sent_fault_is_polled_cheaply_and_fires_at_or_after_its_step():
     inj.check(5, "grad_sync")  # step 5 >= 1: a late fault still fires
     assert fire.fired == [Fault(2, 1, "grad_sync", "device_error")]
     record = json.loads(store.inner.get(fired_key(2)))
-    assert record == {"rank": 2, "step": 1, "phase": "grad_sync", "kind": "device_error", "at_step": 5, "wall": 123.0}
+    assert record == {"rank": 2, "step": 1, "phase": "grad_sync", "kind": "device_error", "at_step": 5, "wall": 123.0,
+                      "monotonic": 0.6, "clock": clock_domain()}
+
+
+def test_detection_is_timed_from_a_fault_only_on_the_host_whose_clock_fired_it():
+    from ntp_ds.run.recovery import detection_from_faults
+
+    here = {"monotonic": 10.0, "clock": clock_domain(), "wall": 5.0}
+    elsewhere = {"monotonic": 1.0, "clock": "another host", "wall": 4.0}
+    assert detection_from_faults([here], noticed=12.5, measured=0.7) == 2.5
+    # Another host's clocks are not this rank's: the reporters' own measurement stands.
+    assert detection_from_faults([elsewhere], noticed=12.5, measured=0.7) == 0.7
+    assert detection_from_faults([here, elsewhere], noticed=12.5, measured=0.7) == 0.7
+    assert detection_from_faults([], noticed=12.5, measured=0.7) == 0.7
 
 
 def test_a_fault_counted_but_not_yet_written_is_read_at_the_next_poll():
