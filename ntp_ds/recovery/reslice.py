@@ -5,7 +5,9 @@ local shard). They lie in the old anchors' fragments, in the old layout. Every r
 part in: as a destination, the old fragments that overlap its own new fragments; as a server, the new fragments
 that overlap the ones it serves. Overlaps are found by range arithmetic on the parameter's grid (`layout.regions`)
 and a binary search over the fragments of one TP index, so planning grows with the rank's own shard and the
-number of fragments it touches, never with the tensors' sizes.
+number of fragments it touches, never with the tensors' sizes. Where each fragment lies follows from the shapes and
+DeepSpeed's flat order (`layout.zero`), checked on every rank against what it holds: the ranks gather only what
+each can serve, not every rank's addresses.
 
 What a destination installs is measured, not planned: a coverage mask over each new fragment records the elements
 written, and every message carries an integer checksum of its payload that the receiver recomputes. An element no
