@@ -328,19 +328,30 @@ def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...], dea
     S.reset_state(engine, index.step, keys)
     targets = S.local_fragments(engine, keys)
     masks = {name: torch.zeros(targets[name].numel, dtype=torch.bool) for name in targets}
+    my_tp = index.new.locate(me)[1]
     for src, items in by_src.items():
-        buf = recvs[src] if src != me else pack(items)
-        payload = buf[:-2]
-        figures["checksums_ok"] &= intact(buf)
+        if src == me:
+            payload = None  # what this rank keeps or serves itself goes region to region, with no message
+        else:
+            payload = recvs[src][:-2]
+            figures["checksums_ok"] &= intact(recvs[src])
         pos = 0
         for m in items:
             target = targets[m.name]
-            g = index.new_grid(m.name, index.new.locate(me)[1])
+            g = index.new_grid(m.name, my_tp)
             n = m.block.numel
-            for t in [target.tensors[S.MASTER]] + [target.tensors[k] for k in keys]:
-                _region(t, target.start, g.width, m.block, m.block.dst_col).copy_(
-                    payload[pos:pos + n].view(m.block.row1 - m.block.row0, m.block.cols))
-                pos += n
+            sources = None
+            if payload is None:
+                frag = held[m.owner][1][m.name]
+                old = index.old_grid(m.name, index.old.locate(m.owner)[1])
+                sources = [_region(t, frag.start, old.width, m.block, m.block.src_col) for t in tensors_of(frag)]
+            for i, t in enumerate([target.tensors[S.MASTER]] + [target.tensors[k] for k in keys]):
+                region = _region(t, target.start, g.width, m.block, m.block.dst_col)
+                if sources is not None:
+                    region.copy_(sources[i])
+                else:
+                    region.copy_(payload[pos:pos + n].view(m.block.row1 - m.block.row0, m.block.cols))
+                    pos += n
             _region(masks[m.name], target.start, g.width, m.block, m.block.dst_col).fill_(True)
             if m.owner in dead:
                 figures["restored_bytes"] += n * width * 4
