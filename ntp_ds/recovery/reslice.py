@@ -292,17 +292,20 @@ def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...], dea
     def tensors_of(frag) -> list[torch.Tensor]:
         return [frag.tensors[S.MASTER]] + [frag.tensors.get(k, frag.tensors.get(f"key{i}")) for i, k in enumerate(keys)]
 
+    def served_regions(m: StateMove) -> list[torch.Tensor]:
+        """Views of the block of move `m` in each optimizer tensor of the fragment it is served from."""
+        frag = held[m.owner][1][m.name]
+        g = index.old_grid(m.name, index.old.locate(m.owner)[1])
+        return [_region(t, frag.start, g.width, m.block, m.block.src_col) for t in tensors_of(frag)]
+
     def pack(items: list[StateMove]) -> torch.Tensor:
         """One message: every block's regions copied once, straight into place, then the checksum."""
         message = torch.empty(_message_numel(sum(m.block.numel for m in items) * width), device=device)
         pos = 0
         for m in items:
-            frag = held[m.owner][1][m.name]
-            g = index.old_grid(m.name, index.old.locate(m.owner)[1])
             rows, n = m.block.row1 - m.block.row0, m.block.numel
-            for t in tensors_of(frag):
-                message[pos:pos + n].view(rows, m.block.cols).copy_(
-                    _region(t, frag.start, g.width, m.block, m.block.src_col))
+            for region in served_regions(m):
+                message[pos:pos + n].view(rows, m.block.cols).copy_(region)
                 pos += n
         message[pos:-2] = 0  # the padding word's half
         return seal(message)
@@ -330,28 +333,21 @@ def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...], dea
     masks = {name: torch.zeros(targets[name].numel, dtype=torch.bool) for name in targets}
     my_tp = index.new.locate(me)[1]
     for src, items in by_src.items():
-        if src == me:
-            payload = None  # what this rank keeps or serves itself goes region to region, with no message
-        else:
+        if src != me:
             payload = recvs[src][:-2]
             figures["checksums_ok"] &= intact(recvs[src])
         pos = 0
         for m in items:
             target = targets[m.name]
             g = index.new_grid(m.name, my_tp)
-            n = m.block.numel
-            sources = None
-            if payload is None:
-                frag = held[m.owner][1][m.name]
-                old = index.old_grid(m.name, index.old.locate(m.owner)[1])
-                sources = [_region(t, frag.start, old.width, m.block, m.block.src_col) for t in tensors_of(frag)]
-            for i, t in enumerate([target.tensors[S.MASTER]] + [target.tensors[k] for k in keys]):
-                region = _region(t, target.start, g.width, m.block, m.block.dst_col)
-                if sources is not None:
-                    region.copy_(sources[i])
-                else:
-                    region.copy_(payload[pos:pos + n].view(m.block.row1 - m.block.row0, m.block.cols))
-                    pos += n
+            rows, n = m.block.row1 - m.block.row0, m.block.numel
+            if src == me:  # what this rank keeps or serves itself goes region to region, with no message
+                pieces = served_regions(m)
+            else:
+                pieces = [payload[pos + i * n:pos + (i + 1) * n].view(rows, m.block.cols) for i in range(width)]
+                pos += n * width
+            for t, piece in zip([target.tensors[S.MASTER]] + [target.tensors[k] for k in keys], pieces):
+                _region(t, target.start, g.width, m.block, m.block.dst_col).copy_(piece)
             _region(masks[m.name], target.start, g.width, m.block, m.block.dst_col).fill_(True)
             if m.owner in dead:
                 figures["restored_bytes"] += n * width * 4
@@ -414,11 +410,9 @@ def _rule_holds(engine, snapshot, held: dict, new_order: FlatOrder | None) -> tu
                 rule = anchor_addresses(check_old, snapshot.topology, owner, specs, shapes)
                 if rule != {n: (f.start, f.numel) for n, f in frags.items()}:
                     return False, []
-        if engine.is_anchor:
-            rule = anchor_addresses(new_order, engine.ntp_groups.topology, engine.ntp_groups.rank, specs, shapes) \
-                if new_order is not None else None
-            if rule != S.fragment_addresses(engine):
-                return False, []
+        if engine.is_anchor and (new_order is None or S.fragment_addresses(engine) != anchor_addresses(
+                new_order, engine.ntp_groups.topology, engine.ntp_groups.rank, specs, shapes)):
+            return False, []
     except KeyError:  # a parameter of the flat order without a sharding spec
         return False, []
     return True, [_digest(o) for o in orders]
