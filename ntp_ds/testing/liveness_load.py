@@ -1,10 +1,11 @@
 """Load the control plane as a large job would: thousands of simulated workers on hundreds of simulated nodes.
 
-One TCPStore, a few client threads. Each thread plays a share of the nodes: every simulated worker beats and watches
-its peers through the real `Heartbeat` (its beat, its per-node `LivenessReader`, its backoff), and every simulated
-node's launcher publishes through the real `NodePublisher`, each on its own schedule. A thread runs its share as an
-event loop instead of one OS thread per worker: what matters is the load the store sees and the verdicts the
-watchers reach, not the thread count. Every call on the store is counted.
+One TCPStore, a few shares of the nodes. In each share every simulated worker beats and watches its peers through the
+real `Heartbeat` (its beat, its per-node `LivenessReader`, its backoff), and every simulated node's launcher
+publishes through the real `NodePublisher`, each on its own schedule. A share runs two event loops instead of one OS
+thread per worker, each on its own store client, as a real job's beats and watches run on threads of their own: one
+for the beats and the launchers' publications, one for the watches and the agreement. What matters is the load the
+store sees and the verdicts the watchers reach, not the thread count. Every call on the store is counted.
 
 All workers are healthy except one, which stops beating at `hang_at_s` (a SIGSTOP as the store sees it): its peers
 must declare it dead after the heartbeat timeout, and nobody else may be declared dead. Each peer that finds it
@@ -42,7 +43,7 @@ class LoadSpec:
     heartbeat_timeout_s: float = 3.0
     duration_s: float = 10.0
     threads: int = 4
-    """Client threads (each with its own store connection) that share the simulated nodes."""
+    """Shares of the simulated nodes; each runs two threads (beats, watches), each with its own store connection."""
     processes: int = 1
     """Processes the threads are spread over (real workers are processes: one interpreter driving thousands of
     them falls behind their beats on a small machine)."""
@@ -94,8 +95,17 @@ class LoadResult:
     hung_watchers: int
     detection_s: list[float] = field(default_factory=list)
     """Per peer of the hung worker: seconds from its last beat to its peer declaring it dead."""
+    detection_lag_s: list[float] = field(default_factory=list)
+    """Per entry of `detection_s`: how late the harness ran that peer's polls (behind their schedule), the worst
+    of those from the hung worker's last beat to the verdict: the poll that saw the last beat and the one that
+    declared the silence both count."""
     worst_beat_lag_s: float = 0.0
     """Longest delay of a scheduled beat behind its time (the harness falling behind shows here)."""
+    worst_watch_lag_s: float = 0.0
+    """Longest delay of a scheduled poll of the peers behind its time (on the watching threads)."""
+    starved: int = 0
+    """Healthy workers the harness itself kept from beating for longer than the timeout (two of their beats sent
+    further apart): a verdict against such a worker is right, the store saw it silent, and is not a false death."""
     ops_per_second: list[int] = field(default_factory=list)
     """Store calls in each whole second of the run."""
     decisions: dict[str, int] = field(default_factory=dict)
@@ -122,15 +132,17 @@ class LoadResult:
     def line(self) -> str:
         found = f"{self.hung_found_by}/{self.hung_watchers}"
         detect = f"{max(self.detection_s):.2f}" if self.detection_s else "-"
+        late = f"{max(self.detection_lag_s):.2f}" if self.detection_lag_s else "-"
         mix = " ".join(f"{name}={n / self.seconds:.0f}" for name, n in sorted(self.ops.items()))
         agree = f"{self.agreement_s:.2f}" if self.agreement_s is not None else "-"
         confirm = f"{self.confirm_s:.2f}" if self.confirm_s is not None else "-"
         return (f"workers={self.spec.world_size} nodes={self.spec.nodes} per_node={self.spec.per_node} "
                 f"store_ops_per_s={self.ops_per_s:.0f} peak_ops_per_s={self.peak_ops_per_s} "
-                f"false_deaths={self.false_deaths} hung_found_by={found} worst_detection_s={detect} "
+                f"false_deaths={self.false_deaths} starved={self.starved} hung_found_by={found} worst_detection_s={detect} (polls late by up to {late} s) "
                 f"decided={self.decided} decisions={len(self.decisions)} agreement_s={agree} "
                 f"confirmed={self.confirmed} confirm_s={confirm} "
-                f"worst_beat_lag_s={self.worst_beat_lag_s:.2f} ({mix} per s)")
+                f"worst_beat_lag_s={self.worst_beat_lag_s:.2f} worst_watch_lag_s={self.worst_watch_lag_s:.2f} "
+                f"({mix} per s)")
 
 
 class CountingStore:
@@ -187,15 +199,19 @@ def run_load(spec: LoadSpec) -> LoadResult:
     errors = [e for sim in sims for e in sim.errors]
     if errors:
         raise RuntimeError(f"{len(errors)} store calls failed; first: {errors[0]!r}")
-    ops = sum((sim.counting.calls for sim in sims), Counter())
+    ops = sum((c.calls for sim in sims for c in sim.clients), Counter())
     deaths = [(w, r, t) for sim in sims for w, r, t in sim.deaths]
     hung = spec.hung_rank
-    false_deaths = sum(1 for _, r, _ in deaths if r != hung)
+    starved = {r for sim in sims for r, gap in sim.beat_gap.items() if r != hung and gap > spec.heartbeat_timeout_s}
+    false_deaths = sum(1 for _, r, _ in deaths if r != hung and r not in starved)
     hung_peers = set(peers_of(hung, spec.nodes, spec.workers_per_node)) if hung is not None else set()
     found = {w: t for w, r, t in deaths if r == hung}
     last_beat = max((sim.hung_last_beat for sim in sims if sim.hung_last_beat is not None), default=None)
     detection = [t - last_beat for t in found.values()] if last_beat is not None else []
-    per_second = sum((sim.counting.per_second for sim in sims), Counter())
+    polls = {w: p for sim in sims for w, p in sim.hung_watcher_polls.items()}
+    detection_lag = [max((late for wall, late in polls[w] if last_beat <= wall <= t), default=0.0)
+                     for w, t in found.items()] if last_beat is not None else []
+    per_second = sum((c.per_second for sim in sims for c in sim.clients), Counter())
     decisions = Counter(change.encode() for sim in sims for change in sim.decided.values())
     reported = [sim.first_report for sim in sims if sim.first_report is not None]
     decided_at = [t for sim in sims for t in sim.decided_at.values()]
@@ -203,7 +219,8 @@ def run_load(spec: LoadSpec) -> LoadResult:
     confirmed_at = [t for sim in sims for t in sim.confirmed_at.values()]
     confirm = max(confirmed_at) - min(reported) if reported and confirmed_at else None
     return LoadResult(spec, spec.duration_s, ops, false_deaths, len(found.keys() & hung_peers), len(hung_peers),
-                      detection, max(sim.worst_lag for sim in sims),
+                      detection, detection_lag, max(sim.worst_lag for sim in sims), max(sim.worst_watch_lag for sim in sims),
+                      len(starved),
                       [per_second[s] for s in range(int(spec.duration_s))], dict(decisions), agreement,
                       len(confirmed_at), confirm)
 
@@ -211,7 +228,7 @@ def run_load(spec: LoadSpec) -> LoadResult:
 def _run_shares(spec: LoadSpec, address: str, shares: list[list[int]], conn) -> list:
     """Set up and run some shares, one thread each; with `conn` (a child process) wait for the common start time
     and send back what each share saw, else return the shares themselves."""
-    sims = [_Share(spec, connect_store(address, 30.0), nodes) for nodes in shares]
+    sims = [_Share(spec, connect_store(address, 30.0), connect_store(address, 30.0), nodes) for nodes in shares]
     for sim in sims:
         sim.setup()
     gc.collect()
@@ -222,10 +239,11 @@ def _run_shares(spec: LoadSpec, address: str, shares: list[list[int]], conn) -> 
         conn.send("ready")
         start = conn.recv()
     for sim in sims:
-        sim.counting.calls.clear()
-        sim.counting.start = start
-    threads = [threading.Thread(target=sim.run, args=(start,), name=f"ntp-load-{i}", daemon=True)
-               for i, sim in enumerate(sims)]
+        for client in sim.clients:
+            client.calls.clear()
+            client.start = start
+    threads = [threading.Thread(target=sim.run, args=(start, loop), name=f"ntp-load-{i}-{loop}", daemon=True)
+               for i, sim in enumerate(sims) for loop in ("beats", "watches")]
     for t in threads:
         t.start()
     for t in threads:
@@ -245,25 +263,38 @@ class _Seen:
 
     def __init__(self, sim):
         self.errors = [repr(e) for e in sim.errors]
-        self.counting = types.SimpleNamespace(calls=sim.counting.calls, per_second=sim.counting.per_second)
+        self.clients = [types.SimpleNamespace(calls=c.calls, per_second=c.per_second) for c in sim.clients]
         self.deaths, self.hung_last_beat, self.worst_lag = sim.deaths, sim.hung_last_beat, sim.worst_lag
+        self.beat_gap, self.worst_watch_lag = sim.beat_gap, sim.worst_watch_lag
+        self.hung_watcher_polls = sim.hung_watcher_polls
         self.decided, self.decided_at = sim.decided, sim.decided_at
         self.confirmed_at, self.first_report = sim.confirmed_at, sim.first_report
 
 
 class _Share:
-    """The nodes one client thread plays: their workers' beats and watches, their launchers' publications."""
+    """The nodes one share plays: their workers' beats and watches, their launchers' publications. The beats and
+    publications run on one thread and client (`beats`), the watches and the agreement on another (`watches`)."""
 
-    def __init__(self, spec: LoadSpec, client, nodes: list[int]):
+    def __init__(self, spec: LoadSpec, beat_client, watch_client, nodes: list[int]):
         self.spec, self.nodes = spec, nodes
-        self.counting = CountingStore(client)
+        self.beat_store, self.counting = CountingStore(beat_client), CountingStore(watch_client)
+        self.clients = (self.beat_store, self.counting)
         self.deaths: list[tuple[int, int, float]] = []  # (watcher, rank, wall time)
         self.errors: list[BaseException] = []
-        self.worst_lag = 0.0
+        self.worst_lag = self.worst_watch_lag = 0.0
         self.hung_last_beat: float | None = None
+        hung = spec.hung_rank
+        watching = set(peers_of(hung, spec.nodes, spec.workers_per_node)) if hung is not None else set()
+        self.hung_watcher_polls: dict[int, list[tuple[float, float]]] = {}
+        """For each of this share's peers of the hung worker: (wall time, seconds late) of every poll it ran."""
+        self.beat_gap: dict[int, float] = {}
+        """Per worker, the longest time between two of its beats as sent (monotonic)."""
+        self._last_sent: dict[int, float] = {}
         wpn = spec.workers_per_node
         self.ranks = [n * wpn + i for n in nodes for i in range(wpn)]
-        self.publishers = {n: NodePublisher(self.counting, n, range(n * wpn, (n + 1) * wpn)) for n in nodes}
+        self.hung_watcher_polls.update((rank, []) for rank in self.ranks if rank in watching)
+        self.publishers = {n: NodePublisher(self.beat_store, n, range(n * wpn, (n + 1) * wpn)) for n in nodes}
+        self.beaters = {rank: Heartbeat(self.beat_store, rank, spec.interval_s) for rank in self.ranks}
         self.workers: dict[int, Heartbeat] = {}
         self.memberships: dict[int, Membership] = {}
         self.waits: dict[int, DecisionWait] = {}
@@ -289,22 +320,22 @@ class _Share:
 
     def setup(self) -> None:
         """Every worker beats once and every launcher publishes once, as when the job has started."""
-        for hb in self.workers.values():
+        for hb in self.beaters.values():
             hb.beat()
         for pub in self.publishers.values():
             pub.publish()
         for rank, hb in self.workers.items():
             hb.watch(peers_of(rank, self.spec.nodes, self.spec.workers_per_node))
 
-    def run(self, start: float) -> None:
+    def run(self, start: float, loop: str) -> None:
         try:
-            self._run(start)
+            self._run(start, loop)
         except BaseException as err:  # raised by run_load: a share that stopped early makes the load test fail
             self.errors.append(err)
 
-    def _run(self, start: float) -> None:
+    def _run(self, start: float, loop: str) -> None:
         spec = self.spec
-        rng = random.Random(spec.seed + self.nodes[0])
+        rng = random.Random(spec.seed + self.nodes[0] + (0 if loop == "beats" else 1_000_003))
         fastest = spec.interval_s / WATCHES_PER_BEAT
         end = start + spec.duration_s
         hang_at = None if spec.hang_at_s is None else start + spec.hang_at_s
@@ -316,13 +347,16 @@ class _Share:
             seq += 1
             heapq.heappush(queue, (due, seq, kind, who))
 
-        for rank in self.ranks:  # spread the first beats and polls: workers do not start in lockstep
-            push(start + rng.uniform(0, spec.interval_s), "beat", rank)
-            push(start + rng.uniform(0, spec.interval_s), "watch", rank)
-        for node in self.nodes:
-            push(start + rng.uniform(0, NODE_PUBLISH_S), "publish", node)
-        for rank in self.ranks:
-            push(start + rng.uniform(0, spec.step_s), "step", rank)
+        if loop == "beats":
+            for rank in self.ranks:  # spread the first beats: workers do not start in lockstep
+                push(start + rng.uniform(0, spec.interval_s), "beat", rank)
+                self._last_sent[rank] = start
+            for node in self.nodes:
+                push(start + rng.uniform(0, NODE_PUBLISH_S), "publish", node)
+        else:
+            for rank in self.ranks:
+                push(start + rng.uniform(0, spec.interval_s), "watch", rank)
+                push(start + rng.uniform(0, spec.step_s), "step", rank)
         pause = {rank: fastest for rank in self.ranks}
         while queue:
             due, _, kind, who = heapq.heappop(queue)
@@ -336,14 +370,21 @@ class _Share:
                 if kind == "beat":
                     if hung:
                         continue  # stopped: no more beats, no more watching
-                    self.worst_lag = max(self.worst_lag, time.monotonic() - due)
-                    beat = self.workers[who].beat()
+                    sent = time.monotonic()
+                    self.worst_lag = max(self.worst_lag, sent - due)
+                    self.beat_gap[who] = max(self.beat_gap.get(who, 0.0), sent - self._last_sent[who])
+                    self._last_sent[who] = sent
+                    beat = self.beaters[who].beat()
                     if who == spec.hung_rank:
                         self.hung_last_beat = beat.wall
                     push(due + spec.interval_s, "beat", who)
                 elif kind == "watch":
                     if hung:
                         continue
+                    late = time.monotonic() - due
+                    self.worst_watch_lag = max(self.worst_watch_lag, late)
+                    if who in self.hung_watcher_polls:
+                        self.hung_watcher_polls[who].append((time.time(), late))
                     news = self.workers[who].poll_peers()
                     pause[who] = next_pause(pause[who], news, fastest, spec.interval_s)
                     push(time.monotonic() + pause[who], "watch", who)

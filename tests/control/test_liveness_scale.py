@@ -189,17 +189,23 @@ def test_peers_are_symmetric_and_span_few_nodes():
 def test_4096_workers_on_512_nodes_see_no_false_death_at_a_3s_timeout():
     # Beat once a second, the simulated workers spread over two processes: one Python process on two shared cores
     # cannot drive 4,096 workers' beats, watches and agreement without itself falling behind them by more than the
-    # timeout (worst_beat_lag_s 3.5-5.8 s measured, with false deaths that were the harness's); two: about 2 s.
+    # timeout (worst_beat_lag_s 3.5-5.8 s measured, with false deaths that were the harness's). Each share beats on a
+    # thread of its own, as a worker's heartbeat does, so the watches and the agreement do not hold its beats back.
     spec = LoadSpec(nodes=512, workers_per_node=8, interval_s=1.0, heartbeat_timeout_s=3.0, duration_s=15.0,
                     hang_at_s=2.0, processes=2)
     result = run_load(spec)
     print(result.line())
     assert sum(result.ops.values()) > 10 * spec.world_size  # every worker beat and polled many times
+    # No worker whose beats left on time was declared dead. A worker the harness itself kept from beating for longer
+    # than the timeout (two beats sent more than 3 s apart) is rightly found silent: counted apart, and it must stay
+    # rare, or the run measured the harness rather than the control plane.
     assert result.false_deaths == 0
-    # The one hung worker is declared dead by every peer, within the timeout and a second, plus however far the
-    # harness itself fell behind on a loaded machine (it shares the store's CPUs).
+    assert result.starved <= spec.world_size // 100, result.line()
+    # The one hung worker is declared dead by every peer, within the timeout and a second, plus however late the
+    # harness ran that peer's polls meanwhile (its threads share the store's CPUs).
     assert result.hung_found_by == result.hung_watchers == 10
-    assert max(result.detection_s) <= spec.heartbeat_timeout_s + 1.0 + result.worst_beat_lag_s
+    for seconds, late in zip(result.detection_s, result.detection_lag_s, strict=True):
+        assert seconds <= spec.heartbeat_timeout_s + 1.0 + late, result.line()
     assert min(result.detection_s) >= spec.heartbeat_timeout_s
     # Every other worker holds the same decision, which names the hung worker alone.
     (decision, holders), = result.decisions.items()
