@@ -1,6 +1,6 @@
 """Straggler-aware batch planning: the same job with one replica slowed by a fixed factor, fixed plan vs aware plan.
 
-Both runs are `ntp-ds train` on 3 replicas x TP 1 (gloo on CPU) under `preserve_global_batch`, with the same
+The fixed and aware runs are `ntp-ds train` on 3 replicas x TP 1 (gloo on CPU) under `preserve_global_batch`, with the same
 `slow` fault: launch rank 2 (replica 2) takes `--slow-factor` times as long for each micro-batch from step 1 (it
 sleeps factor - 1 times the forward and backward work it measured, as a throttled device would compute).
 
@@ -8,6 +8,10 @@ sleeps factor - 1 times the forward and backward work it measured, as a throttle
   the slow replica.
 - aware: `parallel.straggler.enabled=true`; after each window of `--every-steps` steps the planner moves samples
   away from the slow replica when that predicts a step more than `--threshold` shorter.
+- unslowed: the fixed plan without the fault. No plan can beat it (the same work, no replica slowed), so
+  `ceiling_speedup=<fixed time / unslowed time>` is the most any planner could gain on this machine: about the slow
+  factor with one core or device per rank, less where the ranks share cores (a slowed rank's idle time lets the
+  others compute faster).
 
 Time is the sum of the step times (the writer's `step_time_s` in metrics.jsonl) after `--warmup` steps, the aware
 run's first windows at the fixed plan included. The final weights of both runs are compared as well (under
@@ -34,14 +38,15 @@ from pathlib import Path
 REPLICAS, SLOW_RANK = 3, 2
 
 
-def _train(run_dir: Path, args, aware: bool) -> None:
+def _train(run_dir: Path, args, aware: bool, slowed: bool = True) -> None:
     overrides = ["recipe=cpu_demo", "parallel.tp=1", f"parallel.replicas={REPLICAS}", "parallel.timeout_s=60",
                  f"model.hidden_size={args.hidden}", f"model.intermediate_size={3 * args.hidden}",
                  f"model.num_hidden_layers={args.layers}", "model.num_attention_heads=4", "model.num_key_value_heads=2",
                  f"data.seq_len={args.seq}", f"train.steps={args.steps}", f"train.global_batch={args.global_batch}",
                  f"train.micro_batch={args.micro}", "train.save_checkpoint=false", "logging=disabled",
                  "logging.progress=false", "logging.level=WARNING",
-                 f"fault.faults=[{{rank:{SLOW_RANK},step:1,phase:forward,kind:slow,factor:{args.slow_factor}}}]",
+                 (f"fault.faults=[{{rank:{SLOW_RANK},step:1,phase:forward,kind:slow,factor:{args.slow_factor}}}]"
+                  if slowed else "fault.faults=[]"),
                  f"parallel.straggler.enabled={str(aware).lower()}", f"parallel.straggler.every_steps={args.every_steps}",
                  f"parallel.straggler.threshold={args.threshold}", f"hydra.run.dir={run_dir}"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
@@ -49,7 +54,7 @@ def _train(run_dir: Path, args, aware: bool) -> None:
     done = subprocess.run([sys.executable, "-m", "ntp_ds.cli", "train", *overrides], env=env, capture_output=True,
                           text=True, timeout=args.timeout)
     if done.returncode != 0:
-        raise SystemExit(f"the {'aware' if aware else 'fixed'} run failed:\n{done.stderr[-4000:]}")
+        raise SystemExit(f"the {run_dir.name} run failed:\n{done.stderr[-4000:]}")
 
 
 def _records(run_dir: Path, name: str) -> list[dict]:
@@ -85,9 +90,9 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="ntp_straggler_") as tmp:
         times, runs = {}, {}
-        for name, aware in (("fixed", False), ("aware", True)):
+        for name, aware, slowed in (("fixed", False, True), ("aware", True, True), ("unslowed", False, False)):
             runs[name] = Path(tmp) / name
-            _train(runs[name], args, aware)
+            _train(runs[name], args, aware, slowed)
             steps = _records(runs[name], "metrics.jsonl")[args.warmup:]
             times[name] = sum(m["step_time_s"] for m in steps)
         replans = [e for e in _records(runs["aware"], "events.jsonl") if e["event"] == "replan"]
@@ -97,16 +102,21 @@ def main(argv=None) -> int:
     print(f"job: {REPLICAS} replicas x TP 1, hidden {args.hidden}, {args.layers} layers, seq {args.seq}, global batch "
           f"{args.global_batch}, micro-batch {args.micro}; rank {SLOW_RANK} slowed x{args.slow_factor:g} from step 1")
     for e in replans:
-        print(f"replan at step {e['step']}: samples {e['samples_before']} -> {e['samples_after']}, work per step "
-              f"{[round(t, 3) for t in e['step_work_s']]} s, predicted step {e['predicted_step_s_before']:.3f} -> "
-              f"{e['predicted_step_s_after']:.3f} s")
+        print(f"replan at step {e['step']}: samples {e['samples_before']} -> {e['samples_after']} in "
+              f"{e['micro_batches_before']} -> {e['micro_batches_after']} micro-batches, work per step "
+              f"{[round(t, 3) for t in e['step_work_s']]} s, fitted per micro-batch "
+              f"{[round(t * 1e3, 1) for t in e['micro_batch_fixed_s']]} ms + per sample "
+              f"{[round(t * 1e3, 1) for t in e['per_sample_s']]} ms, predicted step "
+              f"{e['predicted_step_s_before']:.3f} -> {e['predicted_step_s_after']:.3f} s")
     print(f"final samples per replica: {[last[f'samples/replica_{r}'] for r in range(REPLICAS)]}")
     print(f"fixed_s={times['fixed']:.3f} aware_s={times['aware']:.3f} ({measured} steps each) "
           f"max_weight_difference={diff:.3g}")
     if replans:
         first = replans[0]
         print(f"predicted_speedup={first['predicted_step_s_before'] / replans[-1]['predicted_step_s_after']:.4f} "
-              f"(the planner's, from the per-sample times it measured)")
+              f"(the planner's, from the costs it fitted)")
+    print(f"unslowed_s={times['unslowed']:.3f} ceiling_speedup={times['fixed'] / times['unslowed']:.4f} (fixed time "
+          f"over the same job without the slow replica: no plan can do better)")
     cores = os.cpu_count() or 1
     if cores < REPLICAS:
         print(f"note: {cores} CPU cores for {REPLICAS} ranks: the ranks share cores, so samples moved off the slowed "

@@ -1,15 +1,25 @@
 """Straggler-aware batch planning: a replica slower than its peers (thermal throttling, a slow link) takes a smaller
 share of the global batch.
 
-Pure logic. A replica's busy time per step (its forward and backward work, not its waits on peers) divided by its
-samples is its time per sample; the balanced plan spreads the same global batch so that every replica's predicted
-time (time per sample x samples) is as even as whole samples allow. Hysteresis keeps the plan from flapping: step
-times are medians over a window of steps run under one plan, a replica's time per sample is the median of its last
-`HISTORY` windows (a time per sample does not depend on the plan, so windows under earlier plans still count), there
-is one decision per window, and a new plan is adopted only when it predicts a step more than `threshold` shorter
-than the current plan's. The global batch and each
-replica's place in it (offsets in replica order) keep their meaning, so under `preserve_global_batch` the update is
-the failure-free run's whatever the split.
+Pure logic. A replica's work per step (its forwards and backwards, not its waits on peers) is modelled as
+`micro-batches x fixed_s + samples x per_sample_s` (`StepCost`): a micro-batch pays a fixed cost whatever its size
+(launching its kernels, DeepSpeed's hooks) besides its samples' compute. The distinction matters because anchor
+replicas share one micro-batch count: a sample moved off a slow anchor does not take its micro-batch with it, and a
+time-per-sample model, blind to this, mispredicts every plan that changes the count.
+
+The costs are fitted from each replica's micro-batches, timed one by one and summarised per window as the median
+time of each micro-batch size (`summarise_micro_batches`). Replicas of one TP degree run the same shapes, so their
+costs are taken to differ by a speed factor only (a throttled device is slower at both): one ratio of fixed to
+per-sample cost per degree, fitted over the last `HISTORY` windows of all its replicas, and one speed per replica,
+the median over those windows (one noisy window cannot move it alone). A ratio needs micro-batches of two sizes on one
+replica; until a degree has them (every split so far even), its fixed cost is taken as zero.
+
+The balanced plan (`rebalance`) tries every shared micro-batch count that could win, spreads whole samples so that
+the slowest replica's predicted work is least (anchors between the count and the count x their micro-batch size),
+and keeps the best. Hysteresis keeps the plan from flapping: one decision per window, and a new plan only when it
+predicts a step more than `threshold` shorter than the current plan's. The global batch and each replica's place in
+it (offsets in replica order) keep their meaning, so under `preserve_global_batch` the update is the failure-free
+run's whatever the split.
 """
 
 from __future__ import annotations
@@ -17,13 +27,32 @@ from __future__ import annotations
 import heapq
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ntp_ds.batch.planner import BatchError, BatchPlan, split_micro_batches
 
 HISTORY = 3
-"""Windows whose times per sample a decision takes the median of: one noisy window cannot move the plan alone."""
+"""Windows a decision fits its costs over: one noisy window cannot move the plan alone."""
+
+RATIO_STEPS = 400
+"""Candidate ratios of fixed to per-sample cost tried by the fit, evenly from 0 to `RATIO_SPAN` x the largest size
+(then refined around the best)."""
+RATIO_SPAN = 8.0
+
+MicroTimes = Mapping[int, tuple[int, float]]
+"""Micro-batch size -> (how many were timed, their median seconds): one replica's micro-batches in one window."""
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A replica's modelled work: `fixed_s` per micro-batch plus `per_sample_s` per sample."""
+
+    fixed_s: float
+    per_sample_s: float
+
+    def step_s(self, micro_batches: int, samples: int) -> float:
+        return self.fixed_s * micro_batches + self.per_sample_s * samples
 
 
 @dataclass(frozen=True)
@@ -31,66 +60,167 @@ class Replan:
     """A re-plan the measured times call for."""
 
     plan: BatchPlan
-    per_sample_s: tuple[float, ...]
-    """Measured busy seconds per sample of each replica, under the current plan."""
+    costs: tuple[StepCost, ...]
+    """The replicas' fitted costs the decision used."""
     before_s: float
-    """Predicted step time (the slowest replica's busy time) under the current plan."""
+    """Predicted step time (the slowest replica's work) under the current plan."""
     after_s: float
     """Predicted step time under the new plan."""
 
 
-def balance_samples(per_sample_s: Sequence[float], total: int, floors: Sequence[int] | None = None) -> list[int]:
-    """Whole samples per replica summing to `total`, each at least its floor (default 1), that minimise the largest
-    `per_sample_s[r] * samples[r]`; ties go to the lower replica index, so every rank computes the same split."""
-    floors = list(floors) if floors is not None else [1] * len(per_sample_s)
+def summarise_micro_batches(points: Sequence[tuple[int, float]]) -> dict[int, tuple[int, float]]:
+    """(size, seconds) of each micro-batch a rank ran in a window -> size -> (count, median seconds)."""
+    by_size: dict[int, list[float]] = {}
+    for size, seconds in points:
+        by_size.setdefault(int(size), []).append(float(seconds))
+    return {size: (len(times), statistics.median(times)) for size, times in sorted(by_size.items())}
+
+
+def replica_micro_times(summaries: Sequence[tuple[int, MicroTimes]], replicas: int) -> list[dict[int, tuple[int, float]]]:
+    """Each replica's micro-batch times from every rank's `(replica, summary)`: per size, the slowest rank's median
+    (its TP peers wait on it)."""
+    out: list[dict[int, tuple[int, float]]] = [{} for _ in range(replicas)]
+    for replica, summary in summaries:
+        for size, (count, seconds) in summary.items():
+            old = out[replica].get(size)
+            out[replica][size] = (max(count, old[0]), max(seconds, old[1])) if old else (count, seconds)
+    return out
+
+
+def _speed(window: MicroTimes, ratio: float) -> float:
+    """Least-squares factor k of `seconds = k (ratio + size)` over one window's sizes, weighted by count."""
+    num = sum(n * t * (ratio + s) for s, (n, t) in window.items())
+    den = sum(n * (ratio + s) ** 2 for s, (n, t) in window.items())
+    return num / den if den > 0 else 0.0
+
+
+def _misfit(windows: Sequence[Sequence[MicroTimes]], ratio: float) -> float:
+    """Relative squared error of `seconds = k_r (ratio + size)`, one k_r per replica over all its windows (a ratio
+    shows in sizes a replica ran at one speed, in one window or across plans)."""
+    total = 0.0
+    for replica in windows:
+        points = [(s, n, t) for window in replica for s, (n, t) in window.items()]
+        num = sum(n * t * (ratio + s) for s, n, t in points)
+        den = sum(n * (ratio + s) ** 2 for s, n, t in points)
+        k = num / den if den > 0 else 0.0
+        scale = sum(n * t * t for s, n, t in points) or 1.0
+        total += sum(n * (t - k * (ratio + s)) ** 2 for s, n, t in points) / scale
+    return total
+
+
+def fit_costs(history: Sequence[Sequence[MicroTimes]], degrees: Sequence[int]) -> tuple[StepCost, ...]:
+    """Each replica's `StepCost` from the last windows' micro-batch times (`history`, oldest first, each window a
+    `MicroTimes` per replica) and the replicas' TP degrees (replicas of one degree share the fixed-to-per-sample
+    ratio). A replica with no timed micro-batch gets the cost of its degree's median replica."""
+    replicas = len(degrees)
+    if any(len(window) != replicas for window in history):
+        raise ValueError(f"every window of history must hold {replicas} replicas' times")
+    ratios: dict[int, float] = {}
+    for degree in set(degrees):
+        members = [r for r in range(replicas) if degrees[r] == degree]
+        windows = [[history[w][r] for w in range(len(history)) if history[w][r]] for r in members]
+        sizes = [{s for window in replica for s in window} for replica in windows]
+        if not any(len(s) > 1 for s in sizes):
+            ratios[degree] = 0.0
+            continue
+        largest = max(max(s) for s in sizes if s)
+        step = RATIO_SPAN * largest / RATIO_STEPS
+        coarse = min((step * i for i in range(RATIO_STEPS + 1)), key=lambda c: (_misfit(windows, c), c))
+        fine = (max(0.0, coarse + step * (i / 20 - 1)) for i in range(41))  # then within a step of it
+        ratios[degree] = min(fine, key=lambda c: (_misfit(windows, c), c))
+    speeds = []
+    for r in range(replicas):
+        ratio = ratios[degrees[r]]
+        per_window = [_speed(history[w][r], ratio) for w in range(len(history)) if history[w][r]]
+        speeds.append(statistics.median(per_window) if per_window else None)
+    for r in range(replicas):
+        if speeds[r] is None:
+            known = [speeds[q] for q in range(replicas) if degrees[q] == degrees[r] and speeds[q] is not None]
+            speeds[r] = statistics.median(known) if known else 0.0
+    return tuple(StepCost(speeds[r] * ratios[degrees[r]], speeds[r]) for r in range(replicas))
+
+
+def _spread(costs: Sequence[StepCost], total: int, floors: list[int], caps: Sequence[int | None],
+            shared: Sequence[int], micro: Sequence[int]) -> list[int]:
+    """Whole samples within [floor, cap] per replica summing to `total` that minimise the largest predicted work: a
+    replica with `shared[r]` > 0 runs that many micro-batches, any other ceil(samples / micro[r]). Greedy on a heap
+    (each replica's work grows with its samples, so taking the least next value each time is min-max optimal); ties
+    go to the lower replica index."""
     if total < sum(floors):
         raise BatchError(f"{total} samples cannot give {len(floors)} replicas their minimum of {floors}")
-    cost = [max(float(c), 1e-12) for c in per_sample_s]
+
+    def work(r: int, n: int) -> float:
+        count = shared[r] or math.ceil(n / micro[r])
+        return max(costs[r].step_s(count, n), 1e-12 * n)
+
     samples = list(floors)
-    heap = [(cost[r] * (n + 1), r) for r, n in enumerate(samples)]
+    heap = [(work(r, n + 1), r) for r, n in enumerate(samples) if caps[r] is None or n < caps[r]]
     heapq.heapify(heap)
     for _ in range(total - sum(floors)):
+        if not heap:
+            raise BatchError(f"{total} samples exceed what the replicas' micro-batches can hold")
         _, r = heapq.heappop(heap)
         samples[r] += 1
-        heapq.heappush(heap, (cost[r] * (samples[r] + 1), r))
+        if caps[r] is None or samples[r] < caps[r]:
+            heapq.heappush(heap, (work(r, samples[r] + 1), r))
     return samples
 
 
-def rebalance(plan: BatchPlan, per_sample_s: Sequence[float], micro_batch: int, anchors: tuple[int, ...] = (),
-              micro_limits: tuple[int, ...] | None = None, threshold: float = 0.05) -> Replan | None:
-    """The plan that balances the replicas' measured times per sample, or None when it would not shorten the
-    predicted step by more than `threshold` (a fraction) or cannot be laid out.
+def predict_step_s(plan: BatchPlan, costs: Sequence[StepCost]) -> float:
+    """The slowest replica's modelled work per step under `plan`."""
+    return max(c.step_s(p.micro_steps, p.samples) for c, p in zip(costs, plan.replicas))
 
-    Anchor replicas reduce together in every backward, so they share one micro-batch count: each anchor keeps at
-    least as many samples as that count.
+
+def rebalance(plan: BatchPlan, costs: Sequence[StepCost], micro_batch: int, anchors: tuple[int, ...] = (),
+              micro_limits: tuple[int, ...] | None = None, threshold: float = 0.05) -> Replan | None:
+    """The plan that balances the replicas' modelled work, or None when it would not shorten the predicted step by
+    more than `threshold` (a fraction) or cannot be laid out.
+
+    Anchor replicas reduce together in every backward, so they share one micro-batch count M: each anchor holds
+    between M and M x its micro-batch size samples. Every M is tried from the smallest whose anchors can hold the
+    batch, until even M samples per anchor cost more than the best plan so far; ties go to the smaller M.
     """
     now = [r.samples for r in plan.replicas]
-    if len(per_sample_s) != len(now):
-        raise ValueError(f"per_sample_s has {len(per_sample_s)} entries for a plan of {len(now)} replicas")
-    limits = micro_limits or (micro_batch,) * len(now)
-    floors = [1] * len(now)
-    for _ in range(len(now) + 1):
-        try:
-            samples = balance_samples(per_sample_s, sum(now), floors)
-        except BatchError:  # the anchors' shared count needs more samples than the batch has
-            return None
-        shared = max((math.ceil(samples[a] / min(micro_batch, limits[a])) for a in anchors), default=1)
-        short = [a for a in anchors if samples[a] < shared]
-        if not short:
-            break
-        for a in short:
-            floors[a] = shared
+    replicas = len(now)
+    if len(costs) != replicas:
+        raise ValueError(f"costs has {len(costs)} entries for a plan of {replicas} replicas")
+    limits = micro_limits or (micro_batch,) * replicas
+    micro = [min(micro_batch, limits[r]) for r in range(replicas)]
+    total = sum(now)
+    best: tuple[float, list[int]] | None = None
+    if not anchors:
+        candidates = [0]
     else:
-        return None
-    before = max(c * n for c, n in zip(per_sample_s, now))
-    after = max(c * n for c, n in zip(per_sample_s, samples))
-    if samples == now or not after < (1.0 - threshold) * before:
+        others = replicas - len(anchors)
+        candidates = range(1, (total - others) // len(anchors) + 1)
+    for count in candidates:
+        if anchors and best is not None:
+            floor_s = max(costs[a].step_s(count, count) for a in anchors)
+            if floor_s >= best[0]:
+                break
+        floors = [count if r in anchors else 1 for r in range(replicas)]
+        caps = [count * micro[r] if r in anchors else None for r in range(replicas)]
+        if len(anchors) == replicas and sum(caps) < total:
+            continue  # too few micro-batches to hold the batch
+        shared = [count if r in anchors else 0 for r in range(replicas)]
+        try:
+            samples = _spread(costs, total, floors, caps, shared, micro)
+        except BatchError:
+            continue
+        predicted = max(costs[r].step_s(shared[r] or math.ceil(samples[r] / micro[r]), samples[r])
+                        for r in range(replicas))
+        if best is None or predicted < best[0]:
+            best = (predicted, samples)
+    if best is None or best[1] == now:
         return None
     try:
-        new = split_micro_batches(samples, micro_batch, anchors, micro_limits, "the straggler-aware plan")
+        new = split_micro_batches(best[1], micro_batch, anchors, micro_limits, "the straggler-aware plan")
     except BatchError:
         return None
-    return Replan(new, tuple(float(c) for c in per_sample_s), before, after)
+    before, after = predict_step_s(plan, costs), predict_step_s(new, costs)
+    if not after < (1.0 - threshold) * before:
+        return None
+    return Replan(new, tuple(costs), before, after)
 
 
 def replica_step_times(windows: Sequence[tuple[int, Sequence[float]]], replicas: int) -> tuple[float, ...]:
@@ -102,9 +232,3 @@ def replica_step_times(windows: Sequence[tuple[int, Sequence[float]]], replicas:
         if busy:
             out[replica] = max(out[replica], statistics.median(busy))
     return tuple(out)
-
-
-def per_sample_estimate(history: Sequence[Sequence[float]]) -> tuple[float, ...]:
-    """Each replica's time per sample: the median over the windows in `history` (oldest first) of its measured time
-    per sample; the trainer keeps the last `HISTORY` windows since the topology last changed."""
-    return tuple(statistics.median(window[r] for window in history) for r in range(len(history[-1])))

@@ -56,9 +56,9 @@ class JobSpec:
         return plan_buddies(topology, sync or plan_gradient_sync(topology), zero_stage, self.ntp.zero_redundancy)
 
     def rebalance(self, topology: Topology, anchors: tuple[int, ...], plan: BatchPlan,
-                  per_sample_s) -> Replan | None:
-        """The straggler-aware re-plan of `plan` for the replicas' measured seconds per sample (None: keep it)."""
-        return rebalance(plan, per_sample_s, self.ds_config["train_micro_batch_size_per_gpu"], anchors,
+                  costs) -> Replan | None:
+        """The straggler-aware re-plan of `plan` for the replicas' fitted step costs (`StepCost`; None: keep it)."""
+        return rebalance(plan, costs, self.ds_config["train_micro_batch_size_per_gpu"], anchors,
                          _micro_limits(self, topology), self.ntp.straggler.threshold)
 
 

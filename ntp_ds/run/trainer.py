@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from ntp_ds.batch.loader import GlobalBatchSampler, replica_micro_batches
-from ntp_ds.batch.straggler import HISTORY, per_sample_estimate, replica_step_times
+from ntp_ds.batch.straggler import (HISTORY, fit_costs, replica_micro_times, replica_step_times,
+                                    summarise_micro_batches)
 from ntp_ds.comm import wire
 from ntp_ds.goodput import GoodputMeter, StepTiming, split_failure_time
 from ntp_ds.run.config import RunConfig
@@ -128,8 +129,13 @@ class Trainer:
         """This rank's work in the last step: forward and backward, without waits on other replicas' gradients."""
         self._work_window: list[float] = []
         """`work_s` of the steps completed under the current plan since the last straggler decision."""
-        self._per_sample_history: list[tuple[float, ...]] = []
-        """The replicas' measured seconds per sample in the last `HISTORY` windows of this topology."""
+        self.micro_work: list[tuple[int, float]] = []
+        """(size, work seconds) of each micro-batch of the last step."""
+        self._micro_window: list[tuple[int, float]] = []
+        """(size, work seconds) of each micro-batch this rank ran since the last straggler decision."""
+        self._micro_history: list[list[dict]] = []
+        """The replicas' micro-batch times (`ntp_ds.batch.straggler.MicroTimes`) in the last `HISTORY` windows of
+        this topology."""
         self._replan: dict | None = None
         """The `replan` event of the last step, recorded after its metrics."""
 
@@ -205,6 +211,7 @@ class Trainer:
         loss_sum, samples = 0.0, 0
         plan, replica = engine.batch_plan, engine.ntp_groups.replica
         stretch = getattr(self.injector, "stretch", None)
+        micro: list[tuple[int, float]] = []
         for batch in replica_micro_batches(self.dataset, self.sampler, plan, replica, step - 1):
             t, waited = clock(), getattr(engine, "sync_wait_s", 0.0)
             loss = engine(batch)
@@ -213,6 +220,7 @@ class Trainer:
             if stretch is not None:
                 work += stretch(work)
             work_s += work
+            micro.append((int(batch["input_ids"].shape[0]), work))
             t2 = clock()
             engine.step()
             end = clock()
@@ -221,6 +229,7 @@ class Trainer:
             loss_sum, samples = loss_sum + float(loss.detach()) * n, samples + n
         self.global_loss = self._global_loss(loss_sum, samples)
         self.work_s, self.step_samples = work_s, [part.samples for part in plan.replicas]
+        self.micro_work = micro
         self._balance(step)
         end = clock()
         timing = StepTiming(step=step, wall_s=max(end - self._last_end, compute_s + comm_s), compute_s=compute_s,
@@ -253,23 +262,28 @@ class Trainer:
         if not (cfg.enabled and dist.is_initialized() and wire.has_control()):
             return
         self._work_window.append(self.work_s)
+        self._micro_window += self.micro_work
         if len(self._work_window) < cfg.every_steps:
             return
         window, self._work_window = self._work_window, []
+        points, self._micro_window = self._micro_window, []
         engine = self.engine
         plan, groups = engine.batch_plan, engine.ntp_groups
-        step_s = replica_step_times(wire.all_gather_object((groups.replica, window)), len(plan.replicas))
-        measured = tuple(t / part.samples for t, part in zip(step_s, plan.replicas))
-        self._per_sample_history = (self._per_sample_history + [measured])[-HISTORY:]
-        per_sample = per_sample_estimate(self._per_sample_history)
-        replan = engine.job.rebalance(groups.topology, groups.plan.anchors, plan, per_sample)
+        gathered = wire.all_gather_object((groups.replica, window, summarise_micro_batches(points)))
+        step_s = replica_step_times([(replica, busy) for replica, busy, _ in gathered], len(plan.replicas))
+        times = replica_micro_times([(replica, summary) for replica, _, summary in gathered], len(plan.replicas))
+        self._micro_history = (self._micro_history + [times])[-HISTORY:]
+        costs = fit_costs(self._micro_history, groups.topology.degrees)
+        replan = engine.job.rebalance(groups.topology, groups.plan.anchors, plan, costs)
         if replan is None:
             return
         engine.set_batch_plan(replan.plan)
         self._replan = {"samples_before": [p.samples for p in plan.replicas],
                         "samples_after": [p.samples for p in replan.plan.replicas],
+                        "micro_batches_before": [p.micro_steps for p in plan.replicas],
                         "micro_batches_after": [p.micro_steps for p in replan.plan.replicas],
-                        "step_work_s": list(step_s), "per_sample_s": list(replan.per_sample_s),
+                        "step_work_s": list(step_s), "per_sample_s": [c.per_sample_s for c in replan.costs],
+                        "micro_batch_fixed_s": [c.fixed_s for c in replan.costs],
                         "predicted_step_s_before": replan.before_s, "predicted_step_s_after": replan.after_s,
                         "window_steps": len(window)}
         if self.writer:
@@ -335,7 +349,7 @@ class Trainer:
         """Go on with the engine of a new topology (after a recovery or a grow): a new batch plan to measure, the
         records with whoever writes now, the pending recovery event recorded, the injector on the new engine."""
         self.engine = engine
-        self._work_window, self._per_sample_history, self._replan = [], [], None
+        self._work_window, self._micro_window, self._micro_history, self._replan = [], [], [], None
         self._move_records()
         self._record_recovery(None)
         self._attach_injector()
