@@ -3,6 +3,7 @@
 # 1 GPU: bf16 steps of a ~1B-parameter Llama through NTPEngine in one rank (step time and peak memory).
 # 4+ GPUs: the equivalence, contract and overlap tests over NCCL (one rank per GPU, cases that fit), the
 #          steady-state benchmark with a contributor, and one live recovery case.
+# 4+ CPU cores: the straggler benchmark (3 ranks on CPU; its target needs a core per rank).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs=${NTP_GPU_CHECK_LOGS:-gpu_check_logs}
@@ -24,6 +25,9 @@ check() {
   fi
 }
 check bf16_step python tools/gpu_step.py
+if [ "$(nproc)" -ge 4 ]; then
+  check straggler env CUDA_VISIBLE_DEVICES= python benchmarks/straggler.py
+fi
 if [ "$gpus" -ge 4 ]; then
   export NTP_TEST_DEVICE=cuda
   check equivalence python -m pytest -q -p no:cacheprovider tests/test_equivalence.py -k "test_tp2_tp1" ${NTP_GPU_CHECK_PYTEST_ARGS:-}
