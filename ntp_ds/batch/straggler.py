@@ -30,6 +30,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from ntp_ds.batch.planner import BatchError, BatchPlan, split_micro_batches
 
 HISTORY = 3
@@ -94,18 +96,18 @@ def _speed(window: MicroTimes, ratio: float) -> float:
     return num / den if den > 0 else 0.0
 
 
-def _misfit(windows: Sequence[Sequence[MicroTimes]], ratio: float) -> float:
-    """Relative squared error of `seconds = k_r (ratio + size)`, one k_r per replica over all its windows (a ratio
-    shows in sizes a replica ran at one speed, in one window or across plans)."""
-    total = 0.0
-    for replica in windows:
-        points = [(s, n, t) for window in replica for s, (n, t) in window.items()]
-        num = sum(n * t * (ratio + s) for s, n, t in points)
-        den = sum(n * (ratio + s) ** 2 for s, n, t in points)
-        k = num / den if den > 0 else 0.0
-        scale = sum(n * t * t for s, n, t in points) or 1.0
-        total += sum(n * (t - k * (ratio + s)) ** 2 for s, n, t in points) / scale
-    return total
+def _misfit(windows: Sequence[Sequence[MicroTimes]], ratios: np.ndarray) -> np.ndarray:
+    """For each candidate ratio, the relative squared error of `seconds = k_r (ratio + size)`, one k_r per replica
+    over all its windows (a ratio shows in sizes a replica ran at one speed, in one window or across plans). From
+    each replica's weighted sums, so a candidate costs O(replicas)."""
+    sums = np.array([[sum(n * s ** i * t ** j for window in replica for s, (n, t) in window.items())
+                      for i, j in ((0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (0, 2))] for replica in windows])
+    ones, size, size2, time_, time_size, time2 = (sums[:, i][None, :] for i in range(6))
+    a = ratios[:, None]
+    num = a * time_ + time_size
+    den = a * a * ones + 2 * a * size + size2
+    residual = time2 - np.divide(num * num, den, out=np.zeros_like(num), where=den > 0)
+    return (residual / np.where(time2 > 0, time2, 1.0)).sum(axis=1)
 
 
 def fit_costs(history: Sequence[Sequence[MicroTimes]], degrees: Sequence[int]) -> tuple[StepCost, ...]:
@@ -125,9 +127,10 @@ def fit_costs(history: Sequence[Sequence[MicroTimes]], degrees: Sequence[int]) -
             continue
         largest = max(max(s) for s in sizes if s)
         step = RATIO_SPAN * largest / RATIO_STEPS
-        coarse = min((step * i for i in range(RATIO_STEPS + 1)), key=lambda c: (_misfit(windows, c), c))
-        fine = (max(0.0, coarse + step * (i / 20 - 1)) for i in range(41))  # then within a step of it
-        ratios[degree] = min(fine, key=lambda c: (_misfit(windows, c), c))
+        coarse = step * np.arange(RATIO_STEPS + 1)
+        best = float(coarse[np.argmin(_misfit(windows, coarse))])  # the first of equal misfits: the smallest ratio
+        fine = np.unique(np.maximum(0.0, best + step * (np.arange(41) / 20 - 1)))  # then within a step of it
+        ratios[degree] = float(fine[np.argmin(_misfit(windows, fine))])
     speeds = []
     for r in range(replicas):
         ratio = ratios[degrees[r]]
