@@ -294,7 +294,6 @@ class LivenessMonitor:
         now = clock()
         self._changed_at = {int(r): now for r in ranks}
         self._counter: dict[int, int] = {}
-        self._wall: dict[int, float] = {}
         self._exited: dict[int, str] = {}
 
     @property
@@ -306,7 +305,7 @@ class LivenessMonitor:
         now = self._clock()
         for rank, beat in beats.items():
             if rank in self._changed_at and self._counter.get(rank) != beat.counter:
-                self._counter[rank], self._wall[rank], self._changed_at[rank] = beat.counter, beat.wall, now
+                self._counter[rank], self._changed_at[rank] = beat.counter, now
         for rank, reason in (exited or {}).items():
             if rank in self._changed_at:
                 self._exited.setdefault(rank, reason)
@@ -320,10 +319,6 @@ class LivenessMonitor:
         return frozenset(r for r in self._changed_at
                          if r in self._exited or self.silent_for(r) > self.heartbeat_timeout_s)
 
-    def last_seen(self, rank: int) -> float | None:
-        """Return the wall time stamped in the latest beat seen from `rank`, or None if it never beat."""
-        return self._wall.get(rank)
-
     def reason(self, rank: int) -> str:
         """Say why `rank` counts as dead, for the membership decision's record."""
         if rank in self._exited:
@@ -333,7 +328,7 @@ class LivenessMonitor:
     def retain(self, ranks: Iterable[int]) -> None:
         """Watch only `ranks` from now on (the survivors after a membership change)."""
         keep = set(ranks)
-        for table in (self._changed_at, self._counter, self._wall, self._exited):
+        for table in (self._changed_at, self._counter, self._exited):
             for rank in [r for r in table if r not in keep]:
                 del table[rank]
 
