@@ -24,8 +24,6 @@ def init(monkeypatch, ntp, ds=None, world_size=None, **model):
     ({"tp": 3, "replicas": 2, "degrees": (3, 1)}, deepspeed_config("sgd", 1, 2, 1), None, {},
      r"train_batch_size=2 leaves replica 1 \(tp=1\) no sample"),
     ({"tp": 2}, deepspeed_config("sgd", 3, 12, 2), None, {}, r"zero_optimization.stage=3 is not supported"),
-    ({"tp": 2}, {**deepspeed_config("sgd", 2, 12, 2), "zero_optimization": {"stage": 2, "round_robin_gradients": True}},
-     None, {}, r"zero_optimization.round_robin_gradients=true is not supported"),
     ({"tp": 3, "replicas": 2, "degrees": (3, 2)}, None, 6, {}, r"world size 6 does not match the topology"),
     ({"tp": 2, "replicas": 2, "degrees": (2,)}, None, None, {}, r"ntp.degrees=\[2\] lists 1 replicas"),
     ({"tp": 2, "batch_policy": "greedy"}, None, None, {}, r"ntp.batch_policy='greedy'"),

@@ -49,6 +49,17 @@ def test_fragments_match_the_flat_buffer_element_by_element(case):
                                                   for s, k, q in frags if q == p}
 
 
+@settings(max_examples=300, deadline=None)
+@given(layouts())
+def test_round_robin_order_is_deepspeed_s_reorder_for_each_data_parallel_degree(case):
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    groups, numels, dp, alignment = case
+    reordered = tuple(tuple(DeepSpeedZeroOptimizer._round_robin_reorder(None, list(g), dp)[0]) for g in groups)
+    assert (FlatOrder(groups, alignment, round_robin=True).fragments(numels, dp)
+            == element_by_element(reordered, numels, dp, alignment))
+
+
 def test_partition_boundaries_follow_the_padding_to_twice_the_data_parallel_degree():
     # 10 elements over 3 ranks: padded to 12, partitions of 4.
     order = FlatOrder((("a", "b"),))

@@ -37,9 +37,11 @@ def make_optimizer(name: str, params):
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
 
 
-def deepspeed_config(optim: str, stage: int, global_batch: int, micro: int, bf16: bool = False) -> dict:
+def deepspeed_config(optim: str, stage: int, global_batch: int, micro: int, bf16: bool = False,
+                     zero: dict | None = None) -> dict:
+    """`zero`: more `zero_optimization` settings (e.g. round_robin_gradients)."""
     return {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": micro,
-            "optimizer": optimizer_config(optim), "zero_optimization": {"stage": stage},
+            "optimizer": optimizer_config(optim), "zero_optimization": {"stage": stage, **(zero or {})},
             "bf16": {"enabled": bf16}, "steps_per_print": 10**9, "wall_clock_breakdown": False,
             "zero_allow_untested_optimizer": True}
 
@@ -140,13 +142,13 @@ def train_with_checkpoint(rank, world_size, ntp: dict, stage: int, steps: int, c
 def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, global_batch: int, micro: int,
                         steps: int, faults: list, heartbeat_timeout_s: float = 2.0, zero_redundancy: int = 1,
                         last_good_dir: str | None = None, timeout_s: float = 12.0, joins: dict | None = None,
-                        joiner_overrides: dict | None = None, make_model=None):
+                        joiner_overrides: dict | None = None, make_model=None, zero: dict | None = None):
     """One rank of a run with injected faults and live recovery; returns its final state and recovery events.
 
     A joiner (`run_ranks(..., joiners=N)`: NTP_JOIN set) asks the running job for a place from step `joins[rank]`
     on and trains from where it is admitted; members take joiners in at step boundaries. `joiner_overrides[rank]`
     changes that joiner's DeepSpeed config (a joiner of another job); a refused joiner returns {"refused": reason}.
-    `make_model` builds the unsharded model (default: the tiny Llama).
+    `make_model` builds the unsharded model (default: the tiny Llama); `zero`: more `zero_optimization` settings.
     """
     import os
 
@@ -161,7 +163,7 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
     model = make_model() if make_model else full_model(tiny_config())
     config = model.config
     ntp = dict(ntp, timeout_s=timeout_s, zero_redundancy=zero_redundancy)
-    ds = deepspeed_config(optim, stage, global_batch, micro)
+    ds = deepspeed_config(optim, stage, global_batch, micro, zero=zero)
     schedule = FaultSchedule.from_config(faults, world_size + len(joins or {}))  # joiners may fail too
     if os.environ.get("NTP_JOIN"):
         spec, _ = prepare(model, {**ds, **(joiner_overrides or {}).get(rank, {})}, ntp)

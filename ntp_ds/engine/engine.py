@@ -84,6 +84,7 @@ class NTPEngine(DeepSpeedEngine):
     def __init__(self, *, ntp_groups: ReplicaGroups, batch_plan: BatchPlan, specs: dict[str, ParamSpec],
                  full_shapes: dict[str, tuple[int, ...]], job, store, **deepspeed_kwargs):
         super().__init__(**deepspeed_kwargs)
+        state.link_round_robin(self)
         self.ntp_groups, self.batch_plan, self.job, self.store = ntp_groups, batch_plan, job, store
         """`job`: the validated JobSpec this engine was built from; `store`: the coordination store, if any."""
         ntp = job.ntp

@@ -110,23 +110,69 @@ def fragment_addresses(engine) -> dict[str, tuple[int, int]]:
     return out
 
 
+def link_round_robin(engine) -> None:
+    """Make DeepSpeed's parameter-to-partition links (`param._hp_mapping`) follow its round-robin flat layout.
+
+    With `round_robin_gradients` DeepSpeed 0.19 flattens each parameter group in round-robin order
+    (`round_robin_bit16_groups`), but unless some parameter is padded (`parameter_alignment`) its
+    `_link_all_hp_params` passes no offsets, and `_init_lp_to_hp_mapping` then lays the parameters end to end in
+    their original order (`bit16_groups`): every fragment address (which parameter, which elements, where in the
+    fp32 partition) describes the non-round-robin layout, while the optimizer steps the real one. Training is
+    unaffected (it steps whole flat partitions), but every fragment read or written through the links (the redundant
+    copies, re-slicing, DeepSpeed's own `safe_get_full_fp32_param`) takes another parameter's elements. This links
+    every group with the real offsets, now and whenever DeepSpeed links again (checkpoint load, offload reload)."""
+    zero = engine.optimizer
+    if not getattr(zero, "round_robin_gradients", False) or not hasattr(zero, "round_robin_bit16_offsets"):
+        return
+    import weakref
+
+    from deepspeed import comm as dist
+    from deepspeed.utils.mixed_precision_linkage import link_hp_params
+
+    ref = weakref.ref(zero)  # no bound method on the optimizer: a cycle would keep its process groups open
+
+    def _link_all_hp_params():
+        self = ref()
+        if self.cpu_offload:
+            self._get_offload_gradient_dict()
+        for i, _ in enumerate(self.optimizer.param_groups):
+            group = self.real_dp_process_group[i]
+            partition_id = dist.get_rank(group=group)
+            partition_size = self.bit16_groups_flat[i].numel() // dist.get_world_size(group=group)
+            offset_of = {id(p): o
+                         for p, o in zip(self.round_robin_bit16_groups[i], self.round_robin_bit16_offsets[i])}
+            link_hp_params(lp_param_list=self.bit16_groups[i],
+                           flat_hp_partition=self.single_partition_of_fp32_groups[i],
+                           gradient_dict=self.averaged_gradients, offload_gradient_dict=self.offload_gradient_dict,
+                           use_offload=self.cpu_offload, param_group_index=i,
+                           partition_start=partition_id * partition_size, partition_size=partition_size,
+                           dp_group=group, param_offsets=[offset_of[id(p)] for p in self.bit16_groups[i]])
+
+    zero._link_all_hp_params = _link_all_hp_params
+    zero._link_all_hp_params()
+    zero._hp_optimizer_states_linked = False
+    zero._param_slice_mappings = zero._create_param_mapping()
+    if zero.cpu_offload:
+        zero._create_optimizer_mapping()
+
+
 def flat_order(engine) -> FlatOrder | None:
     """How this engine's optimizer lays out its parameters (`layout.zero`), read off DeepSpeed; None where that rule
-    does not describe it (round-robin gradient partitioning, an optimizer other than ZeRO 1/2 that links fragments,
-    groups of different dtypes)."""
+    does not describe it (an optimizer other than ZeRO 1/2 that links fragments, groups of different dtypes)."""
     names = {id(p): n for n, p in engine.module.named_parameters()}
     if not uses_hp_mapping(engine):
         return FlatOrder((tuple(names.values()),), partitioned=False)
     zero = engine.optimizer
     groups = getattr(zero, "bit16_groups", None)
-    if (not groups or getattr(zero, "round_robin_gradients", True)
+    if (not groups or not hasattr(zero, "round_robin_gradients")
             or getattr(zero, "nccl_start_alignment_factor", None) != START_ALIGNMENT):
         return None
     sizes = {p.element_size() for group in groups for p in group}
     if len(sizes) != 1:
         return None
     alignment = 16 // math.gcd(16, sizes.pop()) if getattr(zero, "parameter_alignment", False) else 1
-    return FlatOrder(tuple(tuple(names[id(p)] for p in group) for group in groups), alignment)
+    return FlatOrder(tuple(tuple(names[id(p)] for p in group) for group in groups), alignment,
+                     round_robin=bool(zero.round_robin_gradients))
 
 
 @torch.no_grad()

@@ -31,6 +31,10 @@ class FlatOrder:
     """Elements every parameter but a group's last is padded to (DeepSpeed's `parameter_alignment`)."""
     partitioned: bool = True
     """False without ZeRO: every anchor holds every parameter whole."""
+    round_robin: bool = False
+    """DeepSpeed's `round_robin_gradients`: `groups` keep the parameters' own order, and each group is flattened in
+    round-robin order over the dp partitions instead (parameters 0, dp, 2 dp, ..., then 1, dp + 1, ...), an order
+    that changes with dp."""
 
     def fragments(self, numels: Mapping[str, int], dp: int) -> dict[str, list[tuple[int, int, int | None]]]:
         """Per parameter: (start in the parameter, numel, data-parallel index) of each anchor's fragment, by start.
@@ -40,6 +44,8 @@ class FlatOrder:
             if not self.partitioned:
                 out.update({n: [(0, numels[n], None)] if numels[n] else [] for n in names})
                 continue
+            if self.round_robin:
+                names = tuple(n for j in range(dp) for n in names[j::dp])
             offsets, end = [], 0
             for i, name in enumerate(names):
                 offsets.append(end)
