@@ -96,9 +96,9 @@ class LoadResult:
     detection_s: list[float] = field(default_factory=list)
     """Per peer of the hung worker: seconds from its last beat to its peer declaring it dead."""
     detection_lag_s: list[float] = field(default_factory=list)
-    """Per entry of `detection_s`: how late the harness ran that peer's polls (behind their schedule), the worst
-    of those from the hung worker's last beat to the verdict: the poll that saw the last beat and the one that
-    declared the silence both count."""
+    """Per entry of `detection_s`: how late the harness ran that peer's polls (behind their schedule), the two
+    latest of those from the hung worker's last beat to the verdict added up: the poll that saw the last beat and
+    the one that declared the silence both delay the verdict."""
     worst_beat_lag_s: float = 0.0
     """Longest delay of a scheduled beat behind its time (the harness falling behind shows here)."""
     worst_watch_lag_s: float = 0.0
@@ -209,7 +209,7 @@ def run_load(spec: LoadSpec) -> LoadResult:
     last_beat = max((sim.hung_last_beat for sim in sims if sim.hung_last_beat is not None), default=None)
     detection = [t - last_beat for t in found.values()] if last_beat is not None else []
     polls = {w: p for sim in sims for w, p in sim.hung_watcher_polls.items()}
-    detection_lag = [max((late for wall, late in polls[w] if last_beat <= wall <= t), default=0.0)
+    detection_lag = [sum(sorted(late for wall, late in polls[w] if last_beat <= wall <= t)[-2:])
                      for w, t in found.items()] if last_beat is not None else []
     per_second = sum((c.per_second for sim in sims for c in sim.clients), Counter())
     decisions = Counter(change.encode() for sim in sims for change in sim.decided.values())
@@ -218,11 +218,13 @@ def run_load(spec: LoadSpec) -> LoadResult:
     agreement = max(decided_at) - min(reported) if reported and decided_at else None
     confirmed_at = [t for sim in sims for t in sim.confirmed_at.values()]
     confirm = max(confirmed_at) - min(reported) if reported and confirmed_at else None
-    return LoadResult(spec, spec.duration_s, ops, false_deaths, len(found.keys() & hung_peers), len(hung_peers),
-                      detection, detection_lag, max(sim.worst_lag for sim in sims), max(sim.worst_watch_lag for sim in sims),
-                      len(starved),
-                      [per_second[s] for s in range(int(spec.duration_s))], dict(decisions), agreement,
-                      len(confirmed_at), confirm)
+    return LoadResult(spec=spec, seconds=spec.duration_s, ops=ops, false_deaths=false_deaths,
+                      hung_found_by=len(found.keys() & hung_peers), hung_watchers=len(hung_peers),
+                      detection_s=detection, detection_lag_s=detection_lag,
+                      worst_beat_lag_s=max(sim.worst_lag for sim in sims),
+                      worst_watch_lag_s=max(sim.worst_watch_lag for sim in sims), starved=len(starved),
+                      ops_per_second=[per_second[s] for s in range(int(spec.duration_s))], decisions=dict(decisions),
+                      agreement_s=agreement, confirmed=len(confirmed_at), confirm_s=confirm)
 
 
 def _run_shares(spec: LoadSpec, address: str, shares: list[list[int]], conn) -> list:

@@ -11,6 +11,8 @@ import torch.distributed as dist
 from ntp_ds.control.heartbeat import (
     EXITED_KEY,
     FENCE_KEY,
+    NODE_PUBLISH_S,
+    WATCHES_PER_BEAT,
     Beat,
     Heartbeat,
     LivenessMonitor,
@@ -196,16 +198,17 @@ def test_4096_workers_on_512_nodes_see_no_false_death_at_a_3s_timeout():
     result = run_load(spec)
     print(result.line())
     assert sum(result.ops.values()) > 10 * spec.world_size  # every worker beat and polled many times
-    # No worker whose beats left on time was declared dead. A worker the harness itself kept from beating for longer
-    # than the timeout (two beats sent more than 3 s apart) is rightly found silent: counted apart, and it must stay
-    # rare, or the run measured the harness rather than the control plane.
-    assert result.false_deaths == 0
-    assert result.starved <= spec.world_size // 100, result.line()
-    # The one hung worker is declared dead by every peer, within the timeout and a second, plus however late the
-    # harness ran that peer's polls meanwhile (its threads share the store's CPUs).
+    # No healthy worker was declared dead, and the harness kept every beat on time: `starved` (two beats of one
+    # worker sent more than the timeout apart) would say the run measured the harness, not the control plane.
+    assert result.false_deaths == 0 and result.starved == 0, result.line()
+    # The one hung worker is declared dead by every peer after the timeout. At most: the last beat reaches the node
+    # key within a publication, a quiet watcher polls once a beat interval, and once the silence passes half the
+    # timeout it polls WATCHES_PER_BEAT times per interval; plus however late the harness ran the poll that saw the
+    # last beat and the one that declared the silence (its threads share the store's CPUs).
     assert result.hung_found_by == result.hung_watchers == 10
+    slowest = spec.heartbeat_timeout_s + NODE_PUBLISH_S + spec.interval_s + spec.interval_s / WATCHES_PER_BEAT
     for seconds, late in zip(result.detection_s, result.detection_lag_s, strict=True):
-        assert seconds <= spec.heartbeat_timeout_s + 1.0 + late, result.line()
+        assert seconds <= slowest + late, result.line()
     assert min(result.detection_s) >= spec.heartbeat_timeout_s
     # Every other worker holds the same decision, which names the hung worker alone.
     (decision, holders), = result.decisions.items()
