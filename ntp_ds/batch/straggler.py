@@ -146,22 +146,56 @@ def fit_costs(history: Sequence[Sequence[MicroTimes]], degrees: Sequence[int]) -
 def _spread(costs: Sequence[StepCost], total: int, floors: list[int], caps: Sequence[int | None],
             shared: Sequence[int], micro: Sequence[int]) -> list[int]:
     """Whole samples within [floor, cap] per replica summing to `total` that minimise the largest predicted work: a
-    replica with `shared[r]` > 0 runs that many micro-batches, any other ceil(samples / micro[r]). Greedy on a heap
-    (each replica's work grows with its samples, so taking the least next value each time is min-max optimal); ties
-    go to the lower replica index."""
+    replica with `shared[r]` > 0 runs that many micro-batches, any other ceil(samples / micro[r]).
+
+    The greedy answer (each replica's work grows with its samples, so giving the next sample to the replica whose
+    work would stay least, ties to the lower index, is min-max optimal), reached without a step per sample: bisect
+    for the largest work level that the replicas' samples at or under it do not yet fill the batch, give each replica
+    the samples that level allows, and finish on a heap (the few samples left, all at the level where the batch is
+    full). Costs O(replicas x log) per level instead of O(samples x log replicas)."""
     if total < sum(floors):
         raise BatchError(f"{total} samples cannot give {len(floors)} replicas their minimum of {floors}")
+    if any(cap is not None and cap < floor for cap, floor in zip(caps, floors)) or (
+            None not in caps and sum(caps) < total):
+        raise BatchError(f"{total} samples exceed what the replicas' micro-batches can hold")
+    replicas = range(len(floors))
 
     def work(r: int, n: int) -> float:
         count = shared[r] or math.ceil(n / micro[r])
         return max(costs[r].step_s(count, n), 1e-12 * n)
 
+    def most(r: int, level: float) -> int:
+        """The most samples replica r takes with its work at most `level`, within its floor and cap."""
+        c = costs[r]
+        if shared[r]:
+            n = (level - c.fixed_s * shared[r]) / c.per_sample_s
+        else:
+            full = c.fixed_s + c.per_sample_s * micro[r]  # the work of one full micro-batch
+            n = max(math.floor(level / full) * micro[r], (level - c.fixed_s * (math.floor(level / full) + 1))
+                    / c.per_sample_s)
+        top = total if caps[r] is None else caps[r]
+        n = min(max(int(math.floor(n)), floors[r]), top) if math.isfinite(n) else floors[r]
+        while n > floors[r] and work(r, n) > level:  # exact against the work itself, whatever the rounding
+            n -= 1
+        while n < top and work(r, n + 1) <= level:
+            n += 1
+        return n
+
     samples = list(floors)
-    heap = [(work(r, n + 1), r) for r, n in enumerate(samples) if caps[r] is None or n < caps[r]]
+    if sum(floors) < total:
+        low, high = 0.0, max(work(r, total if caps[r] is None else caps[r]) for r in replicas)
+        for _ in range(200):  # the level below which the batch is not yet full
+            mid = (low + high) / 2
+            if not low < mid < high:
+                break
+            if sum(most(r, mid) for r in replicas) < total:
+                low = mid
+            else:
+                high = mid
+        samples = [most(r, low) for r in replicas]
+    heap = [(work(r, samples[r] + 1), r) for r in replicas if caps[r] is None or samples[r] < caps[r]]
     heapq.heapify(heap)
-    for _ in range(total - sum(floors)):
-        if not heap:
-            raise BatchError(f"{total} samples exceed what the replicas' micro-batches can hold")
+    for _ in range(total - sum(samples)):
         _, r = heapq.heappop(heap)
         samples[r] += 1
         if caps[r] is None or samples[r] < caps[r]:
@@ -180,22 +214,27 @@ def rebalance(plan: BatchPlan, costs: Sequence[StepCost], micro_batch: int, anch
     more than `threshold` (a fraction) or cannot be laid out.
 
     Anchor replicas reduce together in every backward, so they share one micro-batch count M: each anchor holds
-    between M and M x its micro-batch size samples. Every M is tried from the smallest whose anchors can hold the
-    batch, until even M samples per anchor cost more than the best plan so far; ties go to the smaller M.
+    between M and M x its micro-batch size samples. M is tried upwards from the smallest whose anchors can hold the
+    batch, and the search stops once no anchor of the last M's plan sat at its cap (a larger M only adds fixed cost
+    and raises the anchors' floors, so it cannot do better) or even M samples per anchor cost more than the best plan
+    so far; ties go to the smaller M. A replica without a positive cost per sample (never measured) gives no plan.
     """
     now = [r.samples for r in plan.replicas]
     replicas = len(now)
     if len(costs) != replicas:
         raise ValueError(f"costs has {len(costs)} entries for a plan of {replicas} replicas")
+    if not all(c.per_sample_s > 0 and c.fixed_s >= 0 for c in costs):
+        return None
     limits = micro_limits or (micro_batch,) * replicas
     micro = [min(micro_batch, limits[r]) for r in range(replicas)]
     total = sum(now)
     best: tuple[float, list[int]] | None = None
     if not anchors:
-        candidates = [0]
+        candidates = range(0, 1)
     else:
         others = replicas - len(anchors)
-        candidates = range(1, (total - others) // len(anchors) + 1)
+        first = 1 if others else max(1, math.ceil(total / sum(micro[a] for a in anchors)))
+        candidates = range(first, (total - others) // len(anchors) + 1)
     for count in candidates:
         if anchors and best is not None:
             floor_s = max(costs[a].step_s(count, count) for a in anchors)
@@ -214,6 +253,8 @@ def rebalance(plan: BatchPlan, costs: Sequence[StepCost], micro_batch: int, anch
                         for r in range(replicas))
         if best is None or predicted < best[0]:
             best = (predicted, samples)
+        if anchors and all(samples[a] < caps[a] for a in anchors):
+            break
     if best is None or best[1] == now:
         return None
     try:
