@@ -1,17 +1,19 @@
 """Straggler-aware batch planning: the same job with one replica slowed by a fixed factor, fixed plan vs aware plan.
 
-The fixed and aware runs are `ntp-ds train` on 3 replicas x TP 1 (gloo on CPU) under `preserve_global_batch`, with the same
-`slow` fault: launch rank 2 (replica 2) takes `--slow-factor` times as long for each micro-batch from step 1 (it
-sleeps factor - 1 times the forward and backward work it measured, as a throttled device would compute).
+The fixed and aware runs are `ntp-ds train` on 3 replicas x TP 1 (gloo on CPU) under `preserve_global_batch`, with
+the same `slow` fault: launch rank 2 (replica 2) takes `--slow-factor` times as long for each micro-batch from step 1
+(it sleeps factor - 1 times the forward and backward work it measured, as a throttled device would compute).
 
 - fixed: `parallel.straggler.enabled=false`; every replica keeps a third of the global batch, so every step waits on
   the slow replica.
 - aware: `parallel.straggler.enabled=true`; after each window of `--every-steps` steps the planner moves samples
   away from the slow replica when that predicts a step more than `--threshold` shorter.
 - unslowed: the fixed plan without the fault. No plan can beat it (the same work, no replica slowed), so
-  `ceiling_speedup=<fixed time / unslowed time>` is the most any planner could gain on this machine: about the slow
-  factor with one core or device per rank, less where the ranks share cores (a slowed rank's idle time lets the
-  others compute faster).
+  `ceiling_speedup=<fixed time / unslowed time>` bounds what any planner could gain on this machine: the slow factor
+  with one core or device per rank, less where the ranks share cores (a slowed rank's idle time lets the others
+  compute faster). A loose bound: the same samples cannot all run at full speed, and a plan that moves whole samples
+  gains at most f R / (R - 1 + 1/f) on R replicas with one slowed f times (1.33 at f = 1.5, R = 3), less the fixed
+  cost of a micro-batch that moving samples cannot remove.
 
 Time is the sum of the step times (the writer's `step_time_s` in metrics.jsonl) after `--warmup` steps, the aware
 run's first windows at the fixed plan included. The final weights of both runs are compared as well (under

@@ -78,7 +78,8 @@ def summarise_micro_batches(points: Sequence[tuple[int, float]]) -> dict[int, tu
     return {size: (len(times), statistics.median(times)) for size, times in sorted(by_size.items())}
 
 
-def replica_micro_times(summaries: Sequence[tuple[int, MicroTimes]], replicas: int) -> list[dict[int, tuple[int, float]]]:
+def replica_micro_times(summaries: Sequence[tuple[int, MicroTimes]],
+                        replicas: int) -> list[dict[int, tuple[int, float]]]:
     """Each replica's micro-batch times from every rank's `(replica, summary)`: per size, the slowest rank's median
     (its TP peers wait on it)."""
     out: list[dict[int, tuple[int, float]]] = [{} for _ in range(replicas)]
