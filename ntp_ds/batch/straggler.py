@@ -114,7 +114,8 @@ def _misfit(windows: Sequence[Sequence[MicroTimes]], ratios: np.ndarray) -> np.n
 def fit_costs(history: Sequence[Sequence[MicroTimes]], degrees: Sequence[int]) -> tuple[StepCost, ...]:
     """Each replica's `StepCost` from the last windows' micro-batch times (`history`, oldest first, each window a
     `MicroTimes` per replica) and the replicas' TP degrees (replicas of one degree share the fixed-to-per-sample
-    ratio). A replica with no timed micro-batch gets the cost of its degree's median replica."""
+    ratio). A replica with no timed micro-batch gets the cost of its degree's median replica (zero where none of its
+    degree was timed, and `rebalance` then makes no plan)."""
     replicas = len(degrees)
     if any(len(window) != replicas for window in history):
         raise ValueError(f"every window of history must hold {replicas} replicas' times")
