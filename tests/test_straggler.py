@@ -14,8 +14,9 @@ from ntp_ds.batch.straggler import (StepCost, fit_costs, predict_step_s, rebalan
                                     replica_step_times, summarise_micro_batches)
 
 
-def _costs(per_sample, fixed=0.0):
-    return [StepCost(fixed * c / per_sample[0] if fixed else 0.0, c) for c in per_sample]
+def _costs(per_sample):
+    """Costs of replicas with no fixed cost per micro-batch: a time per sample each."""
+    return [StepCost(0.0, c) for c in per_sample]
 
 
 # -- pure planning -------------------------------------------------------------------------------------------------

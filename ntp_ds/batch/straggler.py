@@ -145,6 +145,12 @@ def fit_costs(history: Sequence[Sequence[MicroTimes]], degrees: Sequence[int]) -
     return tuple(StepCost(speeds[r] * ratios[degrees[r]], speeds[r]) for r in range(replicas))
 
 
+def _work(cost: StepCost, shared: int, micro: int, samples: int) -> float:
+    """A replica's modelled work: `shared` micro-batches when it is an anchor (> 0), else as many as its samples fill
+    at `micro` each."""
+    return max(cost.step_s(shared or math.ceil(samples / micro), samples), 1e-12 * samples)
+
+
 def _spread(costs: Sequence[StepCost], total: int, floors: list[int], caps: Sequence[int | None],
             shared: Sequence[int], micro: Sequence[int]) -> list[int]:
     """Whole samples within [floor, cap] per replica summing to `total` that minimise the largest predicted work: a
@@ -163,8 +169,7 @@ def _spread(costs: Sequence[StepCost], total: int, floors: list[int], caps: Sequ
     replicas = range(len(floors))
 
     def work(r: int, n: int) -> float:
-        count = shared[r] or math.ceil(n / micro[r])
-        return max(costs[r].step_s(count, n), 1e-12 * n)
+        return _work(costs[r], shared[r], micro[r], n)
 
     def most(r: int, level: float) -> int:
         """The most samples replica r takes with its work at most `level`, within its floor and cap."""
@@ -230,6 +235,9 @@ def rebalance(plan: BatchPlan, costs: Sequence[StepCost], micro_batch: int, anch
     limits = micro_limits or (micro_batch,) * replicas
     micro = [min(micro_batch, limits[r]) for r in range(replicas)]
     total = sum(now)
+    is_anchor = [False] * replicas
+    for a in anchors:
+        is_anchor[a] = True
     best: tuple[float, list[int]] | None = None
     if not anchors:
         candidates = range(0, 1)
@@ -242,17 +250,14 @@ def rebalance(plan: BatchPlan, costs: Sequence[StepCost], micro_batch: int, anch
             floor_s = max(costs[a].step_s(count, count) for a in anchors)
             if floor_s >= best[0]:
                 break
-        floors = [count if r in anchors else 1 for r in range(replicas)]
-        caps = [count * micro[r] if r in anchors else None for r in range(replicas)]
-        if len(anchors) == replicas and sum(caps) < total:
-            continue  # too few micro-batches to hold the batch
-        shared = [count if r in anchors else 0 for r in range(replicas)]
+        floors = [count if is_anchor[r] else 1 for r in range(replicas)]
+        caps = [count * micro[r] if is_anchor[r] else None for r in range(replicas)]
+        shared = [count if is_anchor[r] else 0 for r in range(replicas)]
         try:
             samples = _spread(costs, total, floors, caps, shared, micro)
         except BatchError:
             continue
-        predicted = max(costs[r].step_s(shared[r] or math.ceil(samples[r] / micro[r]), samples[r])
-                        for r in range(replicas))
+        predicted = max(_work(costs[r], shared[r], micro[r], samples[r]) for r in range(replicas))
         if best is None or predicted < best[0]:
             best = (predicted, samples)
         if anchors and all(samples[a] < caps[a] for a in anchors):

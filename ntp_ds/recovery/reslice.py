@@ -126,18 +126,12 @@ class StateIndex:
         """From the offers' steps alone: every anchor's fragment follows from its TP index's shapes and `order`."""
         index = cls(steps, old, new, specs, full_shapes)
         offered = set(index.holders)
-        columns: dict[tuple[bool, int], dict] = {}
-
-        def column(is_old: bool, tp: int) -> dict:
-            if (is_old, tp) not in columns:
-                topology = old if is_old else new
-                columns[(is_old, tp)] = anchor_fragments(order, topology, tp, specs, full_shapes)
-            return columns[(is_old, tp)]
+        columns = _Table(lambda key: anchor_fragments(order, old if key[0] else new, key[1], specs, full_shapes))
 
         def fragments(key):
             tp, name = key
             out = []
-            for start, numel, owners in column(True, tp).get(name, ()):
+            for start, numel, owners in columns[(True, tp)].get(name, ()):
                 held = tuple(o for o in owners if o in offered)
                 if held:
                     out.append((start, numel, held))
@@ -145,7 +139,7 @@ class StateIndex:
 
         def needs(key):
             tp, name = key
-            return sorted((start, numel, rank) for start, numel, ranks in column(False, tp).get(name, ())
+            return sorted((start, numel, rank) for start, numel, ranks in columns[(False, tp)].get(name, ())
                           for rank in ranks)
 
         index.fragments, index.needs = _Table(fragments), _Table(needs)

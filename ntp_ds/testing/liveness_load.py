@@ -286,16 +286,15 @@ class _Share:
         self.errors: list[BaseException] = []
         self.worst_lag = self.worst_watch_lag = 0.0
         self.hung_last_beat: float | None = None
-        hung = spec.hung_rank
-        watching = set(peers_of(hung, spec.nodes, spec.workers_per_node)) if hung is not None else set()
-        self.hung_watcher_polls: dict[int, list[tuple[float, float]]] = {}
-        """For each of this share's peers of the hung worker: (wall time, seconds late) of every poll it ran."""
         self.beat_gap: dict[int, float] = {}
         """Per worker, the longest time between two of its beats as sent (monotonic)."""
         self._last_sent: dict[int, float] = {}
         wpn = spec.workers_per_node
         self.ranks = [n * wpn + i for n in nodes for i in range(wpn)]
-        self.hung_watcher_polls.update((rank, []) for rank in self.ranks if rank in watching)
+        hung = spec.hung_rank
+        watching = set(peers_of(hung, spec.nodes, spec.workers_per_node)) if hung is not None else set()
+        self.hung_watcher_polls: dict[int, list[tuple[float, float]]] = {r: [] for r in self.ranks if r in watching}
+        """For each of this share's peers of the hung worker: (wall time, seconds late) of every poll it ran."""
         self.publishers = {n: NodePublisher(self.beat_store, n, range(n * wpn, (n + 1) * wpn)) for n in nodes}
         self.beaters = {rank: Heartbeat(self.beat_store, rank, spec.interval_s) for rank in self.ranks}
         self.workers: dict[int, Heartbeat] = {}
