@@ -125,12 +125,11 @@ class Trainer:
         """The latest recovery's event, recorded once the step it interrupted has completed."""
         self.step_samples: list[int] = []
         """Samples each replica ran in the last step (a re-plan at its end changes the next step's)."""
-        self.work_s = 0.0
-        """This rank's work in the last step: forward and backward, without waits on other replicas' gradients."""
         self._work_window: list[float] = []
         """`work_s` of the steps completed under the current plan since the last straggler decision."""
         self.micro_work: list[tuple[int, float]] = []
-        """(size, work seconds) of each micro-batch of the last step."""
+        """(size, work seconds) of each micro-batch of the last step: its forward and backward, without waits on
+        other replicas' gradients."""
         self._micro_window: list[tuple[int, float]] = []
         """(size, work seconds) of each micro-batch this rank ran since the last straggler decision."""
         self._micro_history: list[list[dict]] = []
@@ -138,6 +137,11 @@ class Trainer:
         this topology."""
         self._replan: dict | None = None
         """The `replan` event of the last step, recorded after its metrics."""
+
+    @property
+    def work_s(self) -> float:
+        """This rank's work in the last step: forward and backward, without waits on other replicas' gradients."""
+        return sum(seconds for _, seconds in self.micro_work)
 
     @property
     def rank(self) -> int:
@@ -207,7 +211,7 @@ class Trainer:
     def train_step(self, step: int) -> tuple[StepTiming, float]:
         """Run one optimizer step over this replica's micro-batches; return its timing and mean loss."""
         engine, clock = self.engine, self.clock
-        compute_s = comm_s = work_s = 0.0
+        compute_s = comm_s = 0.0
         loss_sum, samples = 0.0, 0
         plan, replica = engine.batch_plan, engine.ntp_groups.replica
         stretch = getattr(self.injector, "stretch", None)
@@ -219,17 +223,15 @@ class Trainer:
             work = clock() - t - (getattr(engine, "sync_wait_s", 0.0) - waited)
             if stretch is not None:
                 work += stretch(work)
-            work_s += work
-            micro.append((int(batch["input_ids"].shape[0]), work))
+            n = int(batch["input_ids"].shape[0])
+            micro.append((n, work))
             t2 = clock()
             engine.step()
             end = clock()
             compute_s, comm_s = compute_s + t2 - t, comm_s + end - t2
-            n = batch["input_ids"].shape[0]
             loss_sum, samples = loss_sum + float(loss.detach()) * n, samples + n
         self.global_loss = self._global_loss(loss_sum, samples)
-        self.work_s, self.step_samples = work_s, [part.samples for part in plan.replicas]
-        self.micro_work = micro
+        self.micro_work, self.step_samples = micro, [part.samples for part in plan.replicas]
         self._balance(step)
         end = clock()
         timing = StepTiming(step=step, wall_s=max(end - self._last_end, compute_s + comm_s), compute_s=compute_s,
