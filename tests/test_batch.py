@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ntp_ds.batch import BatchError, max_micro_batch, plan_batch
+from ntp_ds.batch import BatchError, lockstep_replicas, max_micro_batch, plan_batch
 from ntp_ds.batch.loader import FeistelPermutation, GlobalBatchSampler, SyntheticTokens, replica_micro_batches
 
 
@@ -27,10 +27,19 @@ def test_proportional_shrinks_the_global_batch():
     assert [r.samples for r in plan.replicas] == [8, 6, 8]
 
 
-def test_anchor_replicas_share_one_micro_batch_count():
-    plan = plan_batch((2, 2, 1), 2, 15, 2, "preserve_global_batch", anchors=(0, 1))
+def test_lockstep_replicas_share_one_micro_batch_count_and_the_others_run_their_own():
+    plan = plan_batch((2, 2, 1), 2, 15, 2, "preserve_global_batch", lockstep=(0, 1))
     assert [r.samples for r in plan.replicas] == [7, 6, 2]
-    assert plan.replicas[0].micro_steps == plan.replicas[1].micro_steps == 4
+    assert [r.micro_steps for r in plan.replicas] == [4, 4, 1]
+    assert plan.replicas[1].micro_sizes == (2, 2, 1, 1)
+    plan = plan_batch((2, 2, 1), 2, 15, 2, "preserve_global_batch")
+    assert [r.micro_steps for r in plan.replicas] == [4, 3, 1]
+
+
+def test_only_zero_2_puts_the_anchors_in_lockstep():
+    """ZeRO 2 reduces the anchors' gradients in every backward; ZeRO 0 and 1 in the step's last one only."""
+    assert lockstep_replicas((0, 2), 2) == (0, 2)
+    assert lockstep_replicas((0, 2), 1) == lockstep_replicas((0, 2), 0) == ()
 
 
 def test_memory_budget_lowers_the_micro_batch_and_keeps_the_samples():

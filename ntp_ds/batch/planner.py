@@ -2,8 +2,9 @@
 
 Pure logic. A replica at TP t' of a healthy t takes about t'/t of a healthy replica's samples. Under
 `proportional` the global batch shrinks accordingly; under `preserve_global_batch` the healthy replicas take the
-remainder, so the step sees the same samples as a failure-free run. Replicas of the anchor class (see
-`ntp_ds.layout.SyncPlan`) reduce gradients together in every backward, so they share one micro-batch count.
+remainder, so the step sees the same samples as a failure-free run. Under ZeRO 2 the replicas of the anchor class
+(see `ntp_ds.layout.SyncPlan`) reduce gradients together in every backward, so they share one micro-batch count
+(`lockstep_replicas`); otherwise every replica runs as many micro-batches as its samples fill.
 """
 
 from __future__ import annotations
@@ -68,12 +69,23 @@ def _largest_remainder(total: int, weights: list[int]) -> list[int]:
     return out
 
 
+def lockstep_replicas(anchors: tuple[int, ...], zero_stage: int) -> tuple[int, ...]:
+    """The replicas that must run one micro-batch count per step.
+
+    Under ZeRO 2 DeepSpeed reduces the anchors' gradients in every backward, so every anchor must run as many
+    backwards as the others. Under ZeRO 0 and 1 it reduces them in the step's last backward only, so each replica may
+    run its own count (a replica with fewer samples pays fewer micro-batches).
+    """
+    return tuple(anchors) if zero_stage >= 2 else ()
+
+
 def plan_batch(degrees: tuple[int, ...], healthy_tp: int, global_batch: int, micro_batch: int, policy: str,
-               anchors: tuple[int, ...] = (), micro_limits: tuple[int, ...] | None = None) -> BatchPlan:
+               lockstep: tuple[int, ...] = (), micro_limits: tuple[int, ...] | None = None) -> BatchPlan:
     """Plan one step for replicas at TP `degrees`.
 
     `global_batch` is the failure-free global batch (`train_batch_size`), `micro_batch` the configured micro-batch
-    (`train_micro_batch_size_per_gpu`), `micro_limits` an optional per-replica cap from the memory budget.
+    (`train_micro_batch_size_per_gpu`), `lockstep` the replicas that share one micro-batch count
+    (`lockstep_replicas`), `micro_limits` an optional per-replica cap from the memory budget.
     """
     replicas = len(degrees)
     if policy not in POLICIES:
@@ -95,21 +107,21 @@ def plan_batch(degrees: tuple[int, ...], healthy_tp: int, global_batch: int, mic
         if n < 1:
             raise BatchError(f"train_batch_size={global_batch} leaves replica {r} (tp={degrees[r]}) no sample; "
                              f"use a global batch of at least {math.ceil(replicas * healthy_tp / degrees[r])}")
-    return split_micro_batches(samples, micro_batch, anchors, micro_limits, f"train_batch_size={global_batch}")
+    return split_micro_batches(samples, micro_batch, lockstep, micro_limits, f"train_batch_size={global_batch}")
 
 
-def split_micro_batches(samples, micro_batch: int, anchors: tuple[int, ...] = (),
+def split_micro_batches(samples, micro_batch: int, lockstep: tuple[int, ...] = (),
                         micro_limits: tuple[int, ...] | None = None, what: str = "the plan") -> BatchPlan:
     """Lay out replicas' sample counts (in replica order) as a plan: micro-batches of at most the micro-batch (or the
-    replica's memory limit), anchors sharing the largest micro-batch count among them."""
+    replica's memory limit), the `lockstep` replicas sharing the largest micro-batch count among them."""
     limits = micro_limits or (micro_batch,) * len(samples)
     micro_steps = [math.ceil(n / min(micro_batch, limits[r])) for r, n in enumerate(samples)]
-    if anchors:
-        shared = max(micro_steps[a] for a in anchors)
-        if any(samples[a] < shared for a in anchors):
-            raise BatchError(f"{what} gives anchor replicas fewer samples than the {shared} micro-batches they must "
-                             f"share")
-        for a in anchors:
+    if lockstep:
+        shared = max(micro_steps[a] for a in lockstep)
+        if any(samples[a] < shared for a in lockstep):
+            raise BatchError(f"{what} gives lockstep replicas (anchors under ZeRO 2) fewer samples than the {shared} "
+                             f"micro-batches they must share")
+        for a in lockstep:
             micro_steps[a] = shared
     out, offset = [], 0
     for r, n in enumerate(samples):

@@ -3,9 +3,10 @@ share of the global batch.
 
 Pure logic. A replica's work per step (its forwards and backwards, not its waits on peers) is modelled as
 `micro-batches x fixed_s + samples x per_sample_s` (`StepCost`): a micro-batch pays a fixed cost whatever its size
-(launching its kernels, DeepSpeed's hooks) besides its samples' compute. The distinction matters because anchor
-replicas share one micro-batch count: a sample moved off a slow anchor does not take its micro-batch with it, and a
-time-per-sample model, blind to this, mispredicts every plan that changes the count.
+(launching its kernels, DeepSpeed's hooks) besides its samples' compute. The distinction matters twice: a replica
+that gives up samples also sheds micro-batches only where it runs its own count, and under ZeRO 2 the anchors share
+one (`lockstep_replicas`), so a sample moved off a slow anchor does not take its micro-batch with it; a
+time-per-sample model, blind to both, mispredicts every plan that changes a count.
 
 The costs are fitted from each replica's micro-batches, timed one by one and summarised per window as the median
 time of each micro-batch size (`summarise_micro_batches`). Replicas of one TP degree run the same shapes, so their
@@ -14,9 +15,9 @@ per-sample cost per degree, fitted over the last `HISTORY` windows of all its re
 the median over those windows (one noisy window cannot move it alone). A ratio needs micro-batches of two sizes on one
 replica; until a degree has them (every split so far even), its fixed cost is taken as zero.
 
-The balanced plan (`rebalance`) tries every shared micro-batch count that could win, spreads whole samples so that
-the slowest replica's predicted work is least (anchors between the count and the count x their micro-batch size),
-and keeps the best. Hysteresis keeps the plan from flapping: one decision per window, and a new plan only when it
+The balanced plan (`rebalance`) tries every shared micro-batch count of the lockstep replicas that could win (one
+try when none are), spreads whole samples so that the slowest replica's predicted work is least (a lockstep replica
+between the count and the count x its micro-batch size), and keeps the best. Hysteresis keeps the plan from flapping: one decision per window, and a new plan only when it
 predicts a step more than `threshold` shorter than the current plan's. The global batch and each replica's place in
 it (offsets in replica order) keep their meaning, so under `preserve_global_batch` the update is the failure-free
 run's whatever the split.
@@ -146,8 +147,8 @@ def fit_costs(history: Sequence[Sequence[MicroTimes]], degrees: Sequence[int]) -
 
 
 def _work(cost: StepCost, shared: int, micro: int, samples: int) -> float:
-    """A replica's modelled work: `shared` micro-batches when it is an anchor (> 0), else as many as its samples fill
-    at `micro` each."""
+    """A replica's modelled work: `shared` micro-batches when it runs in lockstep (> 0), else as many as its samples
+    fill at `micro` each."""
     return max(cost.step_s(shared or math.ceil(samples / micro), samples), 1e-12 * samples)
 
 
@@ -215,16 +216,17 @@ def predict_step_s(plan: BatchPlan, costs: Sequence[StepCost]) -> float:
     return max(c.step_s(p.micro_steps, p.samples) for c, p in zip(costs, plan.replicas))
 
 
-def rebalance(plan: BatchPlan, costs: Sequence[StepCost], micro_batch: int, anchors: tuple[int, ...] = (),
+def rebalance(plan: BatchPlan, costs: Sequence[StepCost], micro_batch: int, lockstep: tuple[int, ...] = (),
               micro_limits: tuple[int, ...] | None = None, threshold: float = 0.05) -> Replan | None:
     """The plan that balances the replicas' modelled work, or None when it would not shorten the predicted step by
     more than `threshold` (a fraction) or cannot be laid out.
 
-    Anchor replicas reduce together in every backward, so they share one micro-batch count M: each anchor holds
-    between M and M x its micro-batch size samples. M is tried upwards from the smallest whose anchors can hold the
-    batch, and the search stops once no anchor of the last M's plan sat at its cap (a larger M only adds fixed cost
-    and raises the anchors' floors, so it cannot do better) or even M samples per anchor cost more than the best plan
-    so far; ties go to the smaller M. A replica without a positive cost per sample (never measured) gives no plan.
+    The `lockstep` replicas (`lockstep_replicas`: the anchors under ZeRO 2, which reduce together in every backward)
+    share one micro-batch count M: each holds between M and M x its micro-batch size samples. M is tried upwards from
+    the smallest whose lockstep replicas can hold the batch, and the search stops once none of them sat at its cap in
+    the last M's plan (a larger M only adds fixed cost and raises their floors, so it cannot do better) or even M
+    samples each cost more than the best plan so far; ties go to the smaller M. Every other replica runs as many
+    micro-batches as its samples fill. A replica without a positive cost per sample (never measured) gives no plan.
     """
     now = [r.samples for r in plan.replicas]
     replicas = len(now)
@@ -235,24 +237,24 @@ def rebalance(plan: BatchPlan, costs: Sequence[StepCost], micro_batch: int, anch
     limits = micro_limits or (micro_batch,) * replicas
     micro = [min(micro_batch, limits[r]) for r in range(replicas)]
     total = sum(now)
-    is_anchor = [False] * replicas
-    for a in anchors:
-        is_anchor[a] = True
+    locked = [False] * replicas
+    for a in lockstep:
+        locked[a] = True
     best: tuple[float, list[int]] | None = None
-    if not anchors:
+    if not lockstep:
         candidates = range(0, 1)
     else:
-        others = replicas - len(anchors)
-        first = 1 if others else max(1, math.ceil(total / sum(micro[a] for a in anchors)))
-        candidates = range(first, (total - others) // len(anchors) + 1)
+        others = replicas - len(lockstep)
+        first = 1 if others else max(1, math.ceil(total / sum(micro[a] for a in lockstep)))
+        candidates = range(first, (total - others) // len(lockstep) + 1)
     for count in candidates:
-        if anchors and best is not None:
-            floor_s = max(costs[a].step_s(count, count) for a in anchors)
+        if lockstep and best is not None:
+            floor_s = max(costs[a].step_s(count, count) for a in lockstep)
             if floor_s >= best[0]:
                 break
-        floors = [count if is_anchor[r] else 1 for r in range(replicas)]
-        caps = [count * micro[r] if is_anchor[r] else None for r in range(replicas)]
-        shared = [count if is_anchor[r] else 0 for r in range(replicas)]
+        floors = [count if locked[r] else 1 for r in range(replicas)]
+        caps = [count * micro[r] if locked[r] else None for r in range(replicas)]
+        shared = [count if locked[r] else 0 for r in range(replicas)]
         try:
             samples = _spread(costs, total, floors, caps, shared, micro)
         except BatchError:
@@ -260,12 +262,12 @@ def rebalance(plan: BatchPlan, costs: Sequence[StepCost], micro_batch: int, anch
         predicted = max(_work(costs[r], shared[r], micro[r], samples[r]) for r in range(replicas))
         if best is None or predicted < best[0]:
             best = (predicted, samples)
-        if anchors and all(samples[a] < caps[a] for a in anchors):
+        if lockstep and all(samples[a] < caps[a] for a in lockstep):
             break
     if best is None or best[1] == now:
         return None
     try:
-        new = split_micro_batches(best[1], micro_batch, anchors, micro_limits, "the straggler-aware plan")
+        new = split_micro_batches(best[1], micro_batch, lockstep, micro_limits, "the straggler-aware plan")
     except BatchError:
         return None
     before, after = predict_step_s(plan, costs), predict_step_s(new, costs)

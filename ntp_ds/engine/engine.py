@@ -178,7 +178,8 @@ class NTPEngine(DeepSpeedEngine):
 
     def set_batch_plan(self, plan: BatchPlan) -> None:
         """Run the next steps with `plan` (same replicas; e.g. a straggler-aware re-plan); call at a step boundary on
-        every rank. Anchors must share one micro-batch count in it (`ntp_ds.batch.split_micro_batches`)."""
+        every rank. Under ZeRO 2 the anchors must share one micro-batch count in it
+        (`ntp_ds.batch.lockstep_replicas`)."""
         if (self.micro_steps - self._step_start_micro) % self._micro_count() or self._loss_weight is not None:
             raise RuntimeError("set_batch_plan must be called between steps, not inside one")
         if len(plan.replicas) != len(self.batch_plan.replicas):

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.config import DeepSpeedConfig
 
-from ntp_ds.batch import BatchPlan, max_micro_batch, plan_batch
+from ntp_ds.batch import BatchPlan, lockstep_replicas, max_micro_batch, plan_batch
 from ntp_ds.batch.straggler import Replan, rebalance
 from ntp_ds.comm import wire
 from ntp_ds.comm.groups import (NTPMpu, ReplicaGroups, backend_for_device, build_groups, prepare_backend,
@@ -40,26 +40,30 @@ class JobSpec:
     lr_scheduler: Callable | None = None
     seq_len: int | None = None
 
+    @property
+    def zero_stage(self) -> int:
+        return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
+
     def plan(self, topology: Topology) -> tuple:
         """Gradient-sync and batch plans of a topology."""
         sync = plan_gradient_sync(topology)
         limits = _micro_limits(self, topology)
         batch = plan_batch(topology.degrees, self.ntp.tp, self.ds_config["train_batch_size"],
-                           self.ds_config["train_micro_batch_size_per_gpu"], self.ntp.batch_policy, sync.anchors,
-                           limits)
+                           self.ds_config["train_micro_batch_size_per_gpu"], self.ntp.batch_policy,
+                           lockstep_replicas(sync.anchors, self.zero_stage), limits)
         return sync, batch
 
     def buddies(self, topology: Topology, sync=None) -> dict[int, tuple[int, ...]]:
         """For every anchor rank of `topology`, the ranks keeping copies of its optimizer state (`plan_buddies`;
         empty where the state is replicated). `sync`: the topology's gradient-sync plan, if already made."""
-        zero_stage = int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
-        return plan_buddies(topology, sync or plan_gradient_sync(topology), zero_stage, self.ntp.zero_redundancy)
+        return plan_buddies(topology, sync or plan_gradient_sync(topology), self.zero_stage, self.ntp.zero_redundancy)
 
     def rebalance(self, topology: Topology, anchors: tuple[int, ...], plan: BatchPlan,
                   costs) -> Replan | None:
         """The straggler-aware re-plan of `plan` for the replicas' fitted step costs (`StepCost`; None: keep it)."""
-        return rebalance(plan, costs, self.ds_config["train_micro_batch_size_per_gpu"], anchors,
-                         _micro_limits(self, topology), self.ntp.straggler.threshold)
+        return rebalance(plan, costs, self.ds_config["train_micro_batch_size_per_gpu"],
+                         lockstep_replicas(anchors, self.zero_stage), _micro_limits(self, topology),
+                         self.ntp.straggler.threshold)
 
 
 def model_config_of(model) -> LlamaConfig | HFConfig:

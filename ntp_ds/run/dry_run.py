@@ -8,7 +8,7 @@ import json
 import math
 import re
 
-from ntp_ds.batch import BatchError, max_micro_batch, plan_batch
+from ntp_ds.batch import BatchError, lockstep_replicas, max_micro_batch, plan_batch
 from ntp_ds.batch.memory import rank_memory
 from ntp_ds.layout import ShardLayout, Topology, plan_gradient_sync
 from ntp_ds.layout import units as U
@@ -98,7 +98,7 @@ def memory_section(cfg: RunConfig, ds: dict, layouts: list[tuple[str, ShardLayou
 def layout_section(cfg: RunConfig, ds: dict, topology: Topology) -> list[str]:
     plan = plan_gradient_sync(topology)
     batch = plan_batch(topology.degrees, cfg.parallel.tp, ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"],
-                       cfg.parallel.batch_policy, plan.anchors)
+                       cfg.parallel.batch_policy, lockstep_replicas(plan.anchors, cfg.parallel.zero_stage))
     lines = ["group layout (anchors reduce in DeepSpeed's DP groups; contributors send to their anchor):"]
     for r, lay in enumerate(topology.layouts):
         role = "anchor" if plan.is_anchor(r) else f"contributor -> replica {plan.anchor_of[r]}"
