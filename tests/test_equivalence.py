@@ -45,6 +45,8 @@ def run_case(degrees, stage, optim, policy="preserve_global_batch", global_batch
     ntp = {"tp": tp or max(degrees), "replicas": len(degrees), "degrees": degrees, "batch_policy": policy, **ntp}
     results = run_ranks(train_ntp, sum(degrees), ntp, optim, stage, global_batch, micro, STEPS, timeout=240)
     assert all(r["global_steps"] == STEPS for r in results)
+    # DeepSpeed's sample count (checkpointed, its monitor's x axis) counts the global batch on every rank.
+    assert [r["samples_seen"] for r in results] == [STEPS * results[0]["global_samples"]] * len(results)
     reference = train_reference(optim, results[0]["global_samples"], STEPS)
     assert_matches_reference(results, reference, optim)
     return results

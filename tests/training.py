@@ -95,7 +95,7 @@ def train_ntp(rank, world_size, ntp: dict, optim: str, stage: int, global_batch:
         engine.save_pretrained(save_dir)
     return {"replica": replica, "tp_rank": engine.ntp_groups.tp_rank, "layout": engine.ntp_groups.layout,
             "shards": shards, "full": full, "global_samples": engine.batch_plan.global_samples,
-            "global_steps": engine.global_steps}
+            "global_steps": engine.global_steps, "samples_seen": engine.global_samples}
 
 
 def train_reference(optim: str, global_samples: int, steps: int, model_overrides: dict | None = None,

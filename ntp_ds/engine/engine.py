@@ -194,6 +194,13 @@ class NTPEngine(DeepSpeedEngine):
         if hasattr(self.optimizer, "gradient_accumulation_steps"):
             self.optimizer.gradient_accumulation_steps = batch["gradient_accumulation_steps"]
 
+    def train_batch_size(self) -> int:
+        """The current plan's global batch: what DeepSpeed adds to `global_samples` at each step. Its own value (micro
+        x accumulation x DP size of this rank's replica) is the global batch only while every replica runs the same
+        share."""
+        plan = self.__dict__.get("batch_plan")  # None while DeepSpeed builds
+        return plan.global_samples if plan is not None else super().train_batch_size()
+
     def _micro_count(self) -> int:
         return self.batch_plan.replicas[self.ntp_groups.replica].micro_steps
 
@@ -286,7 +293,7 @@ class NTPEngine(DeepSpeedEngine):
             for p in self.module.parameters():
                 p.grad = None
             self.global_steps += 1
-            self.global_samples += self.batch_plan.global_samples
+            self.global_samples += self.train_batch_size()
         if boundary:
             wire.vote(True)
             self.in_optimizer_step = False
