@@ -40,7 +40,8 @@ def _best_by_enumeration(costs, total, micro, lockstep):
 @given(st.integers(2, 3), st.integers(1, 5), st.integers(1, 4), st.data())
 def test_the_replan_is_the_least_slowest_replica_over_every_split(replicas, share, micro, data):
     """Against enumeration of every split: the re-plan's predicted step is the least there is, counting each
-    micro-batch's fixed cost and the lockstep replicas' shared count; when no re-plan comes back, the current plan is it."""
+    micro-batch's fixed cost and the lockstep replicas' shared count; when no re-plan comes back, the current plan is
+    it."""
     lockstep = tuple(sorted(data.draw(st.sets(st.integers(0, replicas - 1)))))
     costs = [StepCost(data.draw(st.floats(0.0, 0.05)), data.draw(st.floats(0.001, 0.1))) for _ in range(replicas)]
     plan = plan_batch((1,) * replicas, 1, share * replicas, micro, "preserve_global_batch", lockstep=lockstep)

@@ -17,8 +17,9 @@ replica; until a degree has them (every split so far even), its fixed cost is ta
 
 The balanced plan (`rebalance`) tries every shared micro-batch count of the lockstep replicas that could win (one
 try when none are), spreads whole samples so that the slowest replica's predicted work is least (a lockstep replica
-between the count and the count x its micro-batch size), and keeps the best. Hysteresis keeps the plan from flapping: one decision per window, and a new plan only when it
-predicts a step more than `threshold` shorter than the current plan's. The global batch and each replica's place in
+between the count and the count x its micro-batch size), and keeps the best. Hysteresis keeps the plan from
+flapping: one decision per window, and a new plan only when it predicts a step more than `threshold` shorter than the
+current plan's. The global batch and each replica's place in
 it (offsets in replica order) keep their meaning, so under `preserve_global_batch` the update is the failure-free
 run's whatever the split.
 """
