@@ -190,7 +190,7 @@ class NTPEngine(DeepSpeedEngine):
         batch = deepspeed_batch(micro_sizes, len(self.ntp_groups.dp_ranks), self.is_anchor)
         self._config.train_micro_batch_size_per_gpu = batch["train_micro_batch_size_per_gpu"]
         self._config.gradient_accumulation_steps = batch["gradient_accumulation_steps"]
-        self._config.train_batch_size = batch["train_batch_size"]
+        # No train_batch_size here: `train_batch_size()` reads the plan's global batch.
         if hasattr(self.optimizer, "gradient_accumulation_steps"):
             self.optimizer.gradient_accumulation_steps = batch["gradient_accumulation_steps"]
 

@@ -72,8 +72,7 @@ class Recovery:
                  heartbeat_timeout_s: float = 3.0, settle_s: float = 0.3, last_good_dir=None,
                  job: JobSpec | None = None, members: tuple[int, ...] | None = None, generation: int = 0):
         self.job: JobSpec = engine.job if engine is not None else job
-        ds = self.job.ds_config
-        if ds.get("bf16", {}).get("enabled") and not ds.get("zero_optimization", {}).get("stage", 0):
+        if self.job.ds_config.get("bf16", {}).get("enabled") and not self.job.zero_stage:
             raise ConfigError("zero_optimization.stage=0 with bf16.enabled=true: live recovery cannot read that "
                               "optimizer's fp32 masters; use stage 1 or 2")
         self.engine, self.store, self.rank = engine, store, rank
