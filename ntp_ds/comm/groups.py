@@ -14,16 +14,25 @@ from ntp_ds.comm import wire
 from ntp_ds.layout import SyncPlan, Topology
 
 
+TEST_BACKEND_ENV = "NTP_TEST_BACKEND"
+"""Run on another backend than the device's: `nccl_model` (NCCL's rules on CPU, for tests) or `gloo`."""
+
+
 def backend_for_device() -> str:
-    """NCCL where CUDA is present, gloo on CPU: one code path for both."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """NCCL where CUDA is present, gloo on CPU: one code path for both (NTP_TEST_BACKEND overrides it)."""
+    chosen = os.environ.get(TEST_BACKEND_ENV, "")
+    if chosen == "nccl_model":
+        import ntp_ds.testing.nccl_model  # noqa: F401  (registers the backend)
+    elif chosen not in ("", "gloo", "nccl"):
+        raise ValueError(f"{TEST_BACKEND_ENV}={chosen!r}: choose nccl_model, gloo or nccl")
+    return chosen or ("nccl" if torch.cuda.is_available() else "gloo")
 
 
 def prepare_backend() -> None:
     """Set what the backend needs before the first process group: under NCCL, the abort that ends a kernel
     blocked on a dead peer is documented for TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (the default, 3, would tear the
     surviving process down instead)."""
-    if backend_for_device() == "nccl":
+    if backend_for_device() in wire.NCCL_LIKE:
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
     skip_shm_comm_op()
 
@@ -45,7 +54,7 @@ def start_generation(timeout_s: float) -> None:
     timeout = timedelta(seconds=timeout_s)
     control = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     wire.configure(timeout_s, control)
-    if dist.get_backend() == "nccl":
+    if wire.is_nccl():
         # NCCL requires a group's first call to be a collective of all its ranks before any batched P2P on it.
         wire.all_reduce(torch.zeros(1, device=wire.device_of()), None)
 

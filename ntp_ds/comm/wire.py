@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 SLICE_S = 0.1
 """How often a blocked gloo wait looks at the liveness verdict."""
 
+NCCL_LIKE = ("nccl", "nccl_model")
+"""Backends with NCCL's rules: `nccl_model` (ntp_ds.testing.nccl_model) keeps them on CPU, and takes every branch
+NCCL takes, so no code path runs only on GPUs."""
+
 
 class PeerFailure(RuntimeError):
     """A wait ended because a peer was declared dead (hung or gone) by the liveness watcher."""
@@ -75,6 +79,9 @@ class _State:
     generation: int = 0
     recorders: list = field(default_factory=list)
     traffic: Counter = field(default_factory=Counter)
+    backend: str = ""
+    """The generation's default backend, read when it began: torch forgets it once the groups are aborted."""
+    backends: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
 
 
 _state = _State()
@@ -85,6 +92,8 @@ def configure(timeout_s: float, control_group=None) -> None:
     """Set the bound on every wait and the control group of this generation; clear any earlier failure."""
     _state.timeout_s = float(timeout_s)
     _state.control = control_group
+    _state.backend = dist.get_backend() if dist.is_initialized() else ""
+    _state.backends = weakref.WeakKeyDictionary()
     _state.generation += 1
     _state.failed.clear()
     _state.reason = ""
@@ -100,7 +109,7 @@ def peer_failed(reason: str) -> None:
         return
     _state.reason = reason
     _state.failed.set()
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if is_nccl():
         log.warning("aborting NCCL communicators: %s", reason)
         abort_all()
 
@@ -126,7 +135,7 @@ def teardown() -> None:
 
     groups = [weakref.ref(g) for g in dist.distributed_c10d._world.pg_map] if dist.is_initialized() else []
     if dist.is_initialized():
-        if dist.get_backend() == "nccl":
+        if is_nccl():
             abort_all()  # a communicator with a dead peer can block its own destruction
         try:
             dist.destroy_process_group()
@@ -145,9 +154,38 @@ def teardown() -> None:
 
 
 # -- devices and records ---------------------------------------------------------------------------------------
+def backend_of(group=None) -> str:
+    """A group's backend (default: the generation's), still known after the groups were aborted (torch forgets
+    them then: `dist.get_backend` raises ValueError)."""
+    if group is None:
+        if _state.backend:
+            return _state.backend
+        return dist.get_backend()
+    try:
+        return _state.backends[group]
+    except (KeyError, TypeError):
+        pass
+    try:
+        name = dist.get_backend(group)
+    except (ValueError, RuntimeError):  # aborted or destroyed before it was ever asked about
+        return _state.backend or "gloo"
+    try:
+        _state.backends[group] = name
+    except TypeError:
+        pass
+    return name
+
+
+def is_nccl(group=None) -> bool:
+    """Whether a group keeps NCCL's rules (NCCL itself or its CPU model)."""
+    if group is None and not _state.backend and not dist.is_initialized():
+        return False
+    return backend_of(group) in NCCL_LIKE
+
+
 def device_of(group=None) -> torch.device:
     """The device a group's tensors must live on."""
-    if dist.get_backend(group) == "nccl":
+    if backend_of(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -197,7 +235,7 @@ def _nbytes(tensors) -> int:
 def _check(op: str, group, tensors, sends=(), recvs=()) -> None:
     expected = device_of(group)
     if _state.recorders:
-        record = CallRecord(op, dist.get_rank(), dist.get_backend(group),
+        record = CallRecord(op, dist.get_rank(), backend_of(group),
                             tuple(dist.get_process_group_ranks(group or dist.group.WORLD)),
                             tuple(str(t.device) for t in tensors), tuple(str(t.dtype) for t in tensors),
                             tuple(sends), tuple(recvs), expected.type, _state.generation)
@@ -205,7 +243,7 @@ def _check(op: str, group, tensors, sends=(), recvs=()) -> None:
             rec(record)
     for t in tensors:
         if t.device.type != expected.type:
-            raise ValueError(f"{op}: a tensor on {t.device} was handed to a {dist.get_backend(group)} group, "
+            raise ValueError(f"{op}: a tensor on {t.device} was handed to a {backend_of(group)} group, "
                              f"whose tensors must live on {expected}")
 
 
@@ -219,7 +257,7 @@ def wait(works, group=None, what: str = "collective", p2p: bool = False, heed_fa
     whole: the group's timeout bounds it, and a hung peer is ended sooner by its launcher once the liveness
     watcher asks for it to be fenced (its connections close, and the wait fails at once).
     """
-    nccl = dist.get_backend(group) == "nccl"
+    nccl = is_nccl(group)
     deadline = time.monotonic() + _state.timeout_s
     for work in works if isinstance(works, (list, tuple)) else [works]:
         if heed_failure and _state.failed.is_set():
@@ -257,23 +295,42 @@ def all_reduce(tensor: torch.Tensor, group, op: str = "sum", name: str = "all_re
 
 
 class Exchange:
-    """Pending pairwise transfers posted together; `wait()` completes them within the bound."""
+    """Pending pairwise transfers posted together; `wait()` completes them within the bound.
+
+    NCCL coalesces a batch into ONE Work that completes, or fails, as a unit (gloo gives a Work per op): there,
+    every transfer of the exchange shares that Work, so completing the receives from one peer completes them all.
+    """
 
     def __init__(self, works: list, peers: list[tuple[str, int]], group):
         self.group = group
+        if works and len(works) != len(peers):
+            if len(works) != 1:
+                raise RuntimeError(f"batch_isend_irecv returned {len(works)} Works for {len(peers)} ops")
+            works = works * len(peers)
         self._works = list(zip(peers, works))
 
     def wait(self) -> None:
         """Complete every transfer (raises on the first that fails)."""
         works, self._works = self._works, []
-        wait([w for _, w in works], self.group, "exchange", p2p=True)
+        wait(_distinct(w for _, w in works), self.group, "exchange", p2p=True)
 
     def wait_received(self, peer: int, heed_failure: bool = True) -> None:
-        """Complete the receives from `peer` only (after a failure too, with `heed_failure=False`: a live peer's
-        transfer still completes, a dead one's fails)."""
-        mine = [w for (kind, p), w in self._works if kind == "recv" and p == peer]
+        """Complete the receives from `peer` (with a coalesced batch: the whole batch), after a failure too, with
+        `heed_failure=False`: a live peer's transfer still completes, a dead one's fails (and, coalesced, the
+        batch with it)."""
+        mine = _distinct(w for (kind, p), w in self._works if kind == "recv" and p == peer)
         self._works = [(k, w) for k, w in self._works if not (k[0] == "recv" and k[1] == peer)]
         wait(mine, self.group, "exchange", p2p=True, heed_failure=heed_failure)
+
+
+def _distinct(works) -> list:
+    """Works in order, each once (a coalesced batch's Work stands for all of its ops)."""
+    seen, out = set(), []
+    for w in works:
+        if id(w) not in seen:
+            seen.add(id(w))
+            out.append(w)
+    return out
 
 
 def exchange(sends: Mapping[int, torch.Tensor | Sequence[torch.Tensor]],

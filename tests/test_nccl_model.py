@@ -1,0 +1,245 @@
+"""The `nccl_model` backend: each NCCL rule it keeps, shown by a small program that breaks the rule. The program
+passes under gloo, fails under nccl_model, and passes again with that one rule switched off."""
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ntp_ds.testing.spawn import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _program(rank, world, backend, off, body):
+    if off:
+        os.environ["NTP_NCCL_MODEL_OFF"] = off
+    os.environ["NTP_NCCL_MODEL_DEADLOCK_S"] = "3"
+    if backend == "nccl_model":
+        import ntp_ds.testing.nccl_model  # noqa: F401  (registers the backend)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        return body(rank, world)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(body, backend, off="", world=2):
+    return run_ranks(_program, world, backend, off, body, timeout=60)
+
+
+def _fails(body, match, world=2, rule=""):
+    """The body passes under gloo, fails under nccl_model with `match`, and passes with `rule` off."""
+    _run(body, "gloo", world=world)
+    with pytest.raises(RuntimeError, match=match):
+        _run(body, "nccl_model", world=world)
+    if rule:
+        _run(body, "nccl_model", off=rule, world=world)
+
+
+# -- the programs (module level: they travel to the ranks) --------------------------------------------------------
+def pair_works_with_ops(rank, world):
+    """Waits on the Work of its receive alone, pairing batch_isend_irecv's Works with its ops."""
+    peer = 1 - rank
+    got = torch.zeros(4)
+    ops = [dist.P2POp(dist.isend, torch.full((4,), float(rank)), peer), dist.P2POp(dist.irecv, got, peer)]
+    works = dict(zip(["send", "recv"], dist.batch_isend_irecv(ops)))
+    works["recv"].wait()
+    works["send"].wait()
+    assert got.tolist() == [float(peer)] * 4, got
+
+
+def read_before_wait(rank, world):
+    """Reads an all-reduce's result before waiting on its Work."""
+    t = torch.ones(8)
+    work = dist.all_reduce(t, async_op=True)
+    seen = t.clone()
+    work.wait()
+    assert not seen.isnan().any(), "read the poison: the result was not there yet"
+    assert t.tolist() == [float(world)] * 8
+
+
+def read_recv_before_wait(rank, world):
+    """Reads a received buffer before waiting on the receive."""
+    buf = torch.zeros(8)
+    if rank == 0:
+        dist.send(torch.arange(8.0), 1)
+    else:
+        work = dist.irecv(buf, 0)
+        time.sleep(0.2)
+        seen = buf.clone()
+        work.wait()
+        assert not seen.isnan().any(), "read the poison: the message had not arrived"
+
+
+def overwrite_send_buffer(rank, world):
+    """Reuses a send buffer before the send's Work completed."""
+    buf = torch.arange(8.0)
+    if rank == 0:
+        work = dist.isend(buf, 1)
+        buf.fill_(-1.0)
+        work.wait()
+    else:
+        dist.recv(torch.zeros(8), 0)
+
+
+def sends_before_receives(rank, world):
+    """Posts each send before its receive, in separate calls, around a ring."""
+    right, left = (rank + 1) % world, (rank - 1) % world
+    got = torch.zeros(1024)
+    send = dist.isend(torch.full((1024,), float(rank)), right)
+    recv = dist.irecv(got, left)
+    send.wait()
+    recv.wait()
+    assert got[0].item() == float(left)
+
+
+def rely_on_tags(rank, world):
+    """Receives two messages of one batch in another order than they were sent, matched by tag."""
+    if rank == 0:
+        ops = [dist.P2POp(dist.isend, torch.tensor([1.0]), 1, tag=1),
+               dist.P2POp(dist.isend, torch.tensor([2.0]), 1, tag=2)]
+    else:
+        a, b = torch.zeros(1), torch.zeros(1)
+        ops = [dist.P2POp(dist.irecv, b, 0, tag=2), dist.P2POp(dist.irecv, a, 0, tag=1)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    if rank == 1:
+        assert (a.item(), b.item()) == (1.0, 2.0), (a.item(), b.item())
+
+
+def rely_on_wire_error(rank, world):
+    """Expects a collective whose peer left to end with an error; aborts after 3 s only as a last resort."""
+    if rank == 1:
+        return "left"
+    t = torch.ones(4)
+    rescued = threading.Event()
+
+    def last_resort():
+        if not done.wait(3.0):
+            rescued.set()
+            dist.distributed_c10d._abort_process_group()
+
+    done = threading.Event()
+    threading.Thread(target=last_resort, daemon=True).start()
+    try:
+        dist.all_reduce(t)
+    except RuntimeError as err:
+        done.set()
+        assert not rescued.is_set(), f"the op ended only when the group was aborted ({err}); output {t.tolist()}"
+        return "peer failure seen"
+    raise AssertionError("the all-reduce completed without its peer")
+
+
+# -- the tests -------------------------------------------------------------------------------------------------
+def test_coalesce_one_work_per_batch():
+    _fails(pair_works_with_ops, "KeyError: 'recv'", rule="coalesce")
+
+
+def test_async_result_poisoned_until_waited():
+    _fails(read_before_wait, "read the poison", rule="async")
+
+
+def test_async_received_buffer_poisoned_until_waited():
+    _fails(read_recv_before_wait, "read the poison", rule="async")
+
+
+def test_async_send_buffer_must_not_change_in_flight():
+    _fails(overwrite_send_buffer, "RuleViolation: .*send #0 to rank 1.* written before", rule="async")
+
+
+def test_order_send_before_receive_deadlocks_and_is_reported():
+    _fails(sends_before_receives, r"Deadlock: .*group rank \d has waited 3 s at op #0 \(send #0 to rank \d\).*rank \d: op #0: send #0 to rank \d",
+           world=3, rule="order")
+
+
+def test_tags_ignored():
+    _fails(rely_on_tags, r"\(2.0, 1.0\)", rule="tags")
+
+
+def test_abort_no_op_ends_without_abort():
+    _fails(rely_on_wire_error, "the op ended only when the group was aborted", rule="abort")
+
+
+def aborted_group(rank, world):
+    """After an abort: the pending op stays poisoned, its Work raises, the group refuses later use."""
+    import ntp_ds.testing.nccl_model as nm
+
+    group = dist.new_group([0, 1])
+    t = torch.ones(4)
+    if rank == 1:
+        dist.barrier(group=dist.group.WORLD)
+        return None
+    work = dist.all_reduce(t, group=group, async_op=True)  # rank 1 never joins it
+    group.abort()
+    with pytest.raises(nm.Aborted):
+        work.wait()
+    assert t.isnan().all()
+    with pytest.raises(nm.Aborted):
+        dist.all_reduce(torch.ones(1), group=group)
+    dist.barrier(group=dist.group.WORLD)
+    return "ok"
+
+
+def test_abort_leaves_pending_poisoned_and_refuses_use():
+    assert _run(aborted_group, "nccl_model")[0] == "ok"
+
+
+def collectives(rank, world):
+    """Every collective DeepSpeed and the package use gives gloo's answer once waited."""
+    out = {}
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t)
+    out["all_reduce"] = t.tolist()
+    flat = torch.zeros(4 * world)
+    flat[4 * rank:4 * rank + 4] = rank + 1.0
+    dist.all_gather_into_tensor(flat, flat[4 * rank:4 * rank + 4])  # in place, as ZeRO gathers its partitions
+    out["all_gather_in_place"] = flat.tolist()
+    parts = [torch.zeros(2) for _ in range(world)]
+    dist.all_gather(parts, torch.full((2,), float(rank)))
+    out["all_gather"] = [p.tolist() for p in parts]
+    shard = torch.zeros(3)
+    dist.reduce_scatter_tensor(shard, torch.arange(3.0 * world) + rank)
+    out["reduce_scatter"] = shard.tolist()
+    b = torch.full((3,), float(rank))
+    dist.broadcast(b, src=1)
+    out["broadcast"] = b.tolist()
+    a2a = torch.zeros(world)
+    dist.all_to_all_single(a2a, torch.arange(float(world)) + 10 * rank)
+    out["all_to_all"] = a2a.tolist()
+    x, y = torch.ones(2), torch.full((3,), 2.0)
+    dist.all_reduce_coalesced([x, y])
+    out["coalesced"] = [x.tolist(), y.tolist()]
+    dist.barrier()
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank})
+    out["objects"] = objs
+    return out
+
+
+def test_collectives_agree_with_gloo():
+    assert _run(collectives, "nccl_model") == _run(collectives, "gloo")
+
+
+# -- the package's own wire on the backend ----------------------------------------------------------------------
+def receive_from_one_peer(rank, world):
+    """wire.exchange's receives from one peer are complete once `wait_received(peer)` returns (defect: with NCCL's
+    one Work per batch, the per-op pairing waited on nothing and the buffer still held the poison)."""
+    from ntp_ds.comm import wire
+
+    wire.configure(30.0, None)
+    peer = 1 - rank
+    got = [torch.zeros(16), torch.zeros(4)]
+    pending = wire.exchange({peer: [torch.full((16,), float(rank)), torch.full((4,), float(rank))]}, {peer: got})
+    pending.wait_received(peer)
+    assert all(not g.isnan().any() for g in got), "read the poison: wait_received waited on nothing"
+    pending.wait()
+    return [g.tolist() for g in got]
+
+
+def test_wire_exchange_waits_on_the_coalesced_batch():
+    assert _run(receive_from_one_peer, "nccl_model") == _run(receive_from_one_peer, "gloo")
