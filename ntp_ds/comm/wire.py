@@ -104,22 +104,31 @@ def peer_failed(reason: str) -> None:
 
     Every wait in progress or to come raises `PeerFailure`. Under NCCL the communicators are aborted as well, which
     is what ends a kernel blocked on the dead peer (requires TORCH_NCCL_ASYNC_ERROR_HANDLING=0, set by `join`).
+    A caller that finds the abort under way returns once it is done.
     """
-    if _state.failed.is_set():
-        return
-    _state.reason = reason
-    _state.failed.set()
-    if is_nccl():
-        log.warning("aborting NCCL communicators: %s", reason)
-        abort_all()
+    with _abort_lock:
+        if _state.failed.is_set():
+            return
+        _state.reason = reason
+        _state.failed.set()
+        if is_nccl():
+            log.warning("aborting NCCL communicators: %s", reason)
+            abort_all()
 
 
 def abort_all() -> None:
-    """Abort every communicator of this process (NCCL); the process groups are unusable afterwards."""
-    try:
-        dist.distributed_c10d._abort_process_group()
-    except Exception as err:  # aborting is best effort: the groups are discarded either way
-        log.warning("abort of the process groups failed: %s", err)
+    """Abort every communicator of this process (NCCL); the process groups are unusable afterwards.
+
+    torch's abort clears its registry of groups only after it has aborted each of them, while the training thread,
+    woken by the first, may already be leaving the generation: the lock keeps `teardown` from running meanwhile."""
+    with _abort_lock:
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception as err:  # aborting is best effort: the groups are discarded either way
+            log.warning("abort of the process groups failed: %s", err)
+
+
+_abort_lock = threading.RLock()
 
 
 def teardown() -> None:
@@ -131,6 +140,11 @@ def teardown() -> None:
     still holds in a reference cycle is freed by a full garbage collection here, which costs a fraction of a second
     on a heap the size of DeepSpeed's, so it runs only when a group survives.
     """
+    with _abort_lock:
+        _teardown()
+
+
+def _teardown() -> None:
     from deepspeed.utils import groups as ds_groups
 
     groups = [weakref.ref(g) for g in dist.distributed_c10d._world.pg_map] if dist.is_initialized() else []

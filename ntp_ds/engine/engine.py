@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from safetensors.torch import save_file
 
@@ -345,6 +346,10 @@ class NTPEngine(DeepSpeedEngine):
         # would break, keeping the groups open until then.
         for p in self.module.parameters():
             p.__dict__.clear()
+        if not dist.is_initialized() and hasattr(self.optimizer, "print_rank_0"):
+            # The communicators were aborted (torch then keeps no default group) and ZeRO's destroy logs through
+            # dist.get_rank(), which would raise before the hooks and buffers are let go.
+            self.optimizer.print_rank_0 = lambda *args, **kwargs: None
         self.destroy()
         self.__dict__.clear()
 

@@ -141,6 +141,10 @@ class Recovery:
     def recover(self, error: BaseException) -> RecoveryOutcome:
         """Recover from `error` (a failed collective or peer); retried if a rank fails during recovery itself."""
         failed_at = time.monotonic()
+        if wire.is_nccl():
+            # Abort first: the snapshot and the engine's release synchronise with the device, which must not wait
+            # on a kernel blocked on the dead peer. Transfers not confirmed by now are lost with the communicators.
+            wire.peer_failed(f"recovering from {type(error).__name__}: {error}")
         snapshot = self.engine.snapshot()
         old_members = self.members
         traceback.clear_frames(error.__traceback__)
