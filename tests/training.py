@@ -198,7 +198,9 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
                 engine.step()
         except DeviceError:
             recovery.leave("device error")
-        except (RuntimeError, TimeoutError, ConnectionError) as error:
+        except Exception as error:
+            if not wire.is_wire_failure(error) and not isinstance(error, RecoveryImpossible):
+                raise  # this rank's own error ends it; its peers recover without it
             if isinstance(error, RecoveryImpossible):
                 recovery.close(finished=True)
                 return {"stopped": str(error), "events": recovery.events}

@@ -145,11 +145,17 @@ class OutgoingParameters:
         self.pending: list[wire.Exchange] = []
 
     def post(self, params: dict[str, torch.Tensor]) -> None:
+        """Post every bucket to every peer, all peers' buckets merged in forward order.
+
+        NCCL runs this rank's sends one after another on its stream, and each peer receives only a window ahead of
+        its forward: sent peer by peer, the first peer's later buckets would wait for a forward that waits (through
+        its TP group) on another peer's first bucket, queued behind them."""
         self.wait()
-        for peer, buckets in self.exchange.outgoing.items():
-            for bucket in buckets:
-                self.pending.append(wire.exchange({peer: self.exchange.pack(bucket, params)}, {},
-                                                  op="param_bucket"))
+        order = {name: i for i, name in enumerate(self.exchange.specs)}
+        queue = sorted(((order[b.items[0][0]], peer, k, b) for peer, buckets in self.exchange.outgoing.items()
+                        for k, b in enumerate(buckets)), key=lambda e: e[:3])
+        for _, peer, _, bucket in queue:
+            self.pending.append(wire.exchange({peer: self.exchange.pack(bucket, params)}, {}, op="param_bucket"))
 
     def wait(self) -> None:
         pending, self.pending = self.pending, []

@@ -82,6 +82,8 @@ class _State:
     backend: str = ""
     """The generation's default backend, read when it began: torch forgets it once the groups are aborted."""
     backends: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    aborted: bool = False
+    """The generation's communicators were aborted: nothing can be posted on them any more."""
 
 
 _state = _State()
@@ -94,6 +96,7 @@ def configure(timeout_s: float, control_group=None) -> None:
     _state.control = control_group
     _state.backend = dist.get_backend() if dist.is_initialized() else ""
     _state.backends = weakref.WeakKeyDictionary()
+    _state.aborted = False
     _state.generation += 1
     _state.failed.clear()
     _state.reason = ""
@@ -116,12 +119,36 @@ def peer_failed(reason: str) -> None:
             abort_all()
 
 
+_WIRE_FILES = ("/torch/distributed/", "/deepspeed/comm/", "/ntp_ds/comm/wire.py", "/ntp_ds/testing/nccl_model.py")
+"""Where an error raised by a collective or point-to-point op comes from (its traceback passes through one)."""
+
+
+def is_wire_failure(error: BaseException) -> bool:
+    """Whether `error` is a failure of the wire (a collective or point-to-point op that failed, timed out or was
+    aborted: a peer's failure, to recover from) rather than this rank's own error (out of memory, a shape or dtype
+    bug, an assertion, a device error: this rank ends, its peers recover without it).
+
+    Once the generation is broken (a peer was declared dead, the communicators aborted), whatever fails next is its
+    consequence: DeepSpeed's own calls, for one, assert on an aborted world."""
+    if _state.failed.is_set() or _state.aborted or isinstance(error, (PeerFailure, TimeoutError, ConnectionError)):
+        return True
+    if not isinstance(error, RuntimeError) or isinstance(error, torch.OutOfMemoryError):
+        return False
+    tb = error.__traceback__
+    while tb is not None:
+        if any(part in tb.tb_frame.f_code.co_filename for part in _WIRE_FILES):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def abort_all() -> None:
     """Abort every communicator of this process (NCCL); the process groups are unusable afterwards.
 
     torch's abort clears its registry of groups only after it has aborted each of them, while the training thread,
     woken by the first, may already be leaving the generation: the lock keeps `teardown` from running meanwhile."""
     with _abort_lock:
+        _state.aborted = True
         try:
             dist.distributed_c10d._abort_process_group()
         except Exception as err:  # aborting is best effort: the groups are discarded either way
@@ -204,6 +231,13 @@ def device_of(group=None) -> torch.device:
     return torch.device("cpu")
 
 
+def settle_device() -> None:
+    """Wait until the device has done what this host queued on it (CUDA: the current stream), before the host reads
+    what device work wrote (non-blocking copies into host memory); nothing to wait for on the CPU."""
+    if _state.backend == "nccl" and torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()
+
+
 def has_control() -> bool:
     return _state.control is not None
 
@@ -247,6 +281,8 @@ def _nbytes(tensors) -> int:
 
 
 def _check(op: str, group, tensors, sends=(), recvs=()) -> None:
+    if _state.aborted:  # torch no longer knows the groups; NCCL would refuse an aborted communicator anyway
+        raise PeerFailure(f"{op} not posted: this generation's communicators were aborted ({_state.reason})")
     expected = device_of(group)
     if _state.recorders:
         record = CallRecord(op, dist.get_rank(), backend_of(group),

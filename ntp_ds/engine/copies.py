@@ -87,28 +87,27 @@ class StateCopies:
             sends = {t: outgoing for t in self.targets}
             self._in_flight = (wire.exchange(sends, dict(self._buffers), op="copy_data"), outgoing)
             return
-        # Host copies: one message per piece, each posted on its own so that a receiver staging two pieces at a
-        # time matches them in order; the pieces are views of the sources.
-        pieces = self._pieces([t.numel() for t in outgoing])
-        sends = [wire.exchange({t: outgoing[i][lo:hi] for t in self.targets}, {}, op="copy_piece")
-                 for i, lo, hi in pieces] if self.targets else []
-        self._in_flight = (_Sends(sends), outgoing)
+        # Host copies travel piece by piece in `finish`: a round of pieces per exchange, each round posting this
+        # rank's sends and receives together (NCCL would deadlock a ring of buddies whose sends go first).
+        self._in_flight = (None, outgoing)
 
     def finish(self, salvage: bool = False) -> None:
         """Complete the copies in flight; raise if a transfer failed (the copies it was writing are dropped, the
         others are kept). `salvage`: at a failure, keep whatever arrives from live owners."""
         if self._in_flight is None:
             return
-        pending, _ = self._in_flight
+        pending, outgoing = self._in_flight
         self._in_flight = None
+        if self.on_host:
+            lost = self._transfer_pieces(outgoing, salvage)
+            if lost:
+                raise lost[0]
+            return
         lost = []
         for o, bufs in self._buffers.items():
             try:
-                if self.on_host:
-                    self._receive_pieces(o, bufs, salvage)
-                else:
-                    pending.wait_received(o, heed_failure=not salvage)
-            except RuntimeError as err:  # its owner (or the link to it) failed mid-transfer
+                pending.wait_received(o, heed_failure=not salvage)
+            except RuntimeError as err:  # its owner (or the link to it) failed mid-transfer (coalesced: the batch)
                 lost.append(err)
                 continue
             self.held[o] = self._view(o, bufs)
@@ -125,27 +124,55 @@ class StateCopies:
         step = self.chunk or max(numels + [1])
         return [(i, lo, min(lo + step, n)) for i, n in enumerate(numels) for lo in range(0, n, step)]
 
-    def _receive_pieces(self, owner: int, bufs: list[torch.Tensor], salvage: bool) -> None:
-        """Receive an owner's pieces in order through two device staging buffers into its host buffers."""
-        pieces = self._pieces([b.numel() for b in bufs])
-        width = max((hi - lo for _, lo, hi in pieces), default=0)
-        staging = [torch.empty(width, dtype=torch.float32, device=self._device) for _ in range(2)]
+    def _transfer_pieces(self, outgoing: list[torch.Tensor], salvage: bool) -> list[Exception]:
+        """Send this rank's pieces to its buddies and receive its owners' into their host buffers, in rounds: round j
+        carries every pair's j-th piece, both directions posted together, through two device staging buffers per
+        owner (rounds j and j + 1 in flight). Return the errors of a failed transfer (the owners it was writing are
+        dropped, the owners already complete are kept)."""
+        out_pieces = self._pieces([t.numel() for t in outgoing]) if self.targets else []
+        in_pieces = {o: self._pieces([b.numel() for b in bufs]) for o, bufs in self._buffers.items()}
+        rounds = max([len(out_pieces)] + [len(ps) for ps in in_pieces.values()])
+        staging = {o: [torch.empty(max(hi - lo for _, lo, hi in ps), dtype=torch.float32, device=self._device)
+                       for _ in range(2)] for o, ps in in_pieces.items() if ps}
         posted = []
 
         def post(j: int) -> None:
-            _, lo, hi = pieces[j]
-            view = staging[j % 2][:hi - lo]
-            posted.append((j, wire.exchange({}, {owner: view}, op="copy_piece"), view))
+            sends = {}
+            if j < len(out_pieces):
+                i, lo, hi = out_pieces[j]
+                sends = {t: outgoing[i][lo:hi] for t in self.targets}
+            recvs = {}
+            for o, ps in in_pieces.items():
+                if j < len(ps):
+                    _, lo, hi = ps[j]
+                    recvs[o] = staging[o][j % 2][:hi - lo]
+            posted.append((j, wire.exchange(sends, recvs, op="copy_piece"), recvs))
 
-        for j in range(min(2, len(pieces))):
+        for j in range(min(2, rounds)):
             post(j)
-        while posted:
-            j, pending, view = posted.pop(0)
-            pending.wait_received(owner, heed_failure=not salvage)
-            i, lo, hi = pieces[j]
-            bufs[i][lo:hi].copy_(view, non_blocking=True)  # the next receive into it is ordered after this copy
-            if j + 2 < len(pieces):
-                post(j + 2)
+        try:
+            while posted:
+                j, pending, recvs = posted.pop(0)
+                if salvage:  # at a failure: what live owners send still arrives
+                    for o in recvs:
+                        pending.wait_received(o, heed_failure=False)
+                else:
+                    pending.wait()
+                for o, view in recvs.items():
+                    i, lo, hi = in_pieces[o][j]
+                    self._buffers[o][i][lo:hi].copy_(view, non_blocking=True)  # the next receive is ordered after
+                if j + 2 < rounds:
+                    post(j + 2)
+        except RuntimeError as err:  # round j did not arrive: the owners still receiving are dropped
+            wire.settle_device()
+            for o, ps in in_pieces.items():
+                if len(ps) <= j:
+                    self.held[o] = self._view(o, self._buffers[o])
+            return [err]
+        wire.settle_device()  # the host buffers were filled by non-blocking copies from the device
+        for o, bufs in self._buffers.items():
+            self.held[o] = self._view(o, bufs)
+        return []
 
     def _exchange_layouts(self, keys, sources) -> None:
         """Tell each buddy, once per engine, the sizes of this rank's sources and where each fragment lies."""
@@ -175,17 +202,6 @@ class StateCopies:
             frags[name] = Fragment(start, numel, {k: bufs[1 + index + j][offset:offset + numel]
                                                   for j, k in enumerate(keys)})
         return HeldCopy(owner, step, frags)
-
-
-class _Sends:
-    """The host-copy sends of one refresh, posted as separate exchanges."""
-
-    def __init__(self, exchanges: list):
-        self.exchanges = exchanges
-
-    def wait(self) -> None:
-        for e in self.exchanges:
-            e.wait()
 
 
 _STEP_WIDTH = 2

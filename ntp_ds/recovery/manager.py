@@ -223,7 +223,10 @@ class Recovery:
         join_world(self.job.ntp, self.store, generation, members.index(self.rank), len(members))
         self.members = members
         self.monitor = LivenessMonitor(members, self.heartbeat_timeout_s)
-        self.heartbeat.watch([])  # peers are known once the new engine is built
+        # Until the new engine is built (and its peers are known), a death must still end this rank's waits: on
+        # NCCL nothing else does (no error, no timeout), so watch every member meanwhile.
+        others = set(members) - {self.rank}
+        self.heartbeat.watch(others, others)
 
     def _share_context(self, snapshot, dead: frozenset = frozenset()):
         """Every member's stale units, and what a joiner lacks (the old topology, steps, learning-rate state) from

@@ -18,6 +18,7 @@ import logging
 import time
 from pathlib import Path
 
+from ntp_ds.comm import wire
 from ntp_ds.control.faults import DeviceError, FaultInjector, clock_domain, fired_key
 from ntp_ds.recovery.manager import Recovery
 from ntp_ds.run.config import RunConfig
@@ -26,8 +27,6 @@ from ntp_ds.run.trainer import RecoveryReport
 
 log = logging.getLogger("ntp_ds.train")
 
-PEER_FAILURES = (RuntimeError, TimeoutError, ConnectionError)
-"""What a survivor sees when a peer dies or hangs: a failed or timed-out collective, a closed connection."""
 TRAINER_FIELDS = ("detection_s", "degrees_before", "degrees_after")
 """Fields of the recovery's event that the Trainer measures itself (on its own clock) and records."""
 
@@ -71,8 +70,8 @@ class LiveRecovery:
             log.warning("rank %d: %s; leaving the job (exit 0), the others go on without this rank",
                         self.recovery.rank, error)
             self.recovery.leave(f"device error at step {step}")
-        if not isinstance(error, PEER_FAILURES):
-            raise error
+        if not wire.is_wire_failure(error):
+            raise error  # this rank's own error: it ends here, and its peers recover without it
         noticed = time.monotonic()
         outcome = self.recovery.recover(error)
         event = outcome.event

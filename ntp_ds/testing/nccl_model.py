@@ -255,6 +255,8 @@ class ModelGroup(dist.ProcessGroup):
         if broken is not None:
             return broken  # a stream whose op never completes runs nothing after it: pending until aborted
         try:
+            if self._ordered:
+                self._store.set(f"head/{self._rank}", f"op #{op.number}: {op.work.what}")  # for deadlock reports
             if self._ordered and op.p2p:
                 self._rendezvous(op)
             works = op.started if op.started is not None else op.run(op.work)
@@ -284,7 +286,6 @@ class ModelGroup(dist.ProcessGroup):
     def _rendezvous(self, op: _Op) -> None:
         """Announce this stream's point-to-point ops at its head, then wait for each peer's matching op at its."""
         me = self._rank
-        self._store.set(f"head/{me}", f"op #{op.number}: {op.work.what}")
         mine = [self._key(kind, peer, n, me) for kind, peer, n in op.p2p]
         theirs = [self._key("recv" if kind == "send" else "send", me, n, peer) for kind, peer, n in op.p2p]
         for key in mine:
