@@ -188,6 +188,23 @@ def test_hung_worker_is_detected_within_heartbeat_timeout_plus_a_second():
         assert detected <= heartbeat_timeout_s + 1.0, f"rank {rank} saw the hang after {detected:.2f} s"
 
 
+def test_own_error_ends_that_rank_at_once_and_its_peers_recover_without_it():
+    # Rank 3 runs out of memory in its backward: its own error, not the wire's. It ends at once (no recovery, which
+    # would wait for a dead peer that does not exist), and its peers recover without it within the heartbeat timeout
+    # plus 2 s, to the failure-free weights.
+    heartbeat_timeout_s = 3.0
+    ntp = {"tp": 2, "replicas": 3, "min_tp": 1}
+    results = run_ranks(train_with_recovery, 6, ntp, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS,
+                        [fault(3, 3, "backward", "oom")], heartbeat_timeout_s, 1, None, 20.0, timeout=200,
+                        store=True)
+    assert set(results) == {0, 1, 2, 4, 5}
+    assert_equivalent(results)
+    assert_lossless_and_minimal(results, (2, 1, 2))
+    for rank, res in results.items():
+        detected = res["noticed"][0] - res["fired"][3]
+        assert detected <= heartbeat_timeout_s + 2.0, f"rank {rank} saw the loss after {detected:.2f} s"
+
+
 def test_death_at_the_new_generation_s_rendezvous_is_detected_within_heartbeat_timeout_plus_a_second():
     # Rank 0 hangs (SIGSTOP) as the survivors of rank 4's crash meet for the next generation. They watch their
     # liveness while they wait for each other, so the attempt fails within the heartbeat timeout (the process group's

@@ -200,7 +200,12 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
             recovery.leave("device error")
         except Exception as error:
             if not wire.is_wire_failure(error) and not isinstance(error, RecoveryImpossible):
-                raise  # this rank's own error ends it; its peers recover without it
+                # This rank's own error ends it at once, as an uncaught error ends `ntp-ds train`; its peers
+                # recover without it.
+                import traceback
+
+                traceback.print_exc()
+                os._exit(1)
             if isinstance(error, RecoveryImpossible):
                 recovery.close(finished=True)
                 return {"stopped": str(error), "events": recovery.events}

@@ -30,7 +30,9 @@ PHASES = ("forward", "backward", "grad_sync", "optimizer", "in_optimizer", "refr
 """Where a fault fires: the phase boundaries of a step (`optimizer`: before the ready vote; `in_optimizer`: inside
 DeepSpeed's optimizer step, after a parameter group's update; `refresh`: as the redundant copies of the step just
 applied set off), and of a recovery."""
-KINDS = ("crash", "hang", "device_error", "slow", "repair")
+KINDS = ("crash", "hang", "device_error", "slow", "repair", "oom")
+"""`oom`: this rank's own work runs out of memory (raises torch.OutOfMemoryError): the rank ends, its peers
+recover without it."""
 REPAIR_PHASE = "boundary"
 """The phase of a `repair`: the failed rank's replacement joins at a step boundary (step = the first it trains)."""
 FIELDS = ("rank", "step", "phase", "kind")
@@ -181,8 +183,13 @@ def send_fault(store, fault: Fault) -> int:
 
 
 def trigger(fault: Fault) -> None:
-    """Make this process fail as `fault` says: SIGKILL itself, SIGSTOP itself, or raise DeviceError (a `slow` fault
-    is the injector's own: it stretches the micro-batches, `FaultInjector.stretch`)."""
+    """Make this process fail as `fault` says: SIGKILL itself, SIGSTOP itself, raise DeviceError or run out of memory
+    (a `slow` fault is the injector's own: it stretches the micro-batches, `FaultInjector.stretch`)."""
+    if fault.kind == "oom":
+        import torch
+
+        raise torch.OutOfMemoryError(f"injected out of memory on rank {fault.rank} at step {fault.step}, "
+                                     f"phase {fault.phase}")
     if fault.kind == "crash":
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.kind == "hang":
