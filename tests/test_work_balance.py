@@ -67,16 +67,20 @@ def test_the_taker_of_a_head_gives_ffn_columns_and_keeps_its_heads():
 
 
 def test_lost_units_alone_even_out_the_work_when_they_suffice():
-    # 70B TP 8 -> 7: the lost rank's 8 heads spread over the survivors; its FFN columns go mostly to those with
-    # fewer heads, and no survivor gives away a unit of its own.
+    # 70B TP 8 -> 7: each survivor has room for two more heads (one copy of their KV head), so the lost rank's 8 heads
+    # (one KV group) pack onto 4 survivors, 4 KV copies instead of 7; its FFN columns go mostly to the others, and no
+    # survivor gives a unit away.
     units = model_units(SIM_70B)
     healthy = ShardLayout.balanced(units, 8)
     new = healthy.without_ranks({7})
     for r in range(7):
         for kind in OWNED_KINDS:
             assert U.subtract(healthy.owned(kind, r), new.owned(kind, r)) == ()
-    by_heads = {U.count(new.owned("heads", r)): U.count(new.owned("ffn", r)) for r in range(7)}
-    assert by_heads[10] < by_heads[9]
+    heads = [U.count(new.owned("heads", r)) for r in range(7)]
+    assert sorted(heads) == [8, 8, 8, 10, 10, 10, 10]
+    assert sum(U.count(new.owned("kv", r)) for r in range(7)) == 7 + 4
+    ffn = [U.count(new.owned("ffn", r)) for r in range(7)]
+    assert all(ffn[a] > ffn[b] for a in range(7) for b in range(7) if heads[a] < heads[b])
 
 
 def test_units_without_a_cost_and_the_count_rule_keep_every_survivor_unit():

@@ -15,21 +15,32 @@ FINE_KINDS = ("ffn", "vocab")
 byte than a vocabulary row)."""
 
 
+def work(heads: list[int], fine: dict[str, list[int]], group: int, cost: UnitCost) -> float:
+    """Work of a rank holding these query heads and fine units."""
+    return attention_work(heads, group, cost) + sum(getattr(cost, k) * len(fine[k]) for k in FINE_KINDS)
+
+
 def attention_work(heads: list[int], group: int, cost: UnitCost) -> float:
     """Work of a set of query heads and the KV heads they read (each KV head once)."""
     return cost.heads * len(heads) + cost.kv * len({h // group for h in heads})
 
 
-def deal_heads(owned: list[list[int]], orphans: list[int], group: int, cost: UnitCost) -> list[list[int]]:
-    """Give each lost query head to the survivor whose attention work stays lowest (ties: the one that already holds
-    its KV head, then the lowest rank), so heads spread and a KV head is copied only where that is cheaper."""
-    owned = [list(hs) for hs in owned]
+def deal_heads(owned: list[list[int]], orphans: list[int], group: int, cost: UnitCost,
+               room: list[float]) -> list[list[int]]:
+    """Give each lost query head to a survivor, preferring those with `room` for it (work they can take before they
+    pass the mean): among them the one it adds least to (one that already holds its KV head), else the one whose
+    attention work stays lowest. So heads pack onto KV holders while that costs no unit of their own, and spread
+    otherwise."""
+    owned, room = [list(hs) for hs in owned], list(room)
     for head in orphans:
         def key(i):
             before = attention_work(owned[i], group, cost)
             after = attention_work(owned[i] + [head], group, cost)
-            return after, after - before, i
-        owned[min(range(len(owned)), key=key)].append(head)
+            fits = after - before <= room[i]
+            return not fits, after - before if fits else after, after, i
+        taker = min(range(len(owned)), key=key)
+        room[taker] -= attention_work(owned[taker] + [head], group, cost) - attention_work(owned[taker], group, cost)
+        owned[taker].append(head)
     return [sorted(hs) for hs in owned]
 
 
@@ -80,10 +91,9 @@ def deal_fine(heads: list[list[int]], own: dict[str, list[list[int]]], orphans: 
     survivors below it in proportion to their shortfall, each kind in contiguous runs in rank order.
     """
     n = len(heads)
-    fixed = [attention_work(hs, group, cost) for hs in heads]
-    load = [fixed[i] + sum(getattr(cost, k) * len(own[k][i]) for k in FINE_KINDS) for i in range(n)]
+    load = [work(heads[i], {k: own[k][i] for k in FINE_KINDS}, group, cost) for i in range(n)]
     total = sum(load) + sum(getattr(cost, k) * len(orphans[k]) for k in FINE_KINDS)
-    floor = [fixed[i] + sum(getattr(cost, k) for k in FINE_KINDS) for i in range(n)]
+    floor = [attention_work(heads[i], group, cost) + sum(getattr(cost, k) for k in FINE_KINDS) for i in range(n)]
     target = target_work(floor, total)
     kept = {k: [list(units) for units in own[k]] for k in FINE_KINDS}
     pool = {k: list(orphans[k]) for k in FINE_KINDS}

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ntp_ds.layout import units as U
-from ntp_ds.layout.balance import deal_fine, deal_heads
+from ntp_ds.layout.balance import FINE_KINDS, deal_fine, deal_heads, work
 from ntp_ds.layout.cost import UnitCost
 
 KINDS = ("heads", "kv", "ffn", "vocab", "replicated")
@@ -152,7 +152,11 @@ class ShardLayout:
         orphans = {k: [u for r in sorted(lost) if r < self.tp for u in U.units_of(getattr(self, k)[r])]
                    for k in OWNED_KINDS}
         cost, group = self.units.cost, self.units.group
-        heads = deal_heads(own["heads"], orphans["heads"], group, cost)
+        load = [work(own["heads"][i], {k: own[k][i] for k in FINE_KINDS}, group, cost) for i in range(len(survivors))]
+        # The least the mean can be: the lost units spread with no KV head held anywhere it was not already.
+        mean = (sum(load) + cost.heads * len(orphans["heads"])
+                + sum(getattr(cost, k) * len(orphans[k]) for k in FINE_KINDS)) / len(survivors)
+        heads = deal_heads(own["heads"], orphans["heads"], group, cost, [mean - w for w in load])
         fine = deal_fine(heads, own, orphans, group, cost)
         return ShardLayout(self.units, *(tuple(U.from_units(o) for o in per_rank)
                                          for per_rank in (heads, fine["ffn"], fine["vocab"])))
