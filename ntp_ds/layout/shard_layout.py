@@ -134,8 +134,8 @@ class ShardLayout:
                       balance: Literal["work", "count"] = "work") -> "ShardLayout":
         """Layout after losing `lost` ranks; survivors are renumbered 0..t'-1 in their old order.
 
-        Survivors keep their query heads; the lost ones go where they add least attention work. By "work" (the
-        default when the units carry a cost), FFN columns and vocabulary rows then even out each survivor's cost:
+        By "work" (the default when the units carry a cost) survivors keep their query heads and the lost ones go
+        where they cost least (`layout.balance.deal_heads`); FFN columns and vocabulary rows then even out the work:
         the lost ones go to the survivors below the mean, and a survivor above it (it took a head) gives some of its
         own FFN columns away. By "count" (the old rule, kept for comparison) each kind's lost units go in contiguous
         runs to the survivors with the fewest, so every survivor keeps all its units and the taker of a head does

@@ -6,8 +6,9 @@ replica's ``share``, and none at all when that rounds to zero.  Inside the repli
 (``ntp_ds.layout.ShardLayout.balanced(...).without_ranks(...)``) hands the lost ranks' heads, KV heads,
 FFN columns and vocabulary rows to the survivors, balancing their work (``ntp_ds.layout.cost``): 128 heads
 over 30 ranks leave 8 ranks with 5 heads where TP32 gives every rank 4, and those hold fewer FFN columns.
-The slowest rank sets the group's pace.  Before the data-parallel reduction the degraded replica reshards its gradients into the healthy
-layout over the scale-up link and reshards the update back, mostly hidden behind the backward pass.
+The slowest rank sets the group's pace.  Before the data-parallel reduction the degraded replica reshards
+its gradients into the healthy layout over the scale-up link and reshards the update back, mostly hidden
+behind the backward pass.
 
 Pure functions; the layout and planner imports are the engine's own pure modules.
 """
