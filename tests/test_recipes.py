@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -178,10 +179,22 @@ def test_world_size_of_the_launcher_must_match():
                        "replica 7: ranks 448-511", "128 node(s) x 4", "fits 180 GiB"]),
 ])
 def test_gpu_recipes_dry_run(recipe, expect):
-    text = describe(validated([f"recipe={recipe}"]))
+    cfg = validated([f"recipe={recipe}"])
+    text = describe(cfg)
     for piece in expect:
         assert piece in text
     assert "DOES NOT FIT" not in text
+    # One pace line per degraded degree, tp-1 down to min_tp; work-balanced layouts keep within 3% of t/t'.
+    pace = re.compile(r"degraded pace TP(\d+): (\d+\.\d\d)x a healthy rank \(ideal (\d+\.\d{3})x\), "
+                      r"share (\d+) of (\d+) samples")
+    rows = [pace.fullmatch(line) for line in text.splitlines() if line.startswith("degraded pace TP")]
+    assert all(rows), [line for line in text.splitlines() if line.startswith("degraded pace")]
+    tp, min_tp, share = cfg.parallel.tp, cfg.parallel.min_tp, cfg.train.global_batch // cfg.parallel.replicas
+    assert [int(m[1]) for m in rows] == list(range(tp - 1, min_tp - 1, -1))
+    for m in rows:
+        degree, ratio, ideal = int(m[1]), float(m[2]), float(m[3])
+        assert ideal == round(tp / degree, 3) and ratio <= 1.03 * tp / degree, m[0]
+        assert (int(m[4]), int(m[5])) == (round(share * degree / tp), share), m[0]
 
 
 def test_composed_dict_has_no_hydra_node():

@@ -40,6 +40,11 @@ class JobSpec:
     lr_scheduler: Callable | None = None
     seq_len: int | None = None
 
+    def units(self):
+        """The model's sharding units, costed at this job's sequence length: every layout of the job comes from
+        these, so every rank degrades a replica the same way."""
+        return self.model_config.units(self.seq_len)
+
     @property
     def zero_stage(self) -> int:
         return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
@@ -143,7 +148,7 @@ def prepare(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_len=
     ntp = NTPConfig.from_any(ntp)
     ntp.validate(env_world_size())
     spec = JobSpec(ds_config, ntp, model_config_of(model), optimizer, lr_scheduler, seq_len)
-    topology = build_topology(spec.model_config.units(), ntp)
+    topology = build_topology(spec.units(), ntp)
     check_batch(ds_config, ntp)
     spec.plan(topology)
     if ds_config.get("gradient_clipping", 0) and any(lay.shares_kv() for lay in topology.layouts):

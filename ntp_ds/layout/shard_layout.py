@@ -8,8 +8,11 @@ KV head can be replicated on several ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from ntp_ds.layout import units as U
+from ntp_ds.layout.balance import FINE_KINDS, deal_fine, deal_heads, work
+from ntp_ds.layout.cost import UnitCost
 
 KINDS = ("heads", "kv", "ffn", "vocab", "replicated")
 OWNED_KINDS = ("heads", "ffn", "vocab")
@@ -21,12 +24,14 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class ModelUnits:
-    """How many units of each kind the unsharded model has."""
+    """How many units of each kind the unsharded model has, and what one costs (None: shapes unknown)."""
 
     heads: int
     kv_heads: int
     ffn: int
     vocab: int
+    cost: UnitCost | None = None
+    """FLOPs per token of one unit of each kind; degraded layouts balance it (without it they balance counts)."""
 
     def __post_init__(self):
         for name in ("heads", "kv_heads", "ffn", "vocab"):
@@ -39,6 +44,11 @@ class ModelUnits:
     def group(self) -> int:
         """Query heads per KV head."""
         return self.heads // self.kv_heads
+
+    @property
+    def counts(self) -> tuple[int, int, int, int]:
+        """The unit counts alone: two ModelUnits of one model may carry different cost estimates."""
+        return self.heads, self.kv_heads, self.ffn, self.vocab
 
     def count(self, kind: str) -> int:
         return {"heads": self.heads, "kv": self.kv_heads, "ffn": self.ffn, "vocab": self.vocab, "replicated": 1}[kind]
@@ -120,15 +130,39 @@ class ShardLayout:
         shape[spec.dim] = U.count(self.owned(spec.kind, rank)) * spec.unit_size
         return tuple(shape)
 
-    def without_ranks(self, lost: set[int] | frozenset[int]) -> "ShardLayout":
-        """Layout after losing `lost` ranks: survivors keep their units and take the lost ones in contiguous runs, least-loaded first.
+    def without_ranks(self, lost: set[int] | frozenset[int],
+                      balance: Literal["work", "count"] = "work") -> "ShardLayout":
+        """Layout after losing `lost` ranks; survivors are renumbered 0..t'-1 in their old order.
 
-        Survivors are renumbered 0..t'-1 in their old order. Keeping units in place is what makes recovery move only
-        the lost shard's bytes.
+        By "work" (the default when the units carry a cost) survivors keep their query heads and the lost ones go
+        where they cost least (`layout.balance.deal_heads`); FFN columns and vocabulary rows then even out the work:
+        the lost ones go to the survivors below the mean, and a survivor above it (it took a head) gives some of its
+        own FFN columns away. By "count" (the old rule, kept for comparison) each kind's lost units go in contiguous
+        runs to the survivors with the fewest, so every survivor keeps all its units and the taker of a head does
+        its work on top.
         """
         survivors = [r for r in range(self.tp) if r not in lost]
         if not survivors:
             raise LayoutError(f"lost ranks {sorted(lost)} leave no survivor in a replica of tp={self.tp}")
+        if balance not in ("work", "count"):
+            raise LayoutError(f"balance={balance!r} must be 'work' or 'count'")
+        if balance == "count" or self.units.cost is None:
+            return self._count_balanced(lost, survivors)
+        own = {k: [U.units_of(getattr(self, k)[r]) for r in survivors] for k in OWNED_KINDS}
+        orphans = {k: [u for r in sorted(lost) if r < self.tp for u in U.units_of(getattr(self, k)[r])]
+                   for k in OWNED_KINDS}
+        cost, group = self.units.cost, self.units.group
+        load = [work(own["heads"][i], {k: own[k][i] for k in FINE_KINDS}, group, cost) for i in range(len(survivors))]
+        # The least the mean can be: the lost units spread with no KV head held anywhere it was not already.
+        mean = (sum(load) + cost.heads * len(orphans["heads"])
+                + sum(getattr(cost, k) * len(orphans[k]) for k in FINE_KINDS)) / len(survivors)
+        heads = deal_heads(own["heads"], orphans["heads"], group, cost, [mean - w for w in load])
+        fine = deal_fine(heads, own, orphans, group, cost)
+        return ShardLayout(self.units, *(tuple(U.from_units(o) for o in per_rank)
+                                         for per_rank in (heads, fine["ffn"], fine["vocab"])))
+
+    def _count_balanced(self, lost, survivors: list[int]) -> "ShardLayout":
+        """Hand each kind's lost units, in contiguous runs, to the survivors that hold the fewest of that kind."""
         new = {}
         for kind in OWNED_KINDS:
             per_rank = getattr(self, kind)

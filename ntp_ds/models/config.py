@@ -8,9 +8,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ntp_ds.layout.cost import unit_cost
 from ntp_ds.layout.shard_layout import LayoutError, ModelUnits
 
 SUPPORTED_ACT = "silu"
+
+
+def model_units(config, seq_len: int | None = None) -> ModelUnits:
+    """The units of a decoder config (either family: SwiGLU FFN) and what each costs at `seq_len` tokens."""
+    cost = unit_cost(config.hidden_size, config.head_dim, config.num_hidden_layers,
+                     seq_len or config.max_position_embeddings, ffn_matrices=3)
+    return ModelUnits(heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+                      ffn=config.intermediate_size, vocab=config.vocab_size, cost=cost)
 
 
 @dataclass
@@ -67,10 +76,10 @@ class LlamaConfig:
         if not self.initializer_range >= 0:
             raise ValueError(f"initializer_range={self.initializer_range} must be non-negative")
 
-    def units(self) -> ModelUnits:
-        """Sharding units of this model: query heads, KV heads, FFN columns and vocabulary rows."""
-        return ModelUnits(heads=self.num_attention_heads, kv_heads=self.num_key_value_heads,
-                          ffn=self.intermediate_size, vocab=self.vocab_size)
+    def units(self, seq_len: int | None = None) -> ModelUnits:
+        """Sharding units of this model (query heads, KV heads, FFN columns, vocabulary rows) and their cost at
+        sequences of `seq_len` tokens (default max_position_embeddings)."""
+        return model_units(self, seq_len)
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "LlamaConfig":
@@ -211,10 +220,10 @@ class HFConfig:
     def max_position_embeddings(self) -> int:
         return self.hf.get("max_position_embeddings", 2048)
 
-    def units(self) -> ModelUnits:
-        """Sharding units of this model: query heads, KV heads, FFN columns and vocabulary rows."""
-        return ModelUnits(heads=self.num_attention_heads, kv_heads=self.num_key_value_heads,
-                          ffn=self.intermediate_size, vocab=self.vocab_size)
+    def units(self, seq_len: int | None = None) -> ModelUnits:
+        """Sharding units of this model (query heads, KV heads, FFN columns, vocabulary rows) and their cost at
+        sequences of `seq_len` tokens (default max_position_embeddings)."""
+        return model_units(self, seq_len)
 
     def to_hf_dict(self, dtype: str | None = None) -> dict:
         """The `config.json` dict, naming the causal-LM class `AutoModelForCausalLM` builds for it."""

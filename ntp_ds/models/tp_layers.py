@@ -92,7 +92,7 @@ def local_kv_index(layout: ShardLayout, rank: int) -> list[int]:
 
 def check_shard(units, layout: ShardLayout, tp_rank: int, tp_group) -> None:
     """Refuse a layout of other units, a rank outside it, or a TP group of another size."""
-    if layout.units != units:
+    if layout.units.counts != units.counts:
         raise LayoutError(f"layout units {layout.units} do not match the config's {units}")
     if not 0 <= tp_rank < layout.tp:
         raise LayoutError(f"tp_rank={tp_rank} is outside the layout's tp={layout.tp}")

@@ -33,7 +33,7 @@ from ntp_ds.layout import units as U
 from ntp_ds.layout.sharding import gather_units, packed_numel, scatter_units
 from ntp_ds.models import CausalLMShard, empty_shard
 from ntp_ds.recovery.placement import Placement
-from ntp_ds.recovery.plan import plan_last_good, plan_unit_moves, rereplicated_moves
+from ntp_ds.recovery.plan import plan_last_good, plan_unit_moves, rebalanced_moves, rereplicated_moves
 from ntp_ds.recovery.reslice import reslice
 from ntp_ds.recovery.rollback import offered, roll_back
 
@@ -95,7 +95,7 @@ class Recovery:
         self.events: list[dict] = []
         self.failed_attempts: list[float] = []
         """Wall times at which recovery attempts failed (a rank died during the recovery itself)."""
-        self.placement = Placement.initial(build_topology(self.job.model_config.units(), self.job.ntp))
+        self.placement = Placement.initial(build_topology(self.job.units(), self.job.ntp))
         """Which configured replica and healthy TP slot each member holds: where joiners go."""
         self.joins = JoinRequests(store)
         self.fingerprint = job_fingerprint(self.job)
@@ -272,8 +272,10 @@ class Recovery:
                                      f"died); restart from the last checkpoint") from None
         moved = {}
         rereplicated = rereplicated_moves(snapshot.topology, new_topology, old_rank_of, moves)
+        rebalanced = rebalanced_moves(snapshot.topology, new_topology, old_rank_of, moves)
         engine = build_engine(self.job, new_topology,
-                              lambda groups: self._reshard(groups, snapshot, moves, moved, rereplicated), self.store)
+                              lambda groups: self._reshard(groups, snapshot, moves, moved, rereplicated, rebalanced),
+                              self.store)
         state = reslice(engine, snapshot, dead_owners, own=not snapshot.rolled_back)
         if snapshot.params_from_masters:
             params_from_masters(engine)
@@ -292,7 +294,8 @@ class Recovery:
                  or (snapshot.global_steps == 0 and not snapshot.params_from_masters))
         received = _received_by_kind(wire.traffic_since(traffic_before))
         totals = wire.sum_counts([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), state["bytes_received"],
-                                  state["restored_bytes"], int(whole)] + list(received.values()))
+                                  state["restored_bytes"], int(whole), moved.get("rebalanced", 0)]
+                                 + list(received.values()))
         self.heartbeat.watch(self._peers(engine), set(new_members) - {self.rank})
         barrier(self.store, f"recovery/{generation}/done/{_digest(new_members)}", self.rank, new_members,
                 self.job.ntp.timeout_s)
@@ -300,10 +303,11 @@ class Recovery:
         event = {"generation": generation, **event,
                  "degrees_before": list(snapshot.topology.degrees), "degrees_after": list(new_topology.degrees),
                  "bytes_moved": int(totals[0]), "kv_rereplicated_bytes": int(totals[1]),
+                 "rebalanced_bytes": int(totals[5]),
                  "rank_bytes_received": moved.get("bytes", 0), "optimizer_bytes_moved": int(totals[2]),
                  "optimizer_bytes_restored": int(totals[3]), "lost_optimizer_bytes": state["lost_bytes"],
                  "state_index": state["state_index"],
-                 "traffic_bytes": dict(zip(received, map(int, totals[5:]))), "rolled_back": snapshot.rolled_back,
+                 "traffic_bytes": dict(zip(received, map(int, totals[6:]))), "rolled_back": snapshot.rolled_back,
                  "lossless": int(totals[4]) == len(new_members)}
         return engine, event
 
@@ -522,7 +526,7 @@ class Recovery:
         raise error
 
     # -- parameters ---------------------------------------------------------------------------------------------
-    def _reshard(self, groups, snapshot, moves, moved: dict, rereplicated=()) -> CausalLMShard:
+    def _reshard(self, groups, snapshot, moves, moved: dict, rereplicated=(), rebalanced=()) -> CausalLMShard:
         """Build this rank's new shard: keep the units it held, pull the missing ones from their holders."""
         module = empty_shard(self.job.model_config, groups.layout, groups.tp_rank, groups.tp_group)
         spec_shapes = module.param_specs()
@@ -547,9 +551,9 @@ class Recovery:
             moved["bytes"] = self._exchange_units(moves, groups, snapshot, old_layout, old_tp, specs, full_shapes,
                                                   new_params)
         width = parameter_dtype(self.job.ds_config).itemsize
-        moved["kv_rereplicated"] = sum(packed_numel(specs[n], tuple(new_params[n].shape), m.units) * width
-                                       for m in rereplicated if m.dst == groups.rank
-                                       for n in specs if specs[n].kind == m.kind)
+        for key, extra in (("kv_rereplicated", rereplicated), ("rebalanced", rebalanced)):
+            moved[key] = sum(packed_numel(specs[n], tuple(new_params[n].shape), m.units) * width
+                             for m in extra if m.dst == groups.rank for n in specs if specs[n].kind == m.kind)
         return module
 
     def _exchange_units(self, moves, groups, snapshot, old_layout, old_tp, specs, full_shapes, new_params) -> int:

@@ -1,10 +1,11 @@
 """Where each member sits in the configured (healthy) job, so that a job can grow back toward it. Pure logic.
 
 A `Placement` remembers which configured replica each live replica is, and which TP slot of that replica's healthy
-layout each of its members held. A degraded layout keeps every survivor's healthy units (`ShardLayout.without_ranks`
-only adds units), so giving a joiner the missing slot of the healthy layout moves only the joiner's shard: the
-survivors already hold theirs. Joiners complete degraded replicas first (fewest members missing first, then in
-replica order), then bring back dropped replicas once enough joiners for `min_tp` are left.
+layout each of its members held. A degraded layout keeps every survivor's healthy heads (`ShardLayout.without_ranks`
+moves only FFN columns and vocabulary rows a head taker gives away to even out work), so giving a joiner the
+missing slot of the healthy layout moves the joiner's shard and those given units back: the survivors hold the rest.
+Joiners complete degraded replicas first (fewest members missing first, then in replica order), then bring back
+dropped replicas once enough joiners for `min_tp` are left.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ntp_ds.layout import KINDS, Topology
+from ntp_ds.layout.shard_layout import OWNED_KINDS
 from ntp_ds.layout import units as U
 
 
@@ -113,6 +114,28 @@ def rereplicated_moves(old: Topology, new: Topology, old_rank_of: dict[int, int]
             continue
         replica = new.locate(m.dst)[0]
         siblings = U.union(*(_held(old, old_rank_of[r], "kv", ()) for r in new.ranks_of(replica) if r in old_rank_of))
+        units = U.intersect(m.units, siblings)
+        if units:
+            out.append(UnitMove(m.src, m.dst, m.kind, units))
+    return out
+
+
+def rebalanced_moves(old: Topology, new: Topology, old_rank_of: dict[int, int],
+                     moves: list[UnitMove]) -> list[UnitMove]:
+    """The moves of owned units (heads, FFN columns, vocabulary rows) to a member that another member of its
+    replica held before.
+
+    A work-balanced degraded layout has a survivor that took a lost head give some of its own FFN columns to its
+    siblings, and growing back returns them; those bytes even out work rather than rebuild lost state, so recovery
+    reports them apart from the lost shard's. A joiner's moves are never counted here: its whole shard is new.
+    """
+    out = []
+    for m in moves:
+        if m.kind not in OWNED_KINDS or m.dst not in old_rank_of:
+            continue
+        replica = new.locate(m.dst)[0]
+        siblings = U.union(*(_held(old, old_rank_of[r], m.kind, ()) for r in new.ranks_of(replica)
+                             if r in old_rank_of and r != m.dst))
         units = U.intersect(m.units, siblings)
         if units:
             out.append(UnitMove(m.src, m.dst, m.kind, units))

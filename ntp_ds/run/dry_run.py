@@ -1,5 +1,6 @@
-"""`dry_run=true`: check a recipe without GPUs. Print shapes, per-GPU memory (healthy and degraded) and the group
-layout, computed from the config alone: no process group, no weights (the model is built on the meta device).
+"""`dry_run=true`: check a recipe without GPUs. Print shapes, per-GPU memory (healthy and degraded), the group
+layout and each degraded degree's pace, computed from the config alone: no process group, no weights (the model is
+built on the meta device).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import re
 
 from ntp_ds.batch import BatchError, lockstep_replicas, max_micro_batch, plan_batch
 from ntp_ds.batch.memory import rank_memory
-from ntp_ds.layout import ShardLayout, Topology, plan_gradient_sync
+from ntp_ds.layout import ShardLayout, Topology, max_rank_work, plan_gradient_sync
 from ntp_ds.layout import units as U
 from ntp_ds.run.config import RunConfig
 
@@ -38,7 +39,7 @@ def _spread(values: list[int]) -> str:
 
 
 def degraded_layouts(layout: ShardLayout, min_tp: int) -> list[tuple[str, ShardLayout]]:
-    """The healthy layout, after one lost GPU, and at `min_tp`, as recovery would shrink it (survivors keep units)."""
+    """The healthy layout, after one lost GPU, and at `min_tp`, as recovery would shrink it (work-balanced)."""
     tp = layout.tp
     out = [(f"healthy TP {tp}", layout)]
     if tp - 1 >= min_tp and tp > 1:
@@ -46,6 +47,24 @@ def degraded_layouts(layout: ShardLayout, min_tp: int) -> list[tuple[str, ShardL
     if min_tp < tp - 1:
         out.append((f"at min_tp: TP {min_tp}", layout.without_ranks(set(range(min_tp, tp)))))
     return out
+
+
+def pace_section(cfg: RunConfig, ds: dict, healthy: ShardLayout) -> list[str]:
+    """For each degree from tp-1 down to min_tp: the most loaded rank's work per token against a healthy rank's
+    (the replica's pace), the ideal t/t', and the samples the batch planner gives that replica."""
+    p, lines = cfg.parallel, []
+    share = ds["train_batch_size"] // p.replicas
+    base = max_rank_work(healthy)
+    for degree in range(p.tp - 1, max(p.min_tp, 1) - 1, -1):
+        pace = max_rank_work(healthy.without_ranks(set(range(degree, p.tp)))) / base
+        try:
+            plan = plan_batch((p.tp,) * (p.replicas - 1) + (degree,), p.tp, ds["train_batch_size"],
+                              ds["train_micro_batch_size_per_gpu"], p.batch_policy)
+            samples = f"share {plan.replicas[-1].samples} of {share} samples"
+        except BatchError as e:
+            samples = f"no share ({e})"
+        lines.append(f"degraded pace TP{degree}: {pace:.2f}x a healthy rank (ideal {p.tp / degree:.3f}x), {samples}")
+    return lines
 
 
 def shapes_section(cfg: RunConfig, layouts: list[tuple[str, ShardLayout]]) -> list[str]:
@@ -113,7 +132,8 @@ def layout_section(cfg: RunConfig, ds: dict, topology: Topology) -> list[str]:
 def describe(cfg: RunConfig) -> str:
     """The dry-run report of a validated config."""
     llama, ds, p = cfg.model.llama_config(), cfg.ds_config(), cfg.parallel
-    topology = Topology.from_degrees(llama.units(), p.replica_degrees)
+    units = llama.units(cfg.data.seq_len)
+    topology = Topology.from_degrees(units, p.replica_degrees)
     from ntp_ds.models import Llama
 
     params = sum(math.prod(shape) for _, shape in Llama(llama, init=False, device="meta").param_specs().values())
@@ -126,8 +146,10 @@ def describe(cfg: RunConfig) -> str:
             f"batch {ds['train_batch_size']} x {cfg.data.seq_len} tokens, micro-batch "
             f"{ds['train_micro_batch_size_per_gpu']}, policy {p.batch_policy}")
     lines = [head, topo, ""]
-    layouts = degraded_layouts(ShardLayout.balanced(llama.units(), p.tp), p.min_tp)
+    healthy = ShardLayout.balanced(units, p.tp)
+    layouts = degraded_layouts(healthy, p.min_tp)
     lines += shapes_section(cfg, layouts) + [""] + memory_section(cfg, ds, layouts) + [""]
     lines += layout_section(cfg, ds, topology)
+    lines += [""] + pace_section(cfg, ds, healthy)
     lines += ["", f"DeepSpeed config: {json.dumps(ds, sort_keys=True)}"]
     return "\n".join(lines)

@@ -511,9 +511,11 @@ def describe_recovery(step: int, event: dict) -> str:
              f"detection {event['detection_s']:.2f} s, recovery {event['recovery_s']:.2f} s{phases}, redone "
              f"{event['redone_s']:.2f} s"]
     if "bytes_moved" in event:
+        rebalanced = (f", {_bytes(event['rebalanced_bytes'])} moved between survivors to even out work"
+                      if event.get("rebalanced_bytes") else "")
         parts.append(f"moved {_bytes(event['bytes_moved'])} of parameters (lost shard "
-                     f"{_bytes(event.get('lost_shard_bytes', 0))}) and {_bytes(event.get('optimizer_bytes_moved', 0))} "
-                     f"of optimizer state")
+                     f"{_bytes(event.get('lost_shard_bytes', 0))}{rebalanced}) and "
+                     f"{_bytes(event.get('optimizer_bytes_moved', 0))} of optimizer state")
     if event.get("rolled_back"):
         parts.append(f"step {step} was half applied or its copies lost: rolled back to step {step - 1}")
     if "lossless" in event:

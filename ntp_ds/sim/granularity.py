@@ -4,15 +4,17 @@ A replica does not take an arbitrary fraction of the global batch: the engine's 
 (``ntp_ds.batch.planner.plan_batch``) gives it whole sequences, ``round(share * t'/t)`` of a healthy
 replica's ``share``, and none at all when that rounds to zero.  Inside the replica the engine's layout
 (``ntp_ds.layout.ShardLayout.balanced(...).without_ranks(...)``) hands the lost ranks' heads, KV heads,
-FFN columns and vocabulary rows to the survivors, unevenly when the counts do not divide: 128 heads over
-30 ranks leave 8 ranks with 5 heads where TP32 gives every rank 4.  The slowest rank sets the group's
-pace.  Before the data-parallel reduction the degraded replica reshards its gradients into the healthy
-layout over the scale-up link and reshards the update back, mostly hidden behind the backward pass.
+FFN columns and vocabulary rows to the survivors, balancing their work (``ntp_ds.layout.cost``): 128 heads
+over 30 ranks leave 8 ranks with 5 heads where TP32 gives every rank 4, and those hold fewer FFN columns.
+The slowest rank sets the group's pace.  Before the data-parallel reduction the degraded replica reshards
+its gradients into the healthy layout over the scale-up link and reshards the update back, mostly hidden
+behind the backward pass.
 
 Pure functions; the layout and planner imports are the engine's own pure modules.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -20,28 +22,27 @@ import numpy as np
 
 from ntp_ds.batch.planner import BatchError, plan_batch
 from ntp_ds.layout import units as U
+from ntp_ds.layout.cost import UnitCost, max_rank_work, unit_cost
 from ntp_ds.layout.shard_layout import ModelUnits, ShardLayout
 
 from .config import ModelConfig
 
 
 def model_units(m: ModelConfig) -> ModelUnits:
-    """Sharding units of the simulated model: query heads, KV heads, FFN columns, vocabulary rows."""
-    return ModelUnits(heads=m.heads, kv_heads=m.kv_heads or m.heads,
-                      ffn=m.ffn_hidden or 4 * m.hidden, vocab=m.vocab)
+    """Sharding units of the simulated model (query heads, KV heads, FFN columns, vocabulary rows) and their cost."""
+    return ModelUnits(heads=m.heads, kv_heads=m.kv_heads or m.heads, ffn=m.ffn_hidden or 4 * m.hidden,
+                      vocab=m.vocab, cost=model_cost(m))
+
+
+def model_cost(m: ModelConfig) -> UnitCost:
+    """Cost of each unit kind of the simulated model: ``layout.cost.unit_cost`` with heads of width
+    ``hidden/heads`` and an FFN of an up and a down projection."""
+    return unit_cost(m.hidden, m.hidden / m.heads, m.layers, m.seq_len, ffn_matrices=2)
 
 
 def unit_flops(m: ModelConfig) -> dict[str, float]:
-    """Forward FLOPs per token of one unit of each kind, per layer (vocabulary rows spread over layers).
-
-    A query head of width ``d = hidden/heads`` projects Q and O (``4 h d``) and attends over the
-    sequence (``4 s d``); a KV head projects K and V (``4 h d``) on every rank that holds it; an FFN
-    column is one column of the up and one row of the down projection (``4 h``); a vocabulary row of
-    the output layer is ``2 h``, once per model.
-    """
-    d = m.hidden / m.heads
-    return {"heads": 4.0 * m.hidden * d + 4.0 * m.seq_len * d, "kv": 4.0 * m.hidden * d,
-            "ffn": 4.0 * m.hidden, "vocab": 2.0 * m.hidden / m.layers}
+    """Forward FLOPs per token of one unit of each kind, per layer (vocabulary rows spread over layers)."""
+    return dataclasses.asdict(model_cost(m))
 
 
 def rank_units(units: ModelUnits, tp: int, degree: int) -> list[dict[str, int]]:
@@ -57,17 +58,10 @@ def _layout(units: ModelUnits, tp: int, degree: int) -> ShardLayout:
     return healthy if degree == tp else healthy.without_ranks(frozenset(range(degree, tp)))
 
 
-@lru_cache(maxsize=256)
-def _max_rank_work(units: ModelUnits, flops: tuple, tp: int, degree: int) -> float:
-    w = dict(flops)
-    return max(sum(w[k] * n for k, n in r.items()) for r in rank_units(units, tp, degree))
-
-
 def load_ratio(m: ModelConfig, tp: int, degree: int) -> float:
     """Most loaded rank's work at ``degree`` over a healthy TP-``tp`` rank's, same tokens."""
     units = model_units(m)
-    flops = tuple(sorted(unit_flops(m).items()))
-    return _max_rank_work(units, flops, tp, degree) / _max_rank_work(units, flops, tp, tp)
+    return max_rank_work(_layout(units, tp, degree)) / max_rank_work(_layout(units, tp, tp))
 
 
 def planned_samples(share: int, tp: int, degree: int) -> int:

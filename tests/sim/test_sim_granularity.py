@@ -9,7 +9,8 @@ import statistics
 import numpy as np
 import pytest
 
-from ntp_ds.layout.shard_layout import ModelUnits
+from ntp_ds.layout.cost import max_rank_work
+from ntp_ds.layout.shard_layout import ModelUnits, ShardLayout
 from ntp_ds.sim import run, run_seeds
 from ntp_ds.sim.calibration import load as load_calibration
 from ntp_ds.sim.cli import main
@@ -17,7 +18,7 @@ from ntp_ds.sim.cluster import Layout
 from ntp_ds.sim.config import FailureConfig, ModelConfig
 from ntp_ds.sim.policies import young_daly_minutes
 from ntp_ds.sim.failures import HW, POWER, SW, FailureEvents, events_for
-from ntp_ds.sim.granularity import load_ratio, planned_samples, rank_units
+from ntp_ds.sim.granularity import load_ratio, model_units, planned_samples, rank_units, unit_flops
 from ntp_ds.sim.timeline import SpareSetup, replay
 
 from .conftest import small_config
@@ -30,6 +31,7 @@ PAPER_MODEL = ModelConfig(params_billion=480.0, hidden=20480, heads=128, layers=
 # the engine's layout and planner
 
 def test_tp30_head_imbalance_by_hand():
+    # The count rule, kept for comparison: every kind split evenly by count, the 5-head ranks doing more.
     ranks = rank_units(ModelUnits(heads=128, kv_heads=128, ffn=81920, vocab=128256), 32, 30)
     heads = sorted(r["heads"] for r in ranks)
     assert len(ranks) == 30 and sum(heads) == 128
@@ -45,9 +47,18 @@ def test_tp30_most_loaded_rank_by_hand():
     # d = 20480/128 = 160. Per token and layer: a head 4*20480*160 + 4*16384*160, a KV head
     # 4*20480*160, an FFN column 4*20480, a vocabulary row 2*20480/100.
     head, kv, ffn, vocab = 23592960.0, 13107200.0, 81920.0, 409.6
+    assert unit_flops(PAPER_MODEL) == {"heads": head, "kv": kv, "ffn": ffn, "vocab": vocab}
     healthy = 4 * head + 4 * kv + 2560 * ffn + 4008 * vocab
-    worst = 5 * head + 5 * kv + 2731 * ffn + 4276 * vocab      # ranks 0-5 hold all four maxima
-    assert load_ratio(PAPER_MODEL, 32, 30) == pytest.approx(worst / healthy, rel=1e-12)
+    # The count rule: ranks 0-5 hold all four maxima.
+    units = model_units(PAPER_MODEL)
+    counted = ShardLayout.balanced(units, 32).without_ranks(frozenset({30, 31}), balance="count")
+    worst = 5 * head + 5 * kv + 2731 * ffn + 4276 * vocab
+    assert max_rank_work(counted) == pytest.approx(worst, rel=1e-12)
+    # The work rule: the 8 ranks with a fifth head hold fewer FFN columns, so every rank does about 32/30.
+    ranks = rank_units(units, 32, 30)
+    assert sorted(r["heads"] for r in ranks).count(5) == 8
+    assert max(r["ffn"] for r in ranks if r["heads"] == 5) < min(r["ffn"] for r in ranks if r["heads"] == 4)
+    assert load_ratio(PAPER_MODEL, 32, 30) == pytest.approx(32 / 30, rel=1e-3)
     assert load_ratio(PAPER_MODEL, 32, 32) == 1.0
 
 
@@ -76,9 +87,9 @@ def test_more_sequences_per_replica_let_ntp_rebalance():
     one = run(cfg)
     one30 = [lv for lv in one.levels if lv[0] == 30][0]
     assert one30[1] == 1.0
-    # 32 heads over 30 ranks leave 2 ranks with 2 heads: slower than healthy either way, but
-    # 30 sequences instead of a whole one take 30/32 of the time beyond the fixed part
-    assert 1.0 < tp30[0][2] < one30[2]
+    # 32 heads over 30 ranks leave 2 ranks with 2 heads, which hold fewer FFN columns: with 30
+    # sequences the replica keeps up with the healthy ones, with a whole one it is slower
+    assert tp30[0][2] < 1.0 < one30[2]
     assert one.outcomes["ntp"].mean_capacity <= res.outcomes["ntp"].mean_capacity
 
 
