@@ -41,7 +41,7 @@ GOOD = {"rank": 1, "step": 3, "phase": "backward", "kind": "crash"}
     ([GOOD, {**GOOD, "rank": -1}], r"fault\.faults\[1\]\.rank=-1 must be a non-negative integer"),
     ([{**GOOD, "step": 1.5}], r"fault\.faults\[0\]\.step=1\.5 must be a non-negative integer"),
     ([{**GOOD, "phase": "fwd"}], r"fault\.faults\[0\]\.phase='fwd' must be one of forward, backward, grad_sync"),
-    ([{**GOOD, "kind": "oom"}], r"fault\.faults\[0\]\.kind='oom' must be one of crash, hang, device_error"),
+    ([{**GOOD, "kind": "melt"}], r"fault\.faults\[0\]\.kind='melt' must be one of crash, hang, device_error"),
     ([{k: v for k, v in GOOD.items() if k != "phase"}], r"fault\.faults\[0\]\.phase is missing"),
     ([{**GOOD, "when": 3}], r"fault\.faults\[0\]\.when is not a fault field"),
     ([[1, 3]], r"fault\.faults\[0\] must be a mapping"),
