@@ -243,3 +243,33 @@ def receive_from_one_peer(rank, world):
 
 def test_wire_exchange_waits_on_the_coalesced_batch():
     assert _run(receive_from_one_peer, "nccl_model") == _run(receive_from_one_peer, "gloo")
+
+
+def initialize_on_a_callers_group(rank, world, handling):
+    """A user's script built the default group itself (as torchrun or deepspeed launcher users do), with
+    TORCH_NCCL_ASYNC_ERROR_HANDLING as given (None: unset), then asks ntp_ds for an engine."""
+    import ntp_ds
+    from ntp_ds.engine.config import ConfigError
+    from tests.training import deepspeed_config, full_model, tiny_config
+
+    os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+    if handling is not None:
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = handling
+    import ntp_ds.testing.nccl_model  # noqa: F401  (registers the backend)
+
+    dist.init_process_group("nccl_model", rank=rank, world_size=world)
+    try:
+        engine = ntp_ds.initialize(model=full_model(tiny_config()), config=deepspeed_config("sgd", 0, 4, 2),
+                                   ntp={"tp": 1, "replicas": 2})
+    except ConfigError as err:
+        return str(err)
+    return f"engine on {engine.ntp_groups.topology.degrees}"
+
+
+def test_a_callers_nccl_group_without_async_error_handling_0_is_refused():
+    # Defect: a group the user's launcher built never got TORCH_NCCL_ASYNC_ERROR_HANDLING=0, so NCCL's watchdog
+    # would have torn every survivor down at the first failure.
+    refused = run_ranks(initialize_on_a_callers_group, 2, None, timeout=90)
+    assert all(msg.startswith("TORCH_NCCL_ASYNC_ERROR_HANDLING=(unset)") for msg in refused), refused
+    accepted = run_ranks(initialize_on_a_callers_group, 2, "0", timeout=90)
+    assert accepted == ["engine on (1, 1)"] * 2, accepted

@@ -107,16 +107,19 @@ def peer_failed(reason: str) -> None:
 
     Every wait in progress or to come raises `PeerFailure`. Under NCCL the communicators are aborted as well, which
     is what ends a kernel blocked on the dead peer (requires TORCH_NCCL_ASYNC_ERROR_HANDLING=0, set by `join`).
-    A caller that finds the abort under way returns once it is done.
+    The watcher's thread never waits here (it must go on beating): when the training thread holds the abort lock
+    (it is aborting or tearing the generation down itself), the verdict is recorded and the abort left to it.
     """
-    with _abort_lock:
-        if _state.failed.is_set():
-            return
-        _state.reason = reason
-        _state.failed.set()
-        if is_nccl():
+    if _state.failed.is_set():
+        return
+    _state.reason = reason
+    _state.failed.set()
+    if is_nccl() and _abort_lock.acquire(blocking=False):
+        try:
             log.warning("aborting NCCL communicators: %s", reason)
             abort_all()
+        finally:
+            _abort_lock.release()
 
 
 _WIRE_FILES = ("/torch/distributed/", "/deepspeed/comm/", "/ntp_ds/comm/wire.py", "/ntp_ds/testing/nccl_model.py")

@@ -157,6 +157,17 @@ def prepare(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_len=
     return spec, topology
 
 
+def check_error_handling() -> None:
+    """Refuse a default group the caller built under NCCL without TORCH_NCCL_ASYNC_ERROR_HANDLING=0: NCCL's
+    watchdog would then tear this process down at a peer's failure, and no survivor would survive it."""
+    if dist.get_backend() in wire.NCCL_LIKE and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") != "0":
+        raise ConfigError(f"TORCH_NCCL_ASYNC_ERROR_HANDLING="
+                          f"{os.environ.get('TORCH_NCCL_ASYNC_ERROR_HANDLING', '(unset)')}: the process group was "
+                          "built before ntp_ds.initialize, so it must be built with "
+                          "TORCH_NCCL_ASYNC_ERROR_HANDLING=0 in the environment (export it before launching, or let "
+                          "ntp_ds.initialize build the group)")
+
+
 def join_world(ntp: NTPConfig, store=None, generation: int = 0, rank: int | None = None,
                world_size: int | None = None) -> None:
     """Join generation `generation`'s process group (on the launcher's store when there is one) and its control
@@ -216,7 +227,10 @@ def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_l
         store = connect_from_env(spec.ntp.timeout_s)
     if not dist.is_initialized():
         join_world(spec.ntp, store)
-    elif not wire.has_control():
-        start_generation(spec.ntp.timeout_s)  # the caller built the default group itself
+    elif not wire.has_control():  # the caller built the default group itself
+        check_error_handling()
+        prepare_backend()
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), timeout=timedelta(seconds=spec.ntp.timeout_s))
+        start_generation(spec.ntp.timeout_s)
     return build_engine(spec, topology, lambda groups: shard_module(model, spec.model_config, groups), store)
 

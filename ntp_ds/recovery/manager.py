@@ -122,6 +122,9 @@ class Recovery:
         """From the heartbeat thread: a peer went silent or exited. Ask its launcher to stop it for good (its
         connections then close, which ends every gloo wait on it) and end this rank's waits on the wire (under
         NCCL this aborts the communicators)."""
+        ranks = ranks & frozenset(self.members)
+        if not ranks:  # a verdict on a generation this rank has already left (its dead are not members any more)
+            return
         watched = set(self.heartbeat.monitor.ranks)
         reason = "; ".join(self.heartbeat.monitor.reason(r) if r in watched else f"rank {r} declared dead by a peer"
                            for r in sorted(ranks))
@@ -157,8 +160,11 @@ class Recovery:
         for attempt in range(len(self.members)):
             try:
                 return self._attempt(snapshot, old_members, error, failed_at)
-            except (RuntimeError, TimeoutError, ConnectionError) as again:
-                if isinstance(again, RecoveryImpossible):
+            except Exception as again:
+                # A member lost during the recovery itself (its own checks raise RuntimeError), or any failure of
+                # the wire, the consequences of an abort included, starts it again.
+                retry = isinstance(again, (RuntimeError, TimeoutError, ConnectionError)) or wire.is_wire_failure(again)
+                if isinstance(again, RecoveryImpossible) or not retry:
                     raise
                 self.failed_attempts.append(time.time())
                 log.warning("rank %d: recovery attempt %d failed (%s); retrying", self.rank, attempt + 1, again)
@@ -220,8 +226,8 @@ class Recovery:
     def _regroup(self, generation: int, members: tuple[int, ...]) -> None:
         """Meet the new generation's members and join its process group."""
         self._arrive(generation, members)
+        self.members = members  # first: a late verdict on the old generation's dead must not break the new one
         join_world(self.job.ntp, self.store, generation, members.index(self.rank), len(members))
-        self.members = members
         self.monitor = LivenessMonitor(members, self.heartbeat_timeout_s)
         # Until the new engine is built (and its peers are known), a death must still end this rank's waits: on
         # NCCL nothing else does (no error, no timeout), so watch every member meanwhile.

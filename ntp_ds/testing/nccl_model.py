@@ -328,7 +328,7 @@ class ModelGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         self._queue.put(None)
         if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5.0)
+            self._thread.join(timeout=0.2)  # a worker blocked on a dead peer is left behind (it holds no reference)
 
     # -- point to point ----------------------------------------------------------------------------------------------
     def send(self, tensors, dst: int, tag: int = 0):
