@@ -51,6 +51,7 @@ def test_tp30_most_loaded_rank_by_hand():
     healthy = 4 * head + 4 * kv + 2560 * ffn + 4008 * vocab
     # The count rule: ranks 0-5 hold all four maxima.
     units = model_units(PAPER_MODEL)
+    assert max_rank_work(ShardLayout.balanced(units, 32)) == pytest.approx(healthy, rel=1e-12)
     counted = ShardLayout.balanced(units, 32).without_ranks(frozenset({30, 31}), balance="count")
     worst = 5 * head + 5 * kv + 2731 * ffn + 4276 * vocab
     assert max_rank_work(counted) == pytest.approx(worst, rel=1e-12)
