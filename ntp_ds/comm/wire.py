@@ -107,19 +107,15 @@ def peer_failed(reason: str) -> None:
 
     Every wait in progress or to come raises `PeerFailure`. Under NCCL the communicators are aborted as well, which
     is what ends a kernel blocked on the dead peer (requires TORCH_NCCL_ASYNC_ERROR_HANDLING=0, set by `join`).
-    The watcher's thread never waits here (it must go on beating): when the training thread holds the abort lock
-    (it is aborting or tearing the generation down itself), the verdict is recorded and the abort left to it.
+    The abort runs on a thread of its own: aborting can take seconds, and the watcher must go on beating.
     """
     if _state.failed.is_set():
         return
     _state.reason = reason
     _state.failed.set()
-    if is_nccl() and _abort_lock.acquire(blocking=False):
-        try:
-            log.warning("aborting NCCL communicators: %s", reason)
-            abort_all()
-        finally:
-            _abort_lock.release()
+    if is_nccl():
+        log.warning("aborting NCCL communicators: %s", reason)
+        threading.Thread(target=abort_all, args=(_state.generation,), name="ntp-abort", daemon=True).start()
 
 
 _WIRE_FILES = ("/torch/distributed/", "/deepspeed/comm/", "/ntp_ds/comm/wire.py", "/ntp_ds/testing/nccl_model.py")
@@ -145,12 +141,16 @@ def is_wire_failure(error: BaseException) -> bool:
     return False
 
 
-def abort_all() -> None:
-    """Abort every communicator of this process (NCCL); the process groups are unusable afterwards.
+def abort_all(generation: int | None = None) -> None:
+    """Abort every communicator of this process (NCCL); the process groups are unusable afterwards. `generation`:
+    only if that generation is still the current one (an abort ordered for a generation this rank has left must not
+    touch the next one's groups).
 
     torch's abort clears its registry of groups only after it has aborted each of them, while the training thread,
     woken by the first, may already be leaving the generation: the lock keeps `teardown` from running meanwhile."""
     with _abort_lock:
+        if _state.aborted or (generation is not None and generation != _state.generation):
+            return
         _state.aborted = True
         try:
             dist.distributed_c10d._abort_process_group()

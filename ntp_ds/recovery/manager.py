@@ -148,6 +148,7 @@ class Recovery:
             # Abort first: the snapshot and the engine's release synchronise with the device, which must not wait
             # on a kernel blocked on the dead peer. Transfers not confirmed by now are lost with the communicators.
             wire.peer_failed(f"recovering from {type(error).__name__}: {error}")
+            wire.abort_all()
         snapshot = self.engine.snapshot()
         old_members = self.members
         traceback.clear_frames(error.__traceback__)
