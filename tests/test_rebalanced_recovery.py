@@ -16,10 +16,9 @@ from ntp_ds.engine.initialize import model_config_of
 from ntp_ds.layout import ShardLayout
 from ntp_ds.layout import units as U
 from ntp_ds.layout.shard_layout import OWNED_KINDS
-from ntp_ds.layout.sharding import shard_tensor
 from ntp_ds.models import empty_shard
 from ntp_ds.testing.spawn import run_ranks
-from tests.training import full_model, tiny_config, train_reference, train_with_recovery
+from tests.training import assert_equivalent, full_model, tiny_config, train_with_recovery
 
 STEPS = 5
 GLOBAL_BATCH, MICRO = 12, 2
@@ -45,23 +44,6 @@ def run(degrees, stage, faults, make_model, timeout=200):
     ntp = {"tp": max(degrees), "replicas": len(degrees), "degrees": tuple(degrees), "min_tp": 1}
     return run_ranks(train_with_recovery, sum(degrees), ntp, "adamw", stage, GLOBAL_BATCH, MICRO, STEPS, faults,
                      2.0, 1, None, 12.0, None, None, make_model, None, timeout=timeout, store=True)
-
-
-def assert_equivalent(results, make_model):
-    """tests/test_recovery.py's check: every rank's shards and the consolidated weights equal the reference's."""
-    reference = train_reference("adamw", GLOBAL_BATCH, STEPS, make_model=make_model)
-    ref = dict(reference.named_parameters())
-    specs = empty_shard(model_config_of(reference), device="meta").param_specs()
-    assert results, "no rank finished"
-    for rank, res in results.items():
-        assert res["global_steps"] == STEPS, f"rank {rank} ended at step {res['global_steps']}"
-        for name, shard in res["shards"].items():
-            want = shard_tensor(ref[name].detach(), specs[name][0], res["layout"], res["tp_rank"])
-            diff = (shard - want).abs().max().item()
-            assert diff <= 1e-4, f"rank {rank} {name}: max abs difference {diff:.3g} > 1e-4"
-    full = next(r["full"] for r in results.values() if r["full"] is not None)
-    for name, tensor in full.items():
-        assert (tensor - ref[name].detach()).abs().max().item() <= 1e-4, f"consolidated {name}"
 
 
 def the_event(results):
@@ -120,7 +102,7 @@ def check_rebalanced_recovery(results, make_model, degrees, replica, victim_tp, 
     which a survivor gave FFN columns of its own away; the recovery event reports those bytes as rebalanced, the same
     on every rank, beside a lossless, minimal move of the lost shard. `restored_is_all_lost`: whether the dead's
     whole optimizer state is installed from its copy (else only the part no survivor also holds, see the GQA test)."""
-    assert_equivalent(results, make_model)
+    assert_equivalent(results, GLOBAL_BATCH, STEPS, make_model)
     assert all(tuple(r["degrees"]) == degrees_after for r in results.values())
     # The degraded replica's layout, as its members ended with it: the same on every member.
     members = [r for r in results.values() if r["replica"] == replica]

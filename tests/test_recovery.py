@@ -14,10 +14,8 @@ import os
 
 import pytest
 
-from ntp_ds.engine.initialize import model_config_of
-from ntp_ds.layout.sharding import shard_tensor
-from ntp_ds.models import empty_shard
 from ntp_ds.testing.spawn import run_ranks
+from tests import training
 from tests.training import tiny_qwen2, train_reference, train_with_recovery
 
 STEPS = 5
@@ -36,19 +34,7 @@ def run(degrees, stage, faults, redundancy=1, min_tp=1, timeout=200, last_good_d
 
 
 def assert_equivalent(results, steps=STEPS, make_model=None):
-    reference = train_reference("adamw", GLOBAL_BATCH, steps, make_model=make_model)
-    ref = dict(reference.named_parameters())
-    specs = empty_shard(model_config_of(reference), device="meta").param_specs()
-    assert results, "no rank finished"
-    for rank, res in results.items():
-        assert res["global_steps"] == steps, f"rank {rank} ended at step {res['global_steps']}"
-        for name, shard in res["shards"].items():
-            want = shard_tensor(ref[name].detach(), specs[name][0], res["layout"], res["tp_rank"])
-            diff = (shard - want).abs().max().item()
-            assert diff <= 1e-4, f"rank {rank} {name}: max abs difference {diff:.3g} > 1e-4"
-    full = next(r["full"] for r in results.values() if r["full"] is not None)
-    for name, tensor in full.items():
-        assert (tensor - ref[name].detach()).abs().max().item() <= 1e-4, f"consolidated {name}"
+    training.assert_equivalent(results, GLOBAL_BATCH, steps, make_model)
 
 
 def events_of(results):

@@ -115,6 +115,28 @@ def train_reference(optim: str, global_samples: int, steps: int, model_overrides
     return model
 
 
+
+def assert_equivalent(results, global_batch: int, steps: int, make_model=None) -> None:
+    """Every surviving rank ended at `steps`, and its shards and the consolidated weights equal the single-process
+    reference trained on the same samples (AdamW, max abs difference at most 1e-4)."""
+    from ntp_ds.engine.initialize import model_config_of
+    from ntp_ds.layout.sharding import shard_tensor
+    from ntp_ds.models import empty_shard
+
+    reference = train_reference("adamw", global_batch, steps, make_model=make_model)
+    ref = dict(reference.named_parameters())
+    specs = empty_shard(model_config_of(reference), device="meta").param_specs()
+    assert results, "no rank finished"
+    for rank, res in results.items():
+        assert res["global_steps"] == steps, f"rank {rank} ended at step {res['global_steps']}"
+        for name, shard in res["shards"].items():
+            want = shard_tensor(ref[name].detach(), specs[name][0], res["layout"], res["tp_rank"])
+            diff = (shard - want).abs().max().item()
+            assert diff <= 1e-4, f"rank {rank} {name}: max abs difference {diff:.3g} > 1e-4"
+    full = next(r["full"] for r in results.values() if r["full"] is not None)
+    for name, tensor in full.items():
+        assert (tensor - ref[name].detach()).abs().max().item() <= 1e-4, f"consolidated {name}"
+
 def train_with_checkpoint(rank, world_size, ntp: dict, stage: int, steps: int, ckpt_dir: str, resume: bool):
     """Train `steps` steps, saving a checkpoint at the end; with `resume`, load it first and go on."""
     import ntp_ds

@@ -99,9 +99,7 @@ class StateCopies:
         pending, outgoing = self._in_flight
         self._in_flight = None
         if self.on_host:
-            lost = self._transfer_pieces(outgoing, salvage)
-            if lost:
-                raise lost[0]
+            self._transfer_pieces(outgoing, salvage)
             return
         lost = []
         for o, bufs in self._buffers.items():
@@ -124,11 +122,11 @@ class StateCopies:
         step = self.chunk or max(numels + [1])
         return [(i, lo, min(lo + step, n)) for i, n in enumerate(numels) for lo in range(0, n, step)]
 
-    def _transfer_pieces(self, outgoing: list[torch.Tensor], salvage: bool) -> list[Exception]:
+    def _transfer_pieces(self, outgoing: list[torch.Tensor], salvage: bool) -> None:
         """Send this rank's pieces to its buddies and receive its owners' into their host buffers, in rounds: round j
         carries every pair's j-th piece, both directions posted together, through two device staging buffers per
-        owner (rounds j and j + 1 in flight). Return the errors of a failed transfer (the owners it was writing are
-        dropped, the owners already complete are kept)."""
+        owner (rounds j and j + 1 in flight). Raise if a round failed (the owners it was writing are dropped, the
+        owners already complete are kept)."""
         out_pieces = self._pieces([t.numel() for t in outgoing]) if self.targets else []
         in_pieces = {o: self._pieces([b.numel() for b in bufs]) for o, bufs in self._buffers.items()}
         rounds = max([len(out_pieces)] + [len(ps) for ps in in_pieces.values()])
@@ -163,16 +161,15 @@ class StateCopies:
                     self._buffers[o][i][lo:hi].copy_(view, non_blocking=True)  # the next receive is ordered after
                 if j + 2 < rounds:
                     post(j + 2)
-        except RuntimeError as err:  # round j did not arrive: the owners still receiving are dropped
+        except RuntimeError:  # round j did not arrive: the owners still receiving are dropped
             wire.settle_device()
             for o, ps in in_pieces.items():
                 if len(ps) <= j:
                     self.held[o] = self._view(o, self._buffers[o])
-            return [err]
+            raise
         wire.settle_device()  # the host buffers were filled by non-blocking copies from the device
         for o, bufs in self._buffers.items():
             self.held[o] = self._view(o, bufs)
-        return []
 
     def _exchange_layouts(self, keys, sources) -> None:
         """Tell each buddy, once per engine, the sizes of this rank's sources and where each fragment lies."""

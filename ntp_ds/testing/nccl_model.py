@@ -402,12 +402,8 @@ class ModelGroup(dist.ProcessGroup):
         sizes = [len(ts) for ts in output_lists]
 
         def run(w):
-            got = w.received()
-            lists, i = [], 0
-            for n in sizes:
-                lists.append(got[i:i + n])
-                i += n
-            return [self._gloo.allgather(lists, w.sent() or inputs, opts or AllgatherOptions())]
+            return [self._gloo.allgather(_split(w.received(), sizes), self._inputs_for(w, inputs, outs),
+                                         opts or AllgatherOptions())]
         return self._post("allgather", inputs, outs, run)
 
     def all_gather_single(self, output, input, opts=None):
@@ -428,12 +424,8 @@ class ModelGroup(dist.ProcessGroup):
         ins = [t for ts in input_lists for t in ts]
 
         def run(w):
-            sent = self._inputs_for(w, ins, outputs)
-            lists, i = [], 0
-            for ts in input_lists:
-                lists.append(sent[i:i + len(ts)])
-                i += len(ts)
-            return [self._gloo.reduce_scatter(w.received(), lists, opts)]
+            sent = _split(self._inputs_for(w, ins, outputs), [len(ts) for ts in input_lists])
+            return [self._gloo.reduce_scatter(w.received(), sent, opts)]
         return self._post("reduce_scatter", ins, outputs, run)
 
     def reduce_scatter_single(self, output, input, opts=None):
@@ -480,6 +472,15 @@ class ModelGroup(dist.ProcessGroup):
             offset = t.storage_offset() - o.storage_offset()
             out.append(private.view(-1)[offset:offset + t.numel()].view_as(t).clone())
         return out
+
+
+def _split(flat: list, sizes: list[int]) -> list[list]:
+    """Cut a flat list back into consecutive lists of the given sizes (torch's list-of-lists collectives)."""
+    out, i = [], 0
+    for n in sizes:
+        out.append(flat[i:i + n])
+        i += n
+    return out
 
 
 def _run_stream(group_ref, ops: queue.Queue) -> None:
