@@ -1,5 +1,8 @@
 """Pure recovery planning: which units each new rank fetches, and from whom; the state messages' checksum."""
 
+import math
+
+import pytest
 import torch
 
 from ntp_ds.layout import ModelUnits, Topology
@@ -97,3 +100,50 @@ def test_the_roll_back_decision():
     assert roll_back({0, 1, 2}, stale, frozenset({2}))
     del stale[1]["previous"][2]
     assert not roll_back({0, 1, 2}, stale, frozenset({2}))
+
+
+@pytest.mark.parametrize("dead", [{2}, {3}, {2, 3}])
+def test_lost_state_counts_what_no_survivor_holds_once_and_the_plan_restores_it(dead):
+    # (4, 2) on 4 heads and 2 KV heads, ZeRO: replica 0 is the only anchor, and TP ranks 2 and 3 share KV head 1
+    # and the replicated tensors. Losing rank 2 alone, the new TP index 2 is old rank 3, yet the plan serves it KV
+    # head 1 and the replicated tensors from rank 2's copy (same TP index first), and more new ranks take the same
+    # dead state: restored bytes counted per move exceed the lost state, which only what no survivor holds is.
+    from collections import defaultdict
+
+    from ntp_ds.control.membership import replica_membership
+    from ntp_ds.layout import plan_gradient_sync
+    from ntp_ds.layout.regions import block_in_full
+    from ntp_ds.models import LlamaConfig
+    from ntp_ds.recovery.reslice import StateIndex, count_lost_state, plan_incoming
+    from ntp_ds.testing.shapes import gathered_offers, shape_specs, zero_order
+
+    config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    specs, shapes = shape_specs(config)
+    old = Topology.from_degrees(config.units(), (4, 2))
+    assert plan_gradient_sync(old).anchors == (0,)
+    membership = replica_membership(old, dead)
+    new = membership.topology()
+    gathered = gathered_offers(old, new, dict(enumerate(membership.ranks())), specs, shapes)
+    index = StateIndex.from_layouts([g["offer"]["steps"] for g in gathered], old, new, specs, shapes,
+                                    zero_order(specs))
+    lost = restored = per_move = 0
+    for rank in range(new.world_size):
+        moves, _ = plan_incoming(index, rank)
+        from_dead = defaultdict(list)
+        for m in moves:
+            if m.owner in dead:
+                from_dead[m.name].append(block_in_full(index.new_grid(m.name, new.locate(rank)[1]), m.block))
+                per_move += m.block.numel
+        counts = count_lost_state(index, rank, dead, from_dead)
+        lost, restored = lost + counts[0], restored + counts[1]
+    layout, units = old.layouts[0], config.units()
+    survivors = [t for t in range(4) if t not in dead]
+    unshared = sum(U.count(U.subtract(U.union(*(layout.owned(spec.kind, t) for t in dead)),
+                                      U.union(*(layout.owned(spec.kind, t) for t in survivors))))
+                   * math.prod(shapes[name]) // units.count(spec.kind) for name, spec in specs.items())
+    print(f"dead {sorted(dead)}: lost {lost} restored {restored} installed from dead copies per move {per_move}")
+    assert 0 < unshared == lost, (lost, unshared)
+    assert restored == lost, (restored, lost)
+    if dead == {2}:
+        assert per_move > lost, (per_move, lost)

@@ -5,14 +5,15 @@ import resource
 import subprocess
 import sys
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from ntp_ds.control.membership import replica_membership
 from ntp_ds.layout import KINDS, Topology, plan_gradient_sync
 from ntp_ds.layout import units as U
 from ntp_ds.recovery.plan import plan_unit_moves, rereplicated_moves
-from ntp_ds.recovery.reslice import StateIndex, plan_incoming, plan_outgoing
+from ntp_ds.layout.regions import block_in_full
+from ntp_ds.recovery.reslice import StateIndex, count_lost_state, plan_incoming, plan_outgoing
 from ntp_ds.testing.shapes import gathered_offers, llama_70b, shape_specs, zero_addresses, zero_order
 
 DEAD = 5 * 8 + 3  # TP rank 3 of replica 5
@@ -58,10 +59,16 @@ def plan_70b() -> dict:
     index = StateIndex.from_layouts([g["offer"]["steps"] for g in gathered], old, new, specs, shapes,
                                     zero_order(specs))
     planned = time.monotonic()
-    incoming, outgoing, received = Counter(), Counter(), 0
+    incoming, outgoing, received, lost, restored = Counter(), Counter(), 0, 0, 0
     for rank in range(new.world_size):
         mine, wanted = plan_incoming(index, rank)
         assert sum(m.block.numel for m in mine) == sum(n for _, n in wanted), f"rank {rank} not covered"
+        from_dead = defaultdict(list)
+        for m in mine:
+            if m.owner == DEAD:
+                from_dead[m.name].append(block_in_full(index.new_grid(m.name, new.locate(rank)[1]), m.block))
+        counts = count_lost_state(index, rank, {DEAD}, from_dead)
+        lost, restored = lost + counts[0], restored + counts[1]
         incoming.update(m for m in mine if m.src != rank)
         outgoing.update(plan_outgoing(index, rank, gathered[rank]["offer"]["held"]))
         received += sum(m.block.numel for m in mine if m.src != rank)
@@ -81,8 +88,13 @@ def plan_70b() -> dict:
     check = StateIndex.from_gathered(gathered, old, new, specs, shapes)
     for rank in range(0, new.world_size, 7):
         assert plan_incoming(check, rank) == plan_incoming(index, rank), f"rank {rank}: the two indexes disagree"
-    dead_elements = sum(n for _, n in zero_addresses(old, DEAD, specs, shapes).values())
-    assert index.state_elements({DEAD}) == dead_elements
+    dead_fragments = zero_addresses(old, DEAD, specs, shapes)
+    dead_elements = sum(n for _, n in dead_fragments.values())
+    # Every KV head is one rank's at TP 8 on 8 KV heads; the replicated tensors are also every other TP index's.
+    unshared = sum(n for name, (_, n) in dead_fragments.items() if specs[name].kind != "replicated")
+    assert 0 < unshared < dead_elements
+    assert lost == unshared, f"lost {lost} state elements, the dead rank alone held {unshared}"
+    assert restored == lost, f"the plan restores {restored} of {lost} lost state elements"
     rss_mb = _peak_rss_mb()
     return {"seconds": time.monotonic() - start, "max_rss_mb": rss_mb, "state_planning_s": planning_s,
             "unit_moves": len(moves), "state_moves": sum(incoming.values()),

@@ -120,3 +120,46 @@ def span_in(src: Grid, src_slice: tuple[int, int], other: Grid) -> tuple[int, in
                 lo = min(lo, r0 * other.width + local + a - full)
                 hi = max(hi, (r1 - 1) * other.width + local + b - full)
     return (lo, hi) if lo < hi else (0, 0)
+
+
+Rect = tuple[int, int, int, int]
+"""(row0, row1, full col0, full col1): a rectangle of the unsharded matrix, the same in every layout."""
+
+
+def rects_in_full(g: Grid, start: int, numel: int) -> list[Rect]:
+    """The rectangles of the unsharded matrix that flat local slice [start, start + numel) of `g` holds."""
+    return [piece[:4] for piece in _in_full(g, start, numel)]
+
+
+def block_in_full(g: Grid, block: Block) -> Rect:
+    """The rectangle of the unsharded matrix that `block` covers in `g`, the destination's grid (a block lies within
+    one run of owned columns)."""
+    for local, full, n in g.runs:
+        if local <= block.dst_col < local + n:
+            col = full + block.dst_col - local
+            return block.row0, block.row1, col, col + block.cols
+    raise ValueError(f"block {block} lies in no run of owned columns {g.runs}")
+
+
+def intersection(a: list[Rect], b: list[Rect]) -> list[Rect]:
+    """The pairwise overlaps of two rectangle lists."""
+    out = []
+    for r0, r1, c0, c1 in a:
+        for s0, s1, d0, d1 in b:
+            rows, cols = (max(r0, s0), min(r1, s1)), (max(c0, d0), min(c1, d1))
+            if rows[0] < rows[1] and cols[0] < cols[1]:
+                out.append((*rows, *cols))
+    return out
+
+
+def area(rects: list[Rect], minus: list[Rect] = ()) -> int:
+    """Elements in the union of `rects` and in no rectangle of `minus`: per band of rows between two rectangle edges,
+    column range arithmetic (time grows with the rectangles, never with the elements)."""
+    edges = sorted({r for rect in (*rects, *minus) for r in rect[:2]})
+    total = 0
+    for y0, y1 in zip(edges, edges[1:]):
+        inside = U.normalize((c0, c1) for r0, r1, c0, c1 in rects if r0 <= y0 and y1 <= r1)
+        if inside:
+            out = U.normalize((c0, c1) for r0, r1, c0, c1 in minus if r0 <= y0 and y1 <= r1)
+            total += (y1 - y0) * U.count(U.subtract(inside, out))
+    return total

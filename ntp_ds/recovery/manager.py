@@ -301,8 +301,8 @@ class Recovery:
                  or (snapshot.global_steps == 0 and not snapshot.params_from_masters))
         received = _received_by_kind(wire.traffic_since(traffic_before))
         totals = wire.sum_counts([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), state["bytes_received"],
-                                  state["restored_bytes"], int(whole), moved.get("rebalanced", 0)]
-                                 + list(received.values()))
+                                  state["restored_bytes"], int(whole), moved.get("rebalanced", 0),
+                                  state["lost_bytes"]] + list(received.values()))
         self.heartbeat.watch(self._peers(engine), set(new_members) - {self.rank})
         barrier(self.store, f"recovery/{generation}/done/{_digest(new_members)}", self.rank, new_members,
                 self.job.ntp.timeout_s)
@@ -312,9 +312,9 @@ class Recovery:
                  "bytes_moved": int(totals[0]), "kv_rereplicated_bytes": int(totals[1]),
                  "rebalanced_bytes": int(totals[5]),
                  "rank_bytes_received": moved.get("bytes", 0), "optimizer_bytes_moved": int(totals[2]),
-                 "optimizer_bytes_restored": int(totals[3]), "lost_optimizer_bytes": state["lost_bytes"],
+                 "optimizer_bytes_restored": int(totals[3]), "lost_optimizer_bytes": int(totals[6]),
                  "state_index": state["state_index"],
-                 "traffic_bytes": dict(zip(received, map(int, totals[6:]))), "rolled_back": snapshot.rolled_back,
+                 "traffic_bytes": dict(zip(received, map(int, totals[7:]))), "rolled_back": snapshot.rolled_back,
                  "lossless": int(totals[4]) == len(new_members)}
         return engine, event
 

@@ -27,7 +27,8 @@ from ntp_ds.comm import wire
 from ntp_ds.engine import fragments as S
 from ntp_ds.layout import ShardLayout, Topology, plan_gradient_sync
 from ntp_ds.layout import units as U
-from ntp_ds.layout.regions import Block, Grid, blocks, grid, span_in
+from ntp_ds.layout.regions import (Block, Grid, Rect, area, block_in_full, blocks, grid, intersection, rects_in_full,
+                                   span_in)
 from ntp_ds.layout.zero import FlatOrder, anchor_addresses, anchor_fragments
 
 
@@ -94,6 +95,8 @@ class StateIndex:
         self.fragments: dict[tuple[int, str], list[tuple[int, int, tuple[int, ...]]]] = _Table(lambda key: [])
         self.needs: dict[tuple[int, str], list[tuple[int, int, int]]] = _Table(lambda key: [])
         self._sources: dict[tuple[int, str], list] = {}
+        self._counted: dict[tuple[int, str], U.Ranges] = {}
+        self._need_by_rank = _Table(lambda key: {rank: (start, numel) for start, numel, rank in self.needs[key]})
         self.source = "gathered"
         """How the addresses were learnt: "layouts" or "gathered"."""
 
@@ -146,18 +149,23 @@ class StateIndex:
         index.source = "layouts"
         return index
 
-    def state_elements(self, owners) -> int:
-        """Elements of optimizer state (per tensor: masters, or one moment) of the given old ranks that someone
-        offered (a fragment the dead shared with a live anchor counts only if its entry names the dead)."""
-        owners = set(owners)
-        return sum(numel for tp in {self.old.locate(o)[1] for o in owners} for name in self.specs
-                   for _, numel, group in self.fragments[(tp, name)] if owners & set(group))
-
     def sources(self, tp_rank: int, kind: str) -> list[tuple[int, U.Ranges]]:
         key = (tp_rank, kind)
         if key not in self._sources:
             self._sources[key] = unit_sources(self.old_layout, self.new_layout, tp_rank, kind)
         return self._sources[key]
+
+    def need(self, tp_rank: int, name: str, rank: int) -> tuple[int, int] | None:
+        """(start, numel) of new rank `rank`'s fragment of `name` (at new TP index `tp_rank`), or None."""
+        return self._need_by_rank[(tp_rank, name)].get(rank)
+
+    def counted_units(self, tp_rank: int, kind: str) -> U.Ranges:
+        """Units of `kind` whose state new TP index `tp_rank` counts: those it holds and no lower index holds."""
+        key = (tp_rank, kind)
+        if key not in self._counted:
+            lower = U.union(*(self.new_layout.owned(kind, t) for t in range(tp_rank)))
+            self._counted[key] = U.subtract(self.new_layout.owned(kind, tp_rank), lower)
+        return self._counted[key]
 
     def old_grid(self, name: str, tp: int) -> Grid:
         return grid(self.specs[name], self.full_shapes[name], self.old_layout, tp)
@@ -193,7 +201,7 @@ def plan_incoming(index: StateIndex, me: int) -> tuple[list[StateMove], list[tup
     moves, wanted = [], []
     tp = index.new.locate(me)[1]
     for i, (name, spec) in enumerate(index.specs.items()):
-        need = _need_of(index, tp, name, me)
+        need = index.need(tp, name, me)
         if need is None:
             continue
         wanted.append((i, need[1]))
@@ -230,8 +238,38 @@ def plan_outgoing(index: StateIndex, me: int, served: dict[int, dict[str, tuple[
     return moves
 
 
-def _need_of(index: StateIndex, tp: int, name: str, rank: int) -> tuple[int, int] | None:
-    return next(((s, n) for s, n, r in index.needs[(tp, name)] if r == rank), None)
+def count_lost_state(index: StateIndex, me: int, dead: set[int],
+                     installed: dict[str, list[Rect]]) -> tuple[int, int]:
+    """The elements of lost optimizer state (per tensor) that rank `me` counts, and how many of them it installed from
+    a dead owner's copy (`installed[name]`: the rectangles it wrote from dead owners' copies).
+
+    Lost: held in a fragment of a dead owner and in none of a live owner (of the offered fragments, compared in the
+    parameter's unsharded coordinates), so an element a survivor also holds is not lost, whichever holder served it.
+    Each element counts at one rank, the one whose new fragment holds it at the lowest new TP index holding its unit
+    (the lowest such rank where anchors hold identical fragments), so the sums over ranks count each element once
+    however many ranks installed it. Range arithmetic on the old fragments meeting this rank's own fragments."""
+    lost = restored = 0
+    tp = index.new.locate(me)[1]
+    for name, spec in index.specs.items():
+        units = index.counted_units(tp, spec.kind)
+        need = index.need(tp, name, me) if units else None
+        if need is None or any(r < me for s, n, r in index.needs[(tp, name)] if (s, n) == need):
+            continue
+        counted = rects_in_full(index.new_grid(name, tp, units), *need)
+        held_dead, held_live = [], []
+        for old_tp in sorted(range(index.old_layout.tp), key=lambda t: (t != tp, t)):
+            shared = U.intersect(units, index.old_layout.owned(spec.kind, old_tp))
+            if not shared:
+                continue
+            mine, theirs = index.new_grid(name, tp, shared), index.old_grid(name, old_tp)
+            for start, numel, owners in index.overlapping(index.fragments[(old_tp, name)],
+                                                          *span_in(mine, need, theirs)):
+                (held_live if set(owners) - dead else held_dead).extend(rects_in_full(theirs, start, numel))
+            if not area(counted, held_live):  # a live owner holds every counted element: nothing here is lost
+                break
+        lost += area(intersection(held_dead, counted), held_live)
+        restored += area(intersection(installed.get(name, []), counted), held_live)
+    return lost, restored
 
 
 def _order(index: StateIndex, moves: list[StateMove]) -> list[StateMove]:
@@ -274,8 +312,9 @@ def intact(message: torch.Tensor) -> bool:
 @torch.no_grad()
 def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...], dead: set[int] = frozenset()) -> dict:
     """Run this rank's moves (one pairwise exchange on the data device) and install what arrives into this new
-    anchor's live optimizer state; return measured figures: bytes sent and received, bytes installed from the
-    copies of `dead` owners, elements covered, checksum agreement, freshness; and the dead owners' state bytes."""
+    anchor's live optimizer state; return measured figures: bytes sent and received, elements covered, checksum
+    agreement, freshness; and this rank's share of the lost state's bytes and of those installed from the copies of
+    `dead` owners (`count_lost_state`: summed over the ranks, each element counts once)."""
     me = engine.ntp_groups.rank
     device = wire.device_of()
     served = {owner: {n: (f.start, f.numel) for n, f in frags.items()} for owner, (_, frags) in held.items()}
@@ -318,13 +357,14 @@ def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...], dea
     figures = {"bytes_sent": sum(t.numel() * t.element_size() for t in sends.values()),
                "bytes_received": sum(t.numel() * t.element_size() for t in recvs.values()),
                "checksums_ok": True, "covered": 0, "wanted": sum(n for _, n in wanted), "fresh": True,
-               "restored_bytes": 0, "lost_bytes": index.state_elements(dead) * width * 4,
+               "restored_bytes": 0, "lost_bytes": 0,
                "state_index": index.source}
     if not engine.is_anchor:
         return figures
     S.reset_state(engine, index.step, keys)
     targets = S.local_fragments(engine, keys)
     masks = {name: torch.zeros(targets[name].numel, dtype=torch.bool) for name in targets}
+    from_dead: dict[str, list[Rect]] = defaultdict(list)
     my_tp = index.new.locate(me)[1]
     for src, items in by_src.items():
         if src != me:
@@ -344,9 +384,11 @@ def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...], dea
                 _region(t, target.start, g.width, m.block, m.block.dst_col).copy_(piece)
             _region(masks[m.name], target.start, g.width, m.block, m.block.dst_col).fill_(True)
             if m.owner in dead:
-                figures["restored_bytes"] += n * width * 4
+                from_dead[m.name].append(block_in_full(g, m.block))
             figures["fresh"] &= m.step == index.step
     figures["covered"] = int(sum(int(mask.sum()) for mask in masks.values()))
+    lost, restored = count_lost_state(index, me, dead, from_dead)
+    figures["lost_bytes"], figures["restored_bytes"] = lost * width * 4, restored * width * 4
     return figures
 
 
