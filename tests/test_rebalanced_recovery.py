@@ -96,12 +96,11 @@ def unshared_state_bytes(make_model, healthy, survivors, victim_tp):
     return total
 
 
-def check_rebalanced_recovery(results, make_model, degrees, replica, victim_tp, degrees_after,
-                              restored_is_all_lost=True):
+def check_rebalanced_recovery(results, make_model, degrees, replica, victim_tp, degrees_after):
     """The final state equals the failure-free run's; the degraded replica's layout is the work-balanced one, in
     which a survivor gave FFN columns of its own away; the recovery event reports those bytes as rebalanced, the same
-    on every rank, beside a lossless, minimal move of the lost shard. `restored_is_all_lost`: whether the dead's
-    whole optimizer state is installed from its copy (else only the part no survivor also holds, see the GQA test)."""
+    on every rank, beside a lossless, minimal move of the lost shard, and the optimizer state only the dead held
+    restored from its copy."""
     assert_equivalent(results, GLOBAL_BATCH, STEPS, make_model)
     assert all(tuple(r["degrees"]) == degrees_after for r in results.values())
     # The degraded replica's layout, as its members ended with it: the same on every member.
@@ -133,11 +132,8 @@ def check_rebalanced_recovery(results, make_model, degrees, replica, victim_tp, 
     unshared = unshared_state_bytes(make_model, healthy, survivors, victim_tp)
     print(f"optimizer_bytes_restored={restored} lost_optimizer_bytes={lost_state} unshared={unshared} "
           f"optimizer_bytes_moved={events[0]['optimizer_bytes_moved']}")
-    assert 0 < unshared <= restored <= lost_state, (restored, lost_state, unshared)
-    if restored_is_all_lost:
-        assert restored == lost_state, f"restored {restored} optimizer bytes of the {lost_state} the dead held"
-    else:
-        assert restored == unshared, f"restored {restored} optimizer bytes, {unshared} only the dead held"
+    assert 0 < unshared == lost_state, f"{lost_state} optimizer bytes reported lost, {unshared} only the dead held"
+    assert restored == lost_state, f"restored {restored} optimizer bytes of the {lost_state} no survivor holds"
     assert all(e["optimizer_bytes_moved"] > 0 for e in events)
     assert {e["state_index"] for e in events} == {"layouts"}
 
@@ -157,8 +153,7 @@ def test_gqa_head_taker_gives_own_ffn_columns_under_zero2():
     # takes head 3 and gives FFN columns 44..47 away; the lost columns and vocabulary rows go to ranks 0 and 1, whose
     # shards end non-contiguous. Replica 0 (now TP 3) stays the anchor. Rank 3's state of KV head 1 and of the
     # replicated tensors is also rank 2's (and the same): the new layout has no TP index 3, so every new rank takes it
-    # from a survivor, and only the rest comes from rank 3's copy. `lost_optimizer_bytes` still counts those shared
-    # bytes (81792 against 67584 restored), so tests/test_recovery.py's restored == lost does not hold here.
+    # from a survivor, and only the rest comes from rank 3's copy: they are not lost (67584 bytes are, not 81792).
     results = run((4, 2), 2, [fault(3, 3, "grad_sync")], gqa_4_heads)
     assert set(results) == {0, 1, 2, 4, 5}
-    check_rebalanced_recovery(results, gqa_4_heads, (4, 2), 0, 3, (3, 2), restored_is_all_lost=False)
+    check_rebalanced_recovery(results, gqa_4_heads, (4, 2), 0, 3, (3, 2))
