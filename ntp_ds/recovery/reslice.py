@@ -96,7 +96,7 @@ class StateIndex:
         self.needs: dict[tuple[int, str], list[tuple[int, int, int]]] = _Table(lambda key: [])
         self._sources: dict[tuple[int, str], list] = {}
         self._counted: dict[tuple[int, str], U.Ranges] = {}
-        self._need_by_rank = _Table(lambda key: {rank: (start, numel) for start, numel, rank in self.needs[key]})
+        self._needed = _Table(self._fragments_needed)
         self.source = "gathered"
         """How the addresses were learnt: "layouts" or "gathered"."""
 
@@ -155,9 +155,16 @@ class StateIndex:
             self._sources[key] = unit_sources(self.old_layout, self.new_layout, tp_rank, kind)
         return self._sources[key]
 
-    def need(self, tp_rank: int, name: str, rank: int) -> tuple[int, int] | None:
-        """(start, numel) of new rank `rank`'s fragment of `name` (at new TP index `tp_rank`), or None."""
-        return self._need_by_rank[(tp_rank, name)].get(rank)
+    def _fragments_needed(self, tp_rank: int) -> dict[int, dict[str, tuple[int, int]]]:
+        out: dict[int, dict[str, tuple[int, int]]] = defaultdict(dict)
+        for name in self.specs:
+            for start, numel, rank in self.needs[(tp_rank, name)]:
+                out[rank][name] = (start, numel)
+        return out
+
+    def needed(self, tp_rank: int, rank: int) -> dict[str, tuple[int, int]]:
+        """{name: (start, numel)} of new rank `rank`'s fragments (it sits at new TP index `tp_rank`)."""
+        return self._needed[tp_rank].get(rank, {})
 
     def counted_units(self, tp_rank: int, kind: str) -> U.Ranges:
         """Units of `kind` whose state new TP index `tp_rank` counts: those it holds and no lower index holds."""
@@ -201,7 +208,7 @@ def plan_incoming(index: StateIndex, me: int) -> tuple[list[StateMove], list[tup
     moves, wanted = [], []
     tp = index.new.locate(me)[1]
     for i, (name, spec) in enumerate(index.specs.items()):
-        need = index.need(tp, name, me)
+        need = index.needed(tp, me).get(name)
         if need is None:
             continue
         wanted.append((i, need[1]))
@@ -250,10 +257,10 @@ def count_lost_state(index: StateIndex, me: int, dead: set[int],
     however many ranks installed it. Range arithmetic on the old fragments meeting this rank's own fragments."""
     lost = restored = 0
     tp = index.new.locate(me)[1]
-    for name, spec in index.specs.items():
+    for name, need in index.needed(tp, me).items():
+        spec = index.specs[name]
         units = index.counted_units(tp, spec.kind)
-        need = index.need(tp, name, me) if units else None
-        if need is None or any(r < me for s, n, r in index.needs[(tp, name)] if (s, n) == need):
+        if not units or any(r < me for s, n, r in index.needs[(tp, name)] if (s, n) == need):
             continue
         counted = rects_in_full(index.new_grid(name, tp, units), *need)
         held_dead, held_live = [], []
