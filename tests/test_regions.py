@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ntp_ds.layout import ModelUnits, ParamSpec, ShardLayout
-from ntp_ds.layout.regions import blocks, grid, rectangles, span_in
+from ntp_ds.layout.regions import (area, block_in_full, blocks, grid, intersection, rectangles, rects_in_full,
+                                   span_in)
 from ntp_ds.layout.sharding import shard_tensor
 
 UNITS = ModelUnits(heads=6, kv_heads=3, ffn=7, vocab=9)
@@ -67,3 +68,31 @@ def test_rectangles_tile_a_flat_range(start, numel, width):
     cells = [r * width + c for r0, r1, c0, c1 in rectangles(start, numel, width)
              for r in range(r0, r1) for c in range(c0, c1)]
     assert cells == list(range(start, start + numel))
+
+
+def _cells(rects, width: int) -> list[int]:
+    """The unsharded flat indices of rectangles of a matrix `width` wide, with repeats."""
+    return [r * width + c for r0, r1, c0, c1 in rects for r in range(r0, r1) for c in range(c0, c1)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases())
+def test_rectangles_in_full_coordinates_match_the_element_maps(case):
+    # Two slices of the same parameter, in two layouts: their rectangles hold exactly their elements, a block's
+    # rectangle exactly the block's, and the area of their union less the other's counts the set difference.
+    spec, shape, old, a, src, new, b, dst = case
+    src_full = _full_index(spec, shape, old, a)
+    dst_full = _full_index(spec, shape, new, b)
+    g_src, g_dst = grid(spec, shape, old, a), grid(spec, shape, new, b)
+    width = math.prod(shape) // g_src.outer
+    theirs, mine = rects_in_full(g_src, *src), rects_in_full(g_dst, *dst)
+    held = set(src_full[src[0]:src[0] + src[1]].tolist())
+    needed = set(dst_full[dst[0]:dst[0] + dst[1]].tolist())
+    assert sorted(_cells(theirs, width)) == sorted(held)
+    assert sorted(_cells(mine, width)) == sorted(needed)
+    for blk in blocks(g_src, src, g_dst, dst):
+        at = [r * g_dst.width + blk.dst_col + c for r in range(blk.row0, blk.row1) for c in range(blk.cols)]
+        assert sorted(_cells([block_in_full(g_dst, blk)], width)) == sorted(int(dst_full[i]) for i in at)
+    assert area(mine, theirs) == len(needed - held)
+    assert area(intersection(mine, theirs)) == len(needed & held)
+    assert area(mine + theirs + mine) == len(needed | held)

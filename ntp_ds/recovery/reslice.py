@@ -256,6 +256,8 @@ def count_lost_state(index: StateIndex, me: int, dead: set[int],
     (the lowest such rank where anchors hold identical fragments), so the sums over ranks count each element once
     however many ranks installed it. Range arithmetic on the old fragments meeting this rank's own fragments."""
     lost = restored = 0
+    if not dead:
+        return lost, restored
     tp = index.new.locate(me)[1]
     for name, need in index.needed(tp, me).items():
         spec = index.specs[name]
