@@ -68,6 +68,12 @@ def tiny_qwen2(seed: int = 0):
     return model
 
 
+def host_shards(module) -> dict:
+    """The module's parameters as fp32 host copies: the single-process reference they are compared with trains on
+    the CPU, wherever the ranks ran (NTP_TEST_DEVICE=cuda puts them on GPUs)."""
+    return {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in module.named_parameters()}
+
+
 def train_ntp(rank, world_size, ntp: dict, optim: str, stage: int, global_batch: int, micro: int, steps: int,
               model_overrides: dict | None = None, make_model=None, save_dir: str | None = None):
     """One rank of an NTP run; returns its local shards and, on the consolidating rank, the full weights.
@@ -89,7 +95,7 @@ def train_ntp(rank, world_size, ntp: dict, optim: str, stage: int, global_batch:
             engine.step()
             losses.append(float(loss.detach()))
     engine.settle_parameters()  # a contributor's last parameter copy may still be streaming
-    shards = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    shards = host_shards(engine.module)
     full = engine.consolidated_state_dict()
     if save_dir:
         engine.save_pretrained(save_dir)
@@ -156,7 +162,7 @@ def train_with_checkpoint(rank, world_size, ntp: dict, stage: int, steps: int, c
         engine.save_checkpoint(ckpt_dir)
         engine.save_pretrained(f"{ckpt_dir}/hf")
     engine.settle_parameters()
-    return {"shards": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+    return {"shards": host_shards(engine.module),
             "global_steps": engine.global_steps, "layout": engine.ntp_groups.layout,
             "tp_rank": engine.ntp_groups.tp_rank}
 
@@ -244,8 +250,7 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
     wire.barrier()  # beat until every rank is done: a silent rank would be declared dead by a busy peer
     recovery.close(finished=True)
     return {"replica": engine.ntp_groups.replica, "tp_rank": engine.ntp_groups.tp_rank,
-            "layout": engine.ntp_groups.layout, "shards": {n: p.detach().float().clone()
-                                                           for n, p in engine.module.named_parameters()},
+            "layout": engine.ntp_groups.layout, "shards": host_shards(engine.module),
             "full": full, "events": recovery.events, "global_steps": engine.global_steps,
             "degrees": engine.ntp_groups.topology.degrees, "noticed": noticed, "fired": fired,
             "failed_attempts": recovery.failed_attempts}
