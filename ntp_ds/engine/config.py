@@ -159,8 +159,9 @@ def env_world_size() -> int | None:
 
 
 def cuda_device_index(env: Mapping[str, str], device_count: int) -> int:
-    """This rank's CUDA device: the LOCAL_RANK-th the process sees. Raise a ConfigError where two ranks of one node
-    would share a device (NCCL refuses two ranks of one communicator on one device)."""
+    """This rank's CUDA device: the LOCAL_RANK-th the process sees, as DeepSpeed's engine sets it too. Raise a
+    ConfigError where two ranks of one node would share a device (NCCL refuses two ranks of one communicator on one
+    device)."""
     local_rank, world_size = env.get("LOCAL_RANK"), int(env.get("WORLD_SIZE") or 1)
     if local_rank is None:
         if world_size == 1:
@@ -171,13 +172,9 @@ def cuda_device_index(env: Mapping[str, str], device_count: int) -> int:
     index = int(local_rank)
     if 0 <= index < device_count:
         return index
-    visible = env.get("CUDA_VISIBLE_DEVICES", "").strip()
-    if device_count == 1 and visible and "," not in visible:
-        return 0  # the launcher gave each rank a device of its own (one CUDA_VISIBLE_DEVICES per rank)
     raise ConfigError(f"LOCAL_RANK={index} but this process sees {device_count} CUDA device(s) "
-                      f"(CUDA_VISIBLE_DEVICES={visible or '(unset)'}): ranks of this node would share a device. "
-                      f"Start at most {device_count} ranks per node, or give each rank one device of its own with "
-                      "CUDA_VISIBLE_DEVICES")
+                      f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '(unset)')}): ranks of this node "
+                      f"would share a device. Start at most {device_count} ranks per node, each seeing all of them")
 
 
 def check_batch(ds_config: dict, ntp: NTPConfig) -> None:
