@@ -33,7 +33,9 @@ def test_under_cuda_nothing_probes_deepspeed_op_compatibility(monkeypatch):
 
     ds_torch = importlib.import_module("deepspeed.comm.torch")
     probes = []
-    monkeypatch.delattr(deepspeed.ops, "__compatible_ops__", raising=False)  # as in a fresh process
+    # Unread, as in a fresh process, and restored after: through the module's dict, since getattr would probe.
+    monkeypatch.setitem(vars(deepspeed.ops), "__compatible_ops__", {})
+    monkeypatch.delitem(vars(deepspeed.ops), "__compatible_ops__")
     monkeypatch.setattr(deepspeed.ops, "_probe_compatible_ops", lambda: probes.append("probe") or {})
     monkeypatch.setattr(real_accelerator, "ds_accelerator", CUDA_Accelerator())
     assert ds_torch.build_shm_op() is None and probes == []
