@@ -9,6 +9,7 @@ The default set covers every phase, fault kind, ZeRO stage and both topologies a
 cases. `NTP_FULL_MATRIX=1 pytest -m matrix tests/test_recovery.py` runs the whole cross product.
 """
 
+import functools
 import itertools
 import os
 
@@ -189,6 +190,28 @@ def test_own_error_ends_that_rank_at_once_and_its_peers_recover_without_it():
     for rank, res in results.items():
         detected = res["noticed"][0] - res["fired"][3]
         assert detected <= heartbeat_timeout_s + 2.0, f"rank {rank} saw the loss after {detected:.2f} s"
+
+
+@pytest.mark.parametrize("phase, stage", [("backward", 2), ("optimizer", 1), ("in_optimizer", 1)])
+def test_stalled_training_thread_is_found_hung_and_recovered_within_hang_timeout_plus_2s(phase, stage):
+    # Rank 3's training thread blocks for good while its heartbeat goes on beating (a wedged kernel, a deadlock in its
+    # own code): its beats say nothing, its progress does. Its peers wait on it (in the model's TP all-reduce, in
+    # DeepSpeed's reduction or its step's all-gather, at the votes) and declare it hung once its progress has stood
+    # still for hang_timeout_s; it is fenced and killed, and they recover to the failure-free weights. A peer blocked
+    # inside DeepSpeed's collectives waits too, so it is not taken for hung (the job would lose more than rank 3).
+    hang_timeout_s = 3.0
+    ntp = {"tp": 2, "replicas": 3, "min_tp": 1}
+    train = functools.partial(training.train_with_recovery, hang_timeout_s=hang_timeout_s)
+    results = run_ranks(train, 6, ntp, "adamw", stage, GLOBAL_BATCH, MICRO, STEPS, [fault(3, 3, phase, "stall")],
+                        2.0, 2, None, 20.0, timeout=200, store=True)
+    assert set(results) == {0, 1, 2, 4, 5}
+    assert_equivalent(results)
+    assert_lossless_and_minimal(results, (2, 1, 2))
+    for rank, res in results.items():
+        assert len(res["recovered"]) == 1, f"rank {rank} recovered {len(res['recovered'])} times"
+        detected, recovered = res["noticed"][0] - res["fired"][3], res["recovered"][0] - res["fired"][3]
+        print(f"rank {rank}: stall seen after {detected:.2f} s, recovered after {recovered:.2f} s")
+        assert recovered <= hang_timeout_s + 2.0, f"rank {rank} recovered {recovered:.2f} s after the stall"
 
 
 def test_death_at_the_new_generation_s_rendezvous_is_detected_within_heartbeat_timeout_plus_a_second():
