@@ -287,6 +287,9 @@ def device_of(group=None) -> torch.device:
 def settle_device() -> None:
     """Wait until the device has done what this host queued on it (CUDA: the current stream), before the host reads
     what device work wrote (non-blocking copies into host memory); nothing to wait for on the CPU."""
+    for rec in _state.recorders:
+        rec(CallRecord("settle_device", dist.get_rank() if dist.is_initialized() else -1, _state.backend, (), (), (),
+                       generation=_state.generation))
     if _state.backend == "nccl" and torch.cuda.is_available():
         with waiting():  # the stream holds collectives that wait on peers
             torch.cuda.current_stream().synchronize()
@@ -468,10 +471,11 @@ def exchange(sends: Mapping[int, torch.Tensor | Sequence[torch.Tensor]],
 
 
 # -- control path: votes, barriers and objects over the gloo control group -----------------------------------------
-def vote(ready: bool, group=None) -> bool:
-    """Whether every rank of the group (default: the generation) is ready; synchronous, over gloo."""
+def vote(ready: bool, group=None, name: str = "vote") -> bool:
+    """Whether every rank of the group (default: the generation) is ready; synchronous, over gloo. `name` labels
+    the call in records."""
     flag = torch.tensor([1 if ready else 0], dtype=torch.int32)
-    return bool(all_reduce(flag, group or control_group(), "min", "vote").item())
+    return bool(all_reduce(flag, group or control_group(), "min", name).item())
 
 
 def barrier(group=None) -> None:

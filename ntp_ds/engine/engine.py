@@ -298,7 +298,7 @@ class NTPEngine(DeepSpeedEngine):
             self.copies.finish()  # with redundancy_overlap: the previous step's copies, which travelled meanwhile
             self._before_step = (self.global_steps, self.global_samples, self._lr_state(),
                                  state.optimizer_step(self) if self.is_anchor else 0)
-            wire.vote(True)
+            wire.vote(True, name="ready_vote")
             self.in_optimizer_step = True
         if self.is_anchor:
             with wire.waiting():  # DeepSpeed's step communicates (ZeRO's all-gather, its norms and overflow checks)
@@ -309,7 +309,11 @@ class NTPEngine(DeepSpeedEngine):
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
         if boundary:
-            wire.vote(True)
+            # Every rank's device must have finished the step (ZeRO's all-gather included) before the commit: on
+            # NCCL the host passes a collective once it is queued, and a death before it completes would leave a
+            # half-applied step that recovery takes for committed.
+            wire.settle_device()
+            wire.vote(True, name="commit_vote")
             self.in_optimizer_step = False
             self.refresh_copies()  # before the parameters: an anchor's messages to a contributor go in this order
             self._copy_parameters()
