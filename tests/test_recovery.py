@@ -214,6 +214,47 @@ def test_stalled_training_thread_is_found_hung_and_recovered_within_hang_timeout
         assert recovered <= hang_timeout_s + 2.0, f"rank {rank} recovered {recovered:.2f} s after the stall"
 
 
+def _recovery_watching_rebuilt_shards(rank, world_size, *args, **kwargs):
+    """`train_with_recovery`, noting the dtype and device of every shard a recovery builds."""
+    from ntp_ds.recovery import manager
+
+    built, real = [], manager.empty_shard
+
+    def spy(*a, **k):
+        module = real(*a, **k)
+        built.append(sorted({f"{p.dtype} {p.device.type}" for p in module.parameters()}))
+        return module
+
+    manager.empty_shard = spy
+    result = training.train_with_recovery(rank, world_size, *args, **kwargs)
+    result["built"] = built
+    return result
+
+
+def _max_difference(results) -> float:
+    reference = dict(train_reference("adamw", GLOBAL_BATCH, STEPS).named_parameters())
+    full = next(r["full"] for r in results.values() if r["full"] is not None)
+    return max((t.float() - reference[n].detach()).abs().max().item() for n, t in full.items())
+
+
+def test_bf16_recovery_rebuilds_shards_on_the_device_in_bf16():
+    # The survivors of the degraded replica build their new shard where it trains, in the dtype it trains in: kept
+    # units never go through fp32 host memory. bf16 cannot equal the fp32 reference; the recovered run must stay
+    # as close to it as the failure-free bf16 run does.
+    args = ({"tp": 2, "replicas": 2, "min_tp": 1}, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS)
+    train = functools.partial(_recovery_watching_rebuilt_shards, bf16=True)
+    clean = run_ranks(train, 4, *args, [], 2.0, 1, None, 20.0, timeout=200, store=True)
+    results = run_ranks(train, 4, *args, [fault(3, 3, "backward")], 2.0, 1, None, 20.0, timeout=200, store=True)
+    assert set(results) == {0, 1, 2}
+    assert_lossless_and_minimal(results, (2, 1))
+    device = "cuda" if os.environ.get("NTP_TEST_DEVICE") == "cuda" else "cpu"
+    built = [b for r in (0, 1, 2) for b in results[r]["built"]]
+    assert built and all(b == [f"torch.bfloat16 {device}"] for b in built), built
+    recovered, failure_free = _max_difference(results), _max_difference(clean)
+    print(f"max abs difference from the fp32 reference: recovered {recovered:.3g}, failure-free {failure_free:.3g}")
+    assert recovered <= 2 * failure_free + 1e-3
+
+
 def test_death_at_the_new_generation_s_rendezvous_is_detected_within_heartbeat_timeout_plus_a_second():
     # Rank 0 hangs (SIGSTOP) as the survivors of rank 4's crash meet for the next generation. They watch their
     # liveness while they wait for each other, so the attempt fails within the heartbeat timeout (the process group's

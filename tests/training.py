@@ -165,7 +165,7 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
                         steps: int, faults: list, heartbeat_timeout_s: float = 2.0, zero_redundancy: int = 1,
                         last_good_dir: str | None = None, timeout_s: float = 12.0, joins: dict | None = None,
                         joiner_overrides: dict | None = None, make_model=None, zero: dict | None = None,
-                        hang_timeout_s: float | None = None):
+                        hang_timeout_s: float | None = None, bf16: bool = False):
     """One rank of a run with injected faults and live recovery; returns its final state and recovery events.
 
     A joiner (`run_ranks(..., joiners=N)`: NTP_JOIN set) asks the running job for a place from step `joins[rank]`
@@ -173,6 +173,7 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
     changes that joiner's DeepSpeed config (a joiner of another job); a refused joiner returns {"refused": reason}.
     `make_model` builds the unsharded model (default: the tiny Llama); `zero`: more `zero_optimization` settings.
     `hang_timeout_s`: declare a peer that beats without training progress hung after this long (None: never).
+    `bf16`: train in bf16 (DeepSpeed's bf16 with fp32 masters).
     """
     import os
 
@@ -187,7 +188,7 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
     model = make_model() if make_model else full_model(tiny_config())
     config = model.config
     ntp = dict(ntp, timeout_s=timeout_s, zero_redundancy=zero_redundancy)
-    ds = deepspeed_config(optim, stage, global_batch, micro, zero=zero)
+    ds = deepspeed_config(optim, stage, global_batch, micro, bf16=bf16, zero=zero)
     schedule = FaultSchedule.from_config(faults, world_size + len(joins or {}))  # joiners may fail too
     if os.environ.get("NTP_JOIN"):
         spec, _ = prepare(model, {**ds, **(joiner_overrides or {}).get(rank, {})}, ntp)

@@ -560,8 +560,10 @@ class Recovery:
 
     # -- parameters ---------------------------------------------------------------------------------------------
     def _reshard(self, groups, snapshot, moves, moved: dict, rereplicated=(), rebalanced=()) -> CausalLMShard:
-        """Build this rank's new shard: keep the units it held, pull the missing ones from their holders."""
-        module = empty_shard(self.job.model_config, groups.layout, groups.tp_rank, groups.tp_group)
+        """Build this rank's new shard: keep the units it held, pull the missing ones from their holders. The shard is
+        built on the data device in the parameters' dtype, so kept units never leave the device."""
+        module = empty_shard(self.job.model_config, groups.layout, groups.tp_rank, groups.tp_group,
+                             device=wire.device_of(), dtype=parameter_dtype(self.job.ds_config))
         spec_shapes = module.param_specs()
         specs = {n: s for n, (s, _) in spec_shapes.items()}
         full_shapes = {n: shape for n, (_, shape) in spec_shapes.items()}
@@ -578,7 +580,7 @@ class Recovery:
                 keep = U.intersect(old_layout.owned(spec.kind, old_tp), groups.layout.owned(spec.kind, groups.tp_rank))
                 keep = U.subtract(keep, snapshot.stale.get(spec.kind, ()))  # fetched afresh with the moves
                 if keep:
-                    buf = gather_units(snapshot.params[name].float(), spec, old_layout, old_tp, keep)
+                    buf = gather_units(snapshot.params[name], spec, old_layout, old_tp, keep)
                     scatter_units(new_params[name].data, buf, spec, groups.layout, groups.tp_rank, keep)
             self._phase(snapshot.global_steps + 1, "transfer")  # its peers are blocked in this exchange with it
             moved["bytes"] = self._exchange_units(moves, groups, snapshot, old_layout, old_tp, specs, full_shapes,
