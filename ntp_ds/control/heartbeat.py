@@ -495,6 +495,9 @@ class Heartbeat:
                 tick = fastest
             try:
                 if time.monotonic() - last_beat >= self.interval_s - tick / 2:
+                    late = time.monotonic() - last_beat - self.interval_s
+                    if late > self.interval_s:  # what delays a beat is what gets a live rank declared dead
+                        log.warning("rank %d beats %.2f s late", self.rank, late)
                     self.beat()
                     last_beat = time.monotonic()
                 if self.monitor is not None:
