@@ -90,8 +90,7 @@ def _worker(rank, world_size, args):
         batch_plan = engines["ntp"].batch_plan if name == "plain" else engine.batch_plan
         for batch in replica_micro_batches(data, sampler, batch_plan, plan.replica, step):
             if name == "plain":
-                batch.pop("global_tokens")
-                loss = engine(input_ids=batch["input_ids"], labels=batch["labels"])
+                loss = engine(input_ids=batch["input_ids"].to(engine.device), labels=batch["labels"].to(engine.device))
             else:
                 loss = engine(batch)
             engine.backward(loss)

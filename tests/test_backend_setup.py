@@ -22,3 +22,24 @@ def test_deepspeed_does_not_build_its_shm_comm_op(monkeypatch):
     ds_torch.build_shm_op()
     assert loads == [ShareMemCommBuilder.NAME] or ds_torch.get_accelerator().create_op_builder(
         "ShareMemCommBuilder") is None
+
+
+def test_under_cuda_nothing_probes_deepspeed_op_compatibility(monkeypatch):
+    """Reading `deepspeed.ops.__compatible_ops__` probes every op DeepSpeed knows (nvcc runs on a CUDA machine).
+    DeepSpeed's CUDA accelerator has no shared-memory comm op, so `build_shm_op` returns before reading it, and
+    `prepare_backend` must not read it either."""
+    from deepspeed.accelerator import real_accelerator
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    probes = []
+    # Unread, as in a fresh process, and restored after: through the module's dict, since getattr would probe.
+    monkeypatch.setitem(vars(deepspeed.ops), "__compatible_ops__", {})
+    monkeypatch.delitem(vars(deepspeed.ops), "__compatible_ops__")
+    monkeypatch.setattr(deepspeed.ops, "_probe_compatible_ops", lambda: probes.append("probe") or {})
+    monkeypatch.setattr(real_accelerator, "ds_accelerator", CUDA_Accelerator())
+    assert ds_torch.build_shm_op() is None and probes == []
+    prepare_backend()
+    assert probes == [], "prepare_backend probed DeepSpeed's op compatibility under the CUDA accelerator"
+    deepspeed.ops.__compatible_ops__  # noqa: B018  (the observation works: a read probes)
+    assert probes == ["probe"]

@@ -66,6 +66,9 @@ def test_checker_catches_each_violation():
     split = {0: [_rec("send", 0, sends=[(1, 4)]), _rec("recv", 0, recvs=[(1, 8)])],
              1: [_rec("exchange", 1, sends=[(0, 8)], recvs=[(0, 4)])]}
     assert "same batch" in check_calls(split)[0]
+    unsettled = {0: [_rec("ready_vote", 0), _rec("settle_device", 0), _rec("commit_vote", 0), _rec("ready_vote", 0),
+                     _rec("commit_vote", 0)]}
+    assert check_calls(unsettled) == ["rank 0 call 4: commit_vote without settle_device since the ready_vote"]
 
 
 def _recorded_run(rank, world_size, ntp, optim, stage, global_batch, micro, steps):
@@ -86,7 +89,7 @@ def test_equivalence_run_keeps_the_contract(stage):
     records = {r: res.pop("records") for r, res in enumerate(results)}
     assert check_calls(records) == []
     ops = {rec.op for recs in records.values() for rec in recs}
-    assert {"all_reduce", "grad_bucket", "param_sync", "vote", "copy_data"} <= ops, ops
+    assert {"all_reduce", "grad_bucket", "param_sync", "ready_vote", "commit_vote", "settle_device", "copy_data"} <= ops, ops
     # Small buckets: the contributor's gradients cross in several messages per anchor rank and step.
     assert sum(len(rec.sends) for rec in records[3] if rec.op == "grad_bucket") > 2 * 4
     assert_matches_reference(results, train_reference("adamw", results[0]["global_samples"], 4), "adamw")
@@ -113,7 +116,7 @@ def test_recovery_keeps_the_contract():
     records = {res["tp_rank"] + 3 * res["replica"]: res.pop("records") for res in results.values()}
     assert check_calls(records) == []
     ops = {rec.op for recs in records.values() for rec in recs}
-    assert {"reshard", "param_sync", "reslice", "grad_bucket", "copy_data", "vote"} <= ops, ops
+    assert {"reshard", "param_sync", "reslice", "grad_bucket", "copy_data", "commit_vote"} <= ops, ops
 
 
 def _groups_after_release(rank, world_size, ntp, stage):

@@ -5,6 +5,7 @@ import torch.distributed as dist
 
 import ntp_ds
 from ntp_ds.engine import ConfigError
+from ntp_ds.engine.config import cuda_device_index
 from tests.training import deepspeed_config, full_model, tiny_config
 
 
@@ -41,3 +42,23 @@ def test_missing_batch_size_is_named(monkeypatch):
     del ds["train_micro_batch_size_per_gpu"]
     with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu is missing"):
         init(monkeypatch, {"tp": 2}, ds)
+
+
+@pytest.mark.parametrize("env, devices, index", [
+    ({}, 1, 0),
+    ({"WORLD_SIZE": "8", "LOCAL_RANK": "3"}, 4, 3),
+])
+def test_each_rank_of_a_node_takes_its_own_cuda_device(env, devices, index):
+    assert cuda_device_index(env, devices) == index
+
+
+@pytest.mark.parametrize("env, devices, message", [
+    # Rank 4 of a node with 4 devices took device 0 (4 % 4), already rank 0's.
+    ({"WORLD_SIZE": "8", "LOCAL_RANK": "4"}, 4, r"LOCAL_RANK=4 but this process sees 4 CUDA device\(s\)"),
+    # DeepSpeed's engine sets the LOCAL_RANK-th device too, so one visible device per rank cannot serve rank 1.
+    ({"WORLD_SIZE": "2", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "1"}, 1, r"ranks of this node would share"),
+    ({"WORLD_SIZE": "2"}, 2, r"LOCAL_RANK is not set in a world of 2 ranks"),
+])
+def test_ranks_that_would_share_a_cuda_device_are_refused(env, devices, message):
+    with pytest.raises(ConfigError, match=message):
+        cuda_device_index(env, devices)

@@ -6,7 +6,7 @@ import time
 from ntp_ds.batch.loader import GlobalBatchSampler, replica_micro_batches
 from ntp_ds.testing.spawn import run_ranks
 from tests.test_equivalence import assert_matches_reference, reference_init
-from tests.training import dataset, deepspeed_config, full_model, tiny_config, train_reference
+from tests.training import dataset, deepspeed_config, full_model, host_shards, tiny_config, train_reference
 
 STEPS, SLOW_S = 3, 0.4
 
@@ -39,7 +39,7 @@ def _timed_run(rank, world_size, ntp):
     engine.settle_parameters()
     return {"replica": engine.ntp_groups.replica, "tp_rank": engine.ntp_groups.tp_rank,
             "layout": engine.ntp_groups.layout, "anchor": engine.is_anchor,
-            "shards": {n: p.detach().float().clone() for n, p in model.named_parameters()},
+            "shards": host_shards(model),
             "full": engine.consolidated_state_dict(), "global_samples": engine.batch_plan.global_samples,
             "start": boundary_start, "end": boundary_end}
 

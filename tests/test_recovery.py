@@ -9,6 +9,7 @@ The default set covers every phase, fault kind, ZeRO stage and both topologies a
 cases. `NTP_FULL_MATRIX=1 pytest -m matrix tests/test_recovery.py` runs the whole cross product.
 """
 
+import functools
 import itertools
 import os
 
@@ -191,6 +192,69 @@ def test_own_error_ends_that_rank_at_once_and_its_peers_recover_without_it():
     for rank, res in results.items():
         detected = res["noticed"][0] - res["fired"][3]
         assert detected <= heartbeat_timeout_s + 2.0, f"rank {rank} saw the loss after {detected:.2f} s"
+
+
+@pytest.mark.parametrize("phase, stage", [("backward", 2), ("optimizer", 1), ("in_optimizer", 1)])
+def test_stalled_training_thread_is_found_hung_and_recovered_within_hang_timeout_plus_2s(phase, stage):
+    # Rank 3's training thread blocks for good while its heartbeat goes on beating (a wedged kernel, a deadlock in its
+    # own code): its beats say nothing, its progress does. Its peers wait on it (in the model's TP all-reduce, in
+    # DeepSpeed's reduction or its step's all-gather, at the votes) and declare it hung once its progress has stood
+    # still for hang_timeout_s; it is fenced and killed, and they recover to the failure-free weights. A peer blocked
+    # inside DeepSpeed's collectives waits too, so it is not taken for hung (the job would lose more than rank 3).
+    hang_timeout_s = 3.0
+    ntp = {"tp": 2, "replicas": 3, "min_tp": 1}
+    train = functools.partial(training.train_with_recovery, hang_timeout_s=hang_timeout_s)
+    results = run_ranks(train, 6, ntp, "adamw", stage, GLOBAL_BATCH, MICRO, STEPS, [fault(3, 3, phase, "stall")],
+                        2.0, 2, None, 20.0, timeout=200, store=True)
+    assert set(results) == {0, 1, 2, 4, 5}
+    assert_equivalent(results)
+    assert_lossless_and_minimal(results, (2, 1, 2))
+    for rank, res in results.items():
+        assert len(res["recovered"]) == 1, f"rank {rank} recovered {len(res['recovered'])} times"
+        detected, recovered = res["noticed"][0] - res["fired"][3], res["recovered"][0] - res["fired"][3]
+        print(f"rank {rank}: stall seen after {detected:.2f} s, recovered after {recovered:.2f} s")
+        assert recovered <= hang_timeout_s + 2.0, f"rank {rank} recovered {recovered:.2f} s after the stall"
+
+
+def _recovery_watching_rebuilt_shards(rank, world_size, *args, **kwargs):
+    """`train_with_recovery`, noting the dtype and device of every shard a recovery builds."""
+    from ntp_ds.recovery import manager
+
+    built, real = [], manager.empty_shard
+
+    def spy(*a, **k):
+        module = real(*a, **k)
+        built.append(sorted({f"{p.dtype} {p.device.type}" for p in module.parameters()}))
+        return module
+
+    manager.empty_shard = spy
+    result = training.train_with_recovery(rank, world_size, *args, **kwargs)
+    result["built"] = built
+    return result
+
+
+def _max_difference(results) -> float:
+    reference = dict(train_reference("adamw", GLOBAL_BATCH, STEPS).named_parameters())
+    full = next(r["full"] for r in results.values() if r["full"] is not None)
+    return max((t.float() - reference[n].detach()).abs().max().item() for n, t in full.items())
+
+
+def test_bf16_recovery_rebuilds_shards_on_the_device_in_bf16():
+    # The survivors of the degraded replica build their new shard where it trains, in the dtype it trains in: kept
+    # units never go through fp32 host memory. bf16 cannot equal the fp32 reference; the recovered run must stay
+    # as close to it as the failure-free bf16 run does.
+    args = ({"tp": 2, "replicas": 2, "min_tp": 1}, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS)
+    train = functools.partial(_recovery_watching_rebuilt_shards, bf16=True)
+    clean = run_ranks(train, 4, *args, [], 2.0, 1, None, 20.0, timeout=200, store=True)
+    results = run_ranks(train, 4, *args, [fault(3, 3, "backward")], 2.0, 1, None, 20.0, timeout=200, store=True)
+    assert set(results) == {0, 1, 2}
+    assert_lossless_and_minimal(results, (2, 1))
+    device = "cuda" if os.environ.get("NTP_TEST_DEVICE") == "cuda" else "cpu"
+    built = [b for r in (0, 1, 2) for b in results[r]["built"]]
+    assert built and all(b == [f"torch.bfloat16 {device}"] for b in built), built
+    recovered, failure_free = _max_difference(results), _max_difference(clean)
+    print(f"max abs difference from the fp32 reference: recovered {recovered:.3g}, failure-free {failure_free:.3g}")
+    assert recovered <= 2 * failure_free + 1e-3
 
 
 def test_death_at_the_new_generation_s_rendezvous_is_detected_within_heartbeat_timeout_plus_a_second():

@@ -68,6 +68,12 @@ def tiny_qwen2(seed: int = 0):
     return model
 
 
+def host_shards(module) -> dict:
+    """The module's parameters as fp32 host copies: the single-process reference they are compared with trains on
+    the CPU, wherever the ranks ran (NTP_TEST_DEVICE=cuda puts them on GPUs)."""
+    return {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in module.named_parameters()}
+
+
 def train_ntp(rank, world_size, ntp: dict, optim: str, stage: int, global_batch: int, micro: int, steps: int,
               model_overrides: dict | None = None, make_model=None, save_dir: str | None = None):
     """One rank of an NTP run; returns its local shards and, on the consolidating rank, the full weights.
@@ -89,7 +95,7 @@ def train_ntp(rank, world_size, ntp: dict, optim: str, stage: int, global_batch:
             engine.step()
             losses.append(float(loss.detach()))
     engine.settle_parameters()  # a contributor's last parameter copy may still be streaming
-    shards = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    shards = host_shards(engine.module)
     full = engine.consolidated_state_dict()
     if save_dir:
         engine.save_pretrained(save_dir)
@@ -156,7 +162,7 @@ def train_with_checkpoint(rank, world_size, ntp: dict, stage: int, steps: int, c
         engine.save_checkpoint(ckpt_dir)
         engine.save_pretrained(f"{ckpt_dir}/hf")
     engine.settle_parameters()
-    return {"shards": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+    return {"shards": host_shards(engine.module),
             "global_steps": engine.global_steps, "layout": engine.ntp_groups.layout,
             "tp_rank": engine.ntp_groups.tp_rank}
 
@@ -164,13 +170,16 @@ def train_with_checkpoint(rank, world_size, ntp: dict, stage: int, steps: int, c
 def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, global_batch: int, micro: int,
                         steps: int, faults: list, heartbeat_timeout_s: float = 2.0, zero_redundancy: int = 1,
                         last_good_dir: str | None = None, timeout_s: float = 12.0, joins: dict | None = None,
-                        joiner_overrides: dict | None = None, make_model=None, zero: dict | None = None):
+                        joiner_overrides: dict | None = None, make_model=None, zero: dict | None = None,
+                        hang_timeout_s: float | None = None, bf16: bool = False):
     """One rank of a run with injected faults and live recovery; returns its final state and recovery events.
 
     A joiner (`run_ranks(..., joiners=N)`: NTP_JOIN set) asks the running job for a place from step `joins[rank]`
     on and trains from where it is admitted; members take joiners in at step boundaries. `joiner_overrides[rank]`
     changes that joiner's DeepSpeed config (a joiner of another job); a refused joiner returns {"refused": reason}.
     `make_model` builds the unsharded model (default: the tiny Llama); `zero`: more `zero_optimization` settings.
+    `hang_timeout_s`: declare a peer that beats without training progress hung after this long (None: never).
+    `bf16`: train in bf16 (DeepSpeed's bf16 with fp32 masters).
     """
     import os
 
@@ -185,7 +194,7 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
     model = make_model() if make_model else full_model(tiny_config())
     config = model.config
     ntp = dict(ntp, timeout_s=timeout_s, zero_redundancy=zero_redundancy)
-    ds = deepspeed_config(optim, stage, global_batch, micro, zero=zero)
+    ds = deepspeed_config(optim, stage, global_batch, micro, bf16=bf16, zero=zero)
     schedule = FaultSchedule.from_config(faults, world_size + len(joins or {}))  # joiners may fail too
     if os.environ.get("NTP_JOIN"):
         spec, _ = prepare(model, {**ds, **(joiner_overrides or {}).get(rank, {})}, ntp)
@@ -193,21 +202,21 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
         injector = FaultInjector(schedule, rank, store)
         try:
             recovery = Recovery.join(spec, store, rank, not_before=(joins or {}).get(rank, 0), timeout_s=120.0,
-                                     heartbeat_timeout_s=heartbeat_timeout_s, last_good_dir=last_good_dir,
-                                     on_phase=injector.check)
+                                     heartbeat_timeout_s=heartbeat_timeout_s, hang_timeout_s=hang_timeout_s,
+                                     last_good_dir=last_good_dir, on_phase=injector.check)
         except (JoinRefused, JoinFailed) as refused:
             return {"refused": str(refused)}
         engine = recovery.engine
     else:
         engine = ntp_ds.initialize(model=model, config=ds, ntp=ntp)
         recovery = Recovery(engine, engine.store, rank, heartbeat_timeout_s=heartbeat_timeout_s,
-                            last_good_dir=last_good_dir)
+                            hang_timeout_s=hang_timeout_s, last_good_dir=last_good_dir)
         injector = FaultInjector(schedule, rank, engine.store)
     engine.on_phase = recovery.on_phase = injector.check
     if joins and not os.environ.get("NTP_JOIN"):
         _await_join_requests(engine.store, len(joins))
     data, sampler = dataset(config), GlobalBatchSampler(256, seed=1)
-    noticed = []
+    noticed, recovered = [], []
     while engine.global_steps < steps:
         step = engine.global_steps
         try:
@@ -234,6 +243,7 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
             noticed.append(time.time())
             try:
                 engine = recovery.recover(error).engine
+                recovered.append(time.time())
             except RecoveryImpossible as stop:
                 recovery.close(finished=True)
                 return {"stopped": str(stop), "events": recovery.events}
@@ -244,10 +254,9 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
     wire.barrier()  # beat until every rank is done: a silent rank would be declared dead by a busy peer
     recovery.close(finished=True)
     return {"replica": engine.ntp_groups.replica, "tp_rank": engine.ntp_groups.tp_rank,
-            "layout": engine.ntp_groups.layout, "shards": {n: p.detach().float().clone()
-                                                           for n, p in engine.module.named_parameters()},
+            "layout": engine.ntp_groups.layout, "shards": host_shards(engine.module),
             "full": full, "events": recovery.events, "global_steps": engine.global_steps,
-            "degrees": engine.ntp_groups.topology.degrees, "noticed": noticed, "fired": fired,
+            "degrees": engine.ntp_groups.topology.degrees, "noticed": noticed, "recovered": recovered, "fired": fired,
             "failed_attempts": recovery.failed_attempts}
 
 

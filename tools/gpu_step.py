@@ -1,6 +1,8 @@
 """One-GPU check: bf16 training steps of a ~1B-parameter Llama through NTPEngine in one rank; prints the step time
-and the peak GPU memory, and fails loudly on any problem."""
+and the peak GPU memory, and fails loudly on any problem. `--cpu`: the same steps of a tiny Llama on the CPU, so
+that the script is run where there is no GPU (tools/gpu_check.sh --cpu)."""
 
+import argparse
 import os
 import sys
 import time
@@ -18,21 +20,31 @@ from ntp_ds.batch.loader import GlobalBatchSampler, SyntheticTokens, replica_mic
 from ntp_ds.models import Llama, LlamaConfig  # noqa: E402
 
 
-def main() -> int:
-    assert torch.cuda.is_available(), "no CUDA device visible"
-    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=18,
-                         num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=1024)
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--cpu", action="store_true", help="a tiny Llama on the CPU instead of ~1B on a GPU")
+    cpu = parser.parse_args(argv).cpu
+    assert cpu or torch.cuda.is_available(), "no CUDA device visible"
+    if cpu:
+        config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    else:
+        config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=18,
+                             num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=1024)
     torch.manual_seed(0)
     model = Llama(config)
     n_params = sum(p.numel() for p in model.parameters())
     ds = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
-          "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}, "zero_optimization": {"stage": 1},
+          "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "torch_adam": True}}, "zero_optimization": {"stage": 1},
           "steps_per_print": 10**9}
     engine = ntp_ds.initialize(model=model, config=ds, ntp={"tp": 1, "replicas": 1})
-    data = SyntheticTokens(config.vocab_size, 512, size=64, seed=0)
+    # Without torch_adam DeepSpeed JIT-builds its fused Adam (nvcc on a GPU machine).
+    assert type(engine.basic_optimizer) is torch.optim.AdamW, f"optimizer is {type(engine.basic_optimizer)}"
+    data = SyntheticTokens(config.vocab_size, 32 if cpu else 512, size=64, seed=0)
     sampler = GlobalBatchSampler(len(data), seed=0)
     before = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-    torch.cuda.reset_peak_memory_stats()
+    if not cpu:
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for step in range(4):
         start = time.perf_counter()
@@ -40,7 +52,8 @@ def main() -> int:
             loss = engine(batch)
             engine.backward(loss)
             engine.step()
-        torch.cuda.synchronize()
+        if not cpu:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         print(f"step {step}: loss {loss.item():.4f} time {times[-1]:.3f}s")
         assert torch.isfinite(loss), "loss is not finite"
@@ -48,9 +61,9 @@ def main() -> int:
     assert dtypes == {torch.bfloat16}, f"parameters are {dtypes}, expected bf16"
     moved = max((p.detach().float() - before[n]).abs().max().item() for n, p in engine.module.named_parameters())
     assert moved > 0, "the optimizer did not change the weights"
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    print(f"gpu_step ok: {n_params / 1e9:.2f}B parameters, bf16, step_s={min(times[1:]):.3f} "
-          f"peak_memory_gib={peak:.1f}, max weight change {moved:.3g}")
+    peak = "" if cpu else f" peak_memory_gib={torch.cuda.max_memory_allocated() / 2**30:.1f},"
+    print(f"gpu_step ok{' (cpu)' if cpu else ''}: {n_params / 1e6:,.1f}M parameters, bf16, "
+          f"step_s={min(times[1:]):.3f}{peak} max weight change {moved:.3g}")
     return 0
 
 

@@ -42,7 +42,12 @@ def skip_shm_comm_op() -> None:
     machine whose torch extensions cache lacks it): the op only serves `inference_all_reduce`, which ntp_ds never
     calls. DeepSpeed 0.19 reads no environment variable or config key for this; its `build_shm_op` builds the op only
     when `deepspeed.ops.__compatible_ops__` marks it compatible, a dict it probes once and keeps (its comment: edits
-    to it persist), so mark it not compatible there."""
+    to it persist), so mark it not compatible there. Only under DeepSpeed's CPU accelerator: the others have no such
+    op, so `build_shm_op` never reads the dict, and reading it here would probe every op (nvcc on a CUDA machine)."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return
     import deepspeed.ops
     from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 

@@ -197,6 +197,56 @@ def _teardown() -> None:
         log.debug("process groups held in reference cycles were collected")
 
 
+# -- the training thread's progress -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Progress:
+    """What the heartbeat tells peers of the training thread: a counter that moves at every phase point and every
+    wait's start and end, and whether the thread is waiting on peers now (a rank blocked waiting is not hung)."""
+
+    count: int
+    waiting: bool
+
+
+class _Progress:
+    def __init__(self):
+        self.count = 0
+        self.depth = 0  # nested waits; 0 while the thread does its own work
+
+
+_progress = _Progress()
+
+
+def progress() -> Progress:
+    """This process's training progress now (read from the heartbeat thread)."""
+    return Progress(_progress.count, _progress.depth > 0)
+
+
+@contextlib.contextmanager
+def waiting():
+    """Mark the block as waiting on peers: a wait of the wire, or a DeepSpeed call that communicates (its
+    collectives are not ours to mark one by one). A stalled counter does not make a waiting rank hung."""
+    _progress.count += 1
+    _progress.depth += 1
+    try:
+        yield
+    finally:
+        _progress.depth -= 1
+        _progress.count += 1
+
+
+@contextlib.contextmanager
+def working():
+    """Mark the block as this rank's own work, inside a waiting block too (a phase point inside DeepSpeed's step):
+    a stall in here is this rank's, and peers waiting on it may declare it hung."""
+    depth, _progress.depth = _progress.depth, 0
+    _progress.count += 1
+    try:
+        yield
+    finally:
+        _progress.depth = depth
+        _progress.count += 1
+
+
 # -- devices and records ---------------------------------------------------------------------------------------
 def backend_of(group=None) -> str:
     """A group's backend (default: the generation's), still known after the groups were aborted (torch forgets
@@ -237,8 +287,12 @@ def device_of(group=None) -> torch.device:
 def settle_device() -> None:
     """Wait until the device has done what this host queued on it (CUDA: the current stream), before the host reads
     what device work wrote (non-blocking copies into host memory); nothing to wait for on the CPU."""
+    for rec in _state.recorders:
+        rec(CallRecord("settle_device", dist.get_rank() if dist.is_initialized() else -1, _state.backend, (), (), (),
+                       generation=_state.generation))
     if _state.backend == "nccl" and torch.cuda.is_available():
-        torch.cuda.current_stream().synchronize()
+        with waiting():  # the stream holds collectives that wait on peers
+            torch.cuda.current_stream().synchronize()
 
 
 def has_control() -> bool:
@@ -310,6 +364,11 @@ def wait(works, group=None, what: str = "collective", p2p: bool = False, heed_fa
     whole: the group's timeout bounds it, and a hung peer is ended sooner by its launcher once the liveness
     watcher asks for it to be fenced (its connections close, and the wait fails at once).
     """
+    with waiting():
+        _wait(works, group, what, p2p, heed_failure)
+
+
+def _wait(works, group, what: str, p2p: bool, heed_failure: bool) -> None:
     nccl = is_nccl(group)
     deadline = time.monotonic() + _state.timeout_s
     for work in works if isinstance(works, (list, tuple)) else [works]:
@@ -412,10 +471,11 @@ def exchange(sends: Mapping[int, torch.Tensor | Sequence[torch.Tensor]],
 
 
 # -- control path: votes, barriers and objects over the gloo control group -----------------------------------------
-def vote(ready: bool, group=None) -> bool:
-    """Whether every rank of the group (default: the generation) is ready; synchronous, over gloo."""
+def vote(ready: bool, group=None, name: str = "vote") -> bool:
+    """Whether every rank of the group (default: the generation) is ready; synchronous, over gloo. `name` labels
+    the call in records."""
     flag = torch.tensor([1 if ready else 0], dtype=torch.int32)
-    return bool(all_reduce(flag, group or control_group(), "min", "vote").item())
+    return bool(all_reduce(flag, group or control_group(), "min", name).item())
 
 
 def barrier(group=None) -> None:
@@ -477,4 +537,5 @@ def _bounded(call: Callable[[], None], what: str) -> None:
     """Run a blocking object collective (torch offers no async form); the group's own timeout bounds it."""
     if _state.failed.is_set():
         raise PeerFailure(f"{what} abandoned: {_state.reason}")
-    call()
+    with waiting():
+        call()

@@ -71,19 +71,29 @@ def node_key(node: int) -> str:
 
 @dataclass(frozen=True)
 class Beat:
-    """One heartbeat: a counter that rises by one per beat and the sender's wall time when it beat."""
+    """One heartbeat: a counter that rises by one per beat, the sender's wall time when it beat and, from a training
+    rank, its training thread's progress (`ntp_ds.comm.wire.progress`): a counter that moves at every phase point
+    and wait, and whether the thread is waiting on peers."""
 
     counter: int
     wall: float
+    progress: int | None = None
+    waiting: bool = False
+
+    def fields(self) -> list:
+        return [self.counter, self.wall] + ([] if self.progress is None else [self.progress, int(self.waiting)])
+
+    @classmethod
+    def from_fields(cls, fields) -> Beat:
+        counter, wall, *rest = fields
+        return cls(int(counter), float(wall), *((int(rest[0]), bool(int(rest[1]))) if rest else ()))
 
     def encode(self) -> str:
-        return f"{self.counter} {self.wall!r}"
+        return " ".join(repr(f) if isinstance(f, float) else str(f) for f in self.fields())
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Beat:
-        text = raw.decode() if isinstance(raw, bytes) else raw
-        counter, wall = text.split()
-        return cls(int(counter), float(wall))
+        return cls.from_fields((raw.decode() if isinstance(raw, bytes) else raw).split())
 
 
 def read_beats(store, ranks: Iterable[int]) -> dict[int, Beat]:
@@ -177,13 +187,13 @@ class NodeLiveness:
     exited: dict[int, str]
 
     def encode(self) -> str:
-        return json.dumps({"seq": self.seq, "beats": {str(r): [b.counter, b.wall] for r, b in self.beats.items()},
+        return json.dumps({"seq": self.seq, "beats": {str(r): b.fields() for r, b in self.beats.items()},
                            "exited": {str(r): why for r, why in self.exited.items()}}, separators=(",", ":"))
 
     @classmethod
     def decode(cls, raw: bytes | str) -> NodeLiveness:
         d = json.loads(raw)
-        return cls(d["seq"], {int(r): Beat(c, w) for r, (c, w) in d["beats"].items()},
+        return cls(d["seq"], {int(r): Beat.from_fields(f) for r, f in d["beats"].items()},
                    {int(r): why for r, why in d["exited"].items()})
 
 
@@ -283,18 +293,24 @@ class LivenessMonitor:
     """Decide which of `ranks` are dead from the beats and exits observed so far; no I/O, the clock is injected.
 
     A rank is dead once it is marked as exited, or once its beat counter has not changed for more than
-    `heartbeat_timeout_s` on `clock` (counted from the monitor's creation for a rank never heard from).
+    `heartbeat_timeout_s` on `clock` (counted from the monitor's creation for a rank never heard from). With
+    `hang_timeout_s`, a rank that beats but whose training progress has stood still, outside any wait, for more than
+    `hang_timeout_s` is hung (`hung`): a live process whose training makes no progress.
     """
 
-    def __init__(self, ranks: Iterable[int], heartbeat_timeout_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, ranks: Iterable[int], heartbeat_timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                 hang_timeout_s: float | None = None):
         if not heartbeat_timeout_s > 0:
             raise ValueError(f"heartbeat_timeout_s={heartbeat_timeout_s} must be positive")
-        self.heartbeat_timeout_s = heartbeat_timeout_s
+        if hang_timeout_s is not None and not hang_timeout_s > 0:
+            raise ValueError(f"hang_timeout_s={hang_timeout_s} must be positive (or None: no progress watch)")
+        self.heartbeat_timeout_s, self.hang_timeout_s = heartbeat_timeout_s, hang_timeout_s
         self._clock = clock
         now = clock()
         self._changed_at = {int(r): now for r in ranks}
         self._counter: dict[int, int] = {}
         self._exited: dict[int, str] = {}
+        self._progress: dict[int, tuple[int, bool, float]] = {}  # rank -> (progress, waiting, when it last moved)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -306,6 +322,10 @@ class LivenessMonitor:
         for rank, beat in beats.items():
             if rank in self._changed_at and self._counter.get(rank) != beat.counter:
                 self._counter[rank], self._changed_at[rank] = beat.counter, now
+            if rank in self._changed_at and beat.progress is not None:
+                seen = self._progress.get(rank)
+                if seen is None or seen[:2] != (beat.progress, beat.waiting):
+                    self._progress[rank] = (beat.progress, beat.waiting, now)
         for rank, reason in (exited or {}).items():
             if rank in self._changed_at:
                 self._exited.setdefault(rank, reason)
@@ -313,6 +333,20 @@ class LivenessMonitor:
     def silent_for(self, rank: int) -> float:
         """Return the seconds since `rank`'s counter last changed (or since the monitor began watching it)."""
         return self._clock() - self._changed_at[rank]
+
+    def stalled_for(self, rank: int) -> float:
+        """Seconds `rank`'s training progress has stood still outside a wait (0 while it waits, moves or is unknown)."""
+        seen = self._progress.get(rank)
+        return 0.0 if seen is None or seen[1] else self._clock() - seen[2]
+
+    def hung(self) -> frozenset[int]:
+        """Return the ranks whose training progress has stood still outside a wait for longer than `hang_timeout_s`
+        (none without it). Only a rank that waits on them may call them hung: a peer's long work is not a hang
+        while nobody waits for it."""
+        if self.hang_timeout_s is None:
+            return frozenset()
+        return frozenset(r for r in self._progress if r in self._changed_at
+                         and self.stalled_for(r) > self.hang_timeout_s)
 
     def dead(self) -> frozenset[int]:
         """Return the ranks that have exited or have been silent for longer than `heartbeat_timeout_s`."""
@@ -323,12 +357,16 @@ class LivenessMonitor:
         """Say why `rank` counts as dead, for the membership decision's record."""
         if rank in self._exited:
             return f"rank {rank} exited ({self._exited[rank]})"
+        if self.silent_for(rank) <= self.heartbeat_timeout_s and self.hang_timeout_s is not None \
+                and self.stalled_for(rank) > self.hang_timeout_s:
+            return (f"rank {rank}: beats, but its training made no progress for {self.stalled_for(rank):.2f}s "
+                    f"(hang_timeout_s {self.hang_timeout_s}s)")
         return f"rank {rank}: no heartbeat for {self.silent_for(rank):.2f}s (timeout {self.heartbeat_timeout_s}s)"
 
     def retain(self, ranks: Iterable[int]) -> None:
         """Watch only `ranks` from now on (the survivors after a membership change)."""
         keep = set(ranks)
-        for table in (self._changed_at, self._counter, self._exited):
+        for table in (self._changed_at, self._counter, self._exited, self._progress):
             for rank in [r for r in table if r not in keep]:
                 del table[rank]
 
@@ -356,12 +394,16 @@ class Heartbeat:
     WATCHES_PER_BEAT times per beat while something is news (a new death, exit or fence request, a peer silent for half
     the timeout); otherwise it backs off, doubling the pause up to one beat interval. A second daemon thread, on a
     clone of the store client, waits for the next alarm (`raise_alarm`) and wakes the first to poll at once.
+
+    With `progress` (a callable returning this rank's training progress, `ntp_ds.comm.wire.progress`), each beat
+    carries it, and while this rank's training thread waits, a peer whose progress has stood still outside a wait for
+    the monitor's `hang_timeout_s` is reported dead too: it beats, but its training is stuck, and this rank with it.
     """
 
     def __init__(self, store, rank: int, interval_s: float = 1.0, *, wall: Callable[[], float] = time.time,
                  monitor: LivenessMonitor | None = None,
                  on_dead: Callable[[frozenset[int], float], None] | None = None,
-                 reader: LivenessReader | None = None):
+                 reader: LivenessReader | None = None, progress: Callable[[], object] | None = None):
         if not interval_s > 0:
             raise ValueError(f"interval_s={interval_s} must be positive")
         if (monitor is None) != (on_dead is None):
@@ -375,6 +417,7 @@ class Heartbeat:
         self.error: BaseException | None = None
         """The latest error of a beat or a poll, if any (the thread keeps beating through store hiccups)."""
         self._wall = wall
+        self._progress = progress
         self._counter = 0
         self._reported: set[int] = set()
         self._members: set[int] = set()
@@ -389,7 +432,8 @@ class Heartbeat:
     def beat(self) -> Beat:
         """Send one beat now."""
         self._counter += 1
-        beat = Beat(self._counter, self._wall())
+        now = self._progress() if self._progress is not None else None
+        beat = Beat(self._counter, self._wall(), *((now.count, now.waiting) if now is not None else ()))
         self.store.set(heartbeat_key(self.rank), beat.encode())
         return beat
 
@@ -451,6 +495,9 @@ class Heartbeat:
                 tick = fastest
             try:
                 if time.monotonic() - last_beat >= self.interval_s - tick / 2:
+                    late = time.monotonic() - last_beat - self.interval_s
+                    if late > self.interval_s:  # what delays a beat is what gets a live rank declared dead
+                        log.warning("rank %d beats %.2f s late", self.rank, late)
                     self.beat()
                     last_beat = time.monotonic()
                 if self.monitor is not None:
@@ -469,17 +516,26 @@ class Heartbeat:
             self.polls += 1
             self.monitor.observe(view.beats, view.exited)
             new = self.monitor.dead() - self._reported
+            if self._progress is not None and self._progress().waiting:
+                new |= self.monitor.hung() - self._reported
             if self._members:
                 # A rank some other peer declared dead: every collective of the generation waits on it too.
                 new |= (set(view.fences) & self._members) - self._reported
             self._reported |= new
             news = (frozenset(view.exited), frozenset(view.fences))
             half = self.monitor.heartbeat_timeout_s / 2
-            suspect = any(self.monitor.silent_for(r) > half for r in self.monitor.ranks)
+            half_hang = (self.monitor.hang_timeout_s or float("inf")) / 2
+            suspect = any(self.monitor.silent_for(r) > half or self.monitor.stalled_for(r) > half_hang
+                          for r in self.monitor.ranks)
             changed, self._news = news != self._news, news
         if new:
             self.on_dead(frozenset(new), self._wall())
         return bool(new) or changed or suspect
+
+    def declared(self) -> frozenset[int]:
+        """The peers this heartbeat has reported dead since it was last told whom to watch."""
+        with self._lock:
+            return frozenset(self._reported)
 
     def silences(self) -> dict[int, float]:
         """Seconds each watched peer has been silent, on this host's monotonic clock (see `LivenessMonitor`)."""
@@ -492,7 +548,8 @@ class Heartbeat:
         if self.monitor is None:
             raise RuntimeError("this heartbeat watches no peers (it has no monitor)")
         with self._lock:
-            self.monitor = LivenessMonitor(ranks, self.monitor.heartbeat_timeout_s, self.monitor._clock)
+            self.monitor = LivenessMonitor(ranks, self.monitor.heartbeat_timeout_s, self.monitor._clock,
+                                           self.monitor.hang_timeout_s)
             self._members = set(members)
             self._reported = set()
 

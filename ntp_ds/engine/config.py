@@ -158,6 +158,25 @@ def env_world_size() -> int | None:
     return int(value) if value else None
 
 
+def cuda_device_index(env: Mapping[str, str], device_count: int) -> int:
+    """This rank's CUDA device: the LOCAL_RANK-th the process sees, as DeepSpeed's engine sets it too. Raise a
+    ConfigError where two ranks of one node would share a device (NCCL refuses two ranks of one communicator on one
+    device)."""
+    local_rank, world_size = env.get("LOCAL_RANK"), int(env.get("WORLD_SIZE") or 1)
+    if local_rank is None:
+        if world_size == 1:
+            return 0
+        raise ConfigError(f"LOCAL_RANK is not set in a world of {world_size} ranks, so every rank of a node would "
+                          "take CUDA device 0: start the job with a launcher that sets it (ntp-ds launch, torchrun, "
+                          "deepspeed) or export it per rank")
+    index = int(local_rank)
+    if 0 <= index < device_count:
+        return index
+    raise ConfigError(f"LOCAL_RANK={index} but this process sees {device_count} CUDA device(s) "
+                      f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '(unset)')}): ranks of this node "
+                      f"would share a device. Start at most {device_count} ranks per node, each seeing all of them")
+
+
 def check_batch(ds_config: dict, ntp: NTPConfig) -> None:
     """Raise a ConfigError (not a BatchError deep in a rank) for a batch the topology cannot split."""
     from ntp_ds.batch import plan_batch

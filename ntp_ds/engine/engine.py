@@ -10,6 +10,8 @@ A new batch plan (different samples and micro-batches per replica, same topology
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import logging
 import time
@@ -118,10 +120,16 @@ class NTPEngine(DeepSpeedEngine):
             self.enable_backward_allreduce = False
         elif self.optimizer is not None:  # DeepSpeed steps its optimizer once per parameter group under ZeRO 1/2
             state.inner_optimizer(self).register_step_post_hook(
-                lambda *_: self.on_phase(self.global_steps + 1, "in_optimizer"))
+                lambda *_: self._phase(self.global_steps + 1, "in_optimizer"))
         self.sync_parameters()
         if self.stream_parameters and self._params.incoming:
             self._add_parameter_hooks()
+
+    def _phase(self, step: int, phase: str) -> None:
+        """A phase point: progress for the heartbeat (this rank's own work, even inside DeepSpeed's step), then the
+        fault-injection seam."""
+        with wire.working():
+            self.on_phase(step, phase)
 
     # -- parameters --------------------------------------------------------------------------------------------
     def named_shards(self) -> dict[str, torch.nn.Parameter]:
@@ -164,7 +172,7 @@ class NTPEngine(DeepSpeedEngine):
     # -- forward / backward / step -----------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         """Run the model; a dict batch (as the loader yields) is unpacked and its loss weight recorded."""
-        self.on_phase(self.global_steps + 1, "forward")
+        self._phase(self.global_steps + 1, "forward")
         if len(inputs) == 1 and isinstance(inputs[0], dict) and not kwargs:
             kwargs, inputs = dict(inputs[0]), ()
         global_tokens = kwargs.pop("global_tokens", None)
@@ -209,7 +217,8 @@ class NTPEngine(DeepSpeedEngine):
         """DeepSpeed's reduction over the anchors, timed into `sync_wait_s`."""
         start = time.perf_counter()
         try:
-            return super().allreduce_gradients(*args, **kwargs)
+            with wire.waiting():
+                return super().allreduce_gradients(*args, **kwargs)
         finally:
             self.sync_wait_s += time.perf_counter() - start
 
@@ -217,13 +226,13 @@ class NTPEngine(DeepSpeedEngine):
         """Back-propagate the micro-batch's mean loss, weighted by its share of the global batch."""
         if self._loss_weight is None:
             raise RuntimeError("call engine(batch) with labels before engine.backward(loss)")
-        self.on_phase(self.global_steps + 1, "backward")
+        self._phase(self.global_steps + 1, "backward")
         # DeepSpeed averages over the anchors' data-parallel group; the weights already sum to one over the step.
         scaled = loss * (self._loss_weight * len(self.ntp_groups.plan.anchors))
         self._loss_weight = None
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
-            self.on_phase(self.global_steps + 1, "grad_sync")
+            self._phase(self.global_steps + 1, "grad_sync")
         if not self.is_anchor:
             hooks = self._outgoing.arm(self.named_shards()) if boundary and self._grads.outgoing else []
             try:
@@ -239,8 +248,11 @@ class NTPEngine(DeepSpeedEngine):
         # The contributors' buckets are added as this backward produces each gradient: receives are posted now,
         # nothing waits for a contributor before the backward starts.
         hooks = self._incoming.arm(self.named_shards()) if boundary and self._grads.incoming else []
+        # ZeRO 2 reduces inside the backward, in DeepSpeed's own collectives: a rank blocked there is waiting.
+        reduces = self.zero_optimization_stage() == 2
         try:
-            super().backward(scaled, retain_graph=retain_graph, scale_wrt_gas=False)
+            with wire.waiting() if reduces else contextlib.nullcontext():
+                super().backward(scaled, retain_graph=retain_graph, scale_wrt_gas=False)
         finally:
             for h in hooks:
                 h.remove()
@@ -278,7 +290,7 @@ class NTPEngine(DeepSpeedEngine):
         it back from those copies (`Snapshot.mid_step`)."""
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
-            self.on_phase(self.global_steps + 1, "optimizer")
+            self._phase(self.global_steps + 1, "optimizer")
             if not self.is_anchor:
                 self._outgoing.wait()  # every bucket has reached its anchor before anyone steps
                 self.settle_parameters()  # a parameter no module used in this step's forward
@@ -286,17 +298,22 @@ class NTPEngine(DeepSpeedEngine):
             self.copies.finish()  # with redundancy_overlap: the previous step's copies, which travelled meanwhile
             self._before_step = (self.global_steps, self.global_samples, self._lr_state(),
                                  state.optimizer_step(self) if self.is_anchor else 0)
-            wire.vote(True)
+            wire.vote(True, name="ready_vote")
             self.in_optimizer_step = True
         if self.is_anchor:
-            super().step(lr_kwargs)
+            with wire.waiting():  # DeepSpeed's step communicates (ZeRO's all-gather, its norms and overflow checks)
+                super().step(lr_kwargs)
         elif boundary:
             for p in self.module.parameters():
                 p.grad = None
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
         if boundary:
-            wire.vote(True)
+            # Every rank's device must have finished the step (ZeRO's all-gather included) before the commit: on
+            # NCCL the host passes a collective once it is queued, and a death before it completes would leave a
+            # half-applied step that recovery takes for committed.
+            wire.settle_device()
+            wire.vote(True, name="commit_vote")
             self.in_optimizer_step = False
             self.refresh_copies()  # before the parameters: an anchor's messages to a contributor go in this order
             self._copy_parameters()
@@ -329,7 +346,7 @@ class NTPEngine(DeepSpeedEngine):
             return
         keys = self.optimizer_keys()
         sources = state.flat_sources(self, keys) if self.is_anchor else None
-        self.on_phase(self.global_steps, "refresh")  # as the copies of the step just applied set off
+        self._phase(self.global_steps, "refresh")  # as the copies of the step just applied set off
         self.copies.start(keys, state.optimizer_step(self) if self.is_anchor else 0, wire.device_of(), sources)
         overlap = self.job.ntp.redundancy_overlap if overlap is None else overlap
         if self.copies.on_host or not overlap:
@@ -385,7 +402,8 @@ class NTPEngine(DeepSpeedEngine):
             self.save_non_zero_checkpoint = False
             self.save_zero_checkpoint = False
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
-        ok = super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        with wire.waiting():  # DeepSpeed's barriers around every rank's writes
+            ok = super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         if self.global_rank == self.ntp_groups.topology.ranks_of(self.ntp_groups.plan.anchors[0])[0]:
             meta = {"degrees": list(self.ntp_groups.topology.degrees), "global_steps": self.global_steps,
                     "global_samples": self.global_samples}
@@ -403,7 +421,8 @@ class NTPEngine(DeepSpeedEngine):
             raise ValueError(f"checkpoint {load_dir}/{tag} was written by TP degrees {meta['degrees']}, this job "
                              f"runs {degrees}; move between topologies with save_pretrained/from_pretrained")
         if self.is_anchor:
-            path, client_state = super().load_checkpoint(load_dir, tag, **kwargs)
+            with wire.waiting():
+                path, client_state = super().load_checkpoint(load_dir, tag, **kwargs)
         else:
             path, client_state = str(Path(load_dir) / str(tag)), {}
             self.global_steps, self.global_samples = meta["global_steps"], meta["global_samples"]

@@ -21,7 +21,8 @@ from ntp_ds.batch.straggler import Replan, rebalance
 from ntp_ds.comm import wire
 from ntp_ds.comm.groups import (NTPMpu, ReplicaGroups, backend_for_device, build_groups, prepare_backend,
                                 start_generation)
-from ntp_ds.engine.config import ConfigError, NTPConfig, check_batch, env_world_size, load_deepspeed_config
+from ntp_ds.engine.config import (ConfigError, NTPConfig, check_batch, cuda_device_index, env_world_size,
+                                  load_deepspeed_config)
 from ntp_ds.engine.engine import NTPEngine, deepspeed_batch
 from ntp_ds.layout import LayoutError, Topology, plan_buddies, plan_gradient_sync
 from ntp_ds.models import CausalLMShard, HFCausalLM, HFConfig, Llama, LlamaConfig
@@ -173,7 +174,7 @@ def join_world(ntp: NTPConfig, store=None, generation: int = 0, rank: int | None
     """Join generation `generation`'s process group (on the launcher's store when there is one) and its control
     group."""
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(cuda_device_index(os.environ, torch.cuda.device_count()))
     prepare_backend()
     timeout = timedelta(seconds=ntp.timeout_s)
     if store is None:

@@ -69,7 +69,8 @@ class Recovery:
     """
 
     def __init__(self, engine, store, rank: int, *, heartbeat_interval_s: float = 0.5,
-                 heartbeat_timeout_s: float = 3.0, settle_s: float = 0.3, last_good_dir=None,
+                 heartbeat_timeout_s: float = 3.0, hang_timeout_s: float | None = None, settle_s: float = 0.3,
+                 last_good_dir=None,
                  job: JobSpec | None = None, members: tuple[int, ...] | None = None, generation: int = 0):
         self.job: JobSpec = engine.job if engine is not None else job
         if self.job.ds_config.get("bf16", {}).get("enabled") and not self.job.zero_stage:
@@ -83,12 +84,17 @@ class Recovery:
         self.membership = Membership(store, rank, self.members, generation, settle_s=settle_s)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.declared: dict[int, str] = {}
+        """Members of this generation that this rank's heartbeat declared dead, with why: a hung peer still beats,
+        so only this verdict names it."""
         self.monitor = LivenessMonitor(self.members, heartbeat_timeout_s)
         self.reader = LivenessReader.from_env(store)
         beat_store = store.clone()
+        # A peer that beats but makes no training progress while this rank waits on it is hung (hang_timeout_s).
         self.heartbeat = Heartbeat(beat_store, rank, heartbeat_interval_s,
-                                   monitor=LivenessMonitor((), heartbeat_timeout_s), on_dead=self._peers_dead,
-                                   reader=LivenessReader.from_env(beat_store))
+                                   monitor=LivenessMonitor((), heartbeat_timeout_s, hang_timeout_s=hang_timeout_s),
+                                   on_dead=self._peers_dead, reader=LivenessReader.from_env(beat_store),
+                                   progress=wire.progress)
         if engine is not None:
             self.heartbeat.watch(self._peers(engine), set(self.members) - {rank})
         self.heartbeat.start()
@@ -103,6 +109,13 @@ class Recovery:
         self.on_phase = lambda step, phase: None
         """Called with phase "recovery" once the new membership is agreed, "rendezvous" as the survivors meet for
         the new generation and "transfer" as the lost units move: the fault-injection seams."""
+
+    def _phase(self, step: int, phase: str) -> None:
+        """A phase point of a recovery: this rank's own work for the heartbeat's progress, then the seam. The rest
+        of a recovery counts as waiting (agreement, rendezvous and transfers wait on peers; a member's stall is not
+        judged by progress there, the recovery's own bounds end it)."""
+        with wire.working():
+            self.on_phase(step, phase)
 
     def close(self, finished: bool = False) -> None:
         """Stop beating; with `finished` (the run is over, or stopped), global rank 0 also refuses the joiners still
@@ -125,9 +138,11 @@ class Recovery:
         ranks = ranks & frozenset(self.members)
         if not ranks:  # a verdict on a generation this rank has already left (its dead are not members any more)
             return
-        watched = set(self.heartbeat.monitor.ranks)
-        reason = "; ".join(self.heartbeat.monitor.reason(r) if r in watched else f"rank {r} declared dead by a peer"
+        monitor = self.heartbeat.monitor
+        judged = monitor.dead() | monitor.hung()  # the rest: fenced at another peer's request
+        reason = "; ".join(monitor.reason(r) if r in judged else f"rank {r} declared dead by a peer"
                            for r in sorted(ranks))
+        self.declared.update((r, reason) for r in ranks)
         log.warning("rank %d: %s", self.rank, reason)
         try:
             request_fence(self.heartbeat.store, ranks, reason)
@@ -143,6 +158,10 @@ class Recovery:
     # -- the whole recovery -------------------------------------------------------------------------------------
     def recover(self, error: BaseException) -> RecoveryOutcome:
         """Recover from `error` (a failed collective or peer); retried if a rank fails during recovery itself."""
+        with wire.waiting():
+            return self._recover(error)
+
+    def _recover(self, error: BaseException) -> RecoveryOutcome:
         failed_at = time.monotonic()
         if wire.is_nccl():
             # Abort first: the snapshot and the engine's release synchronise with the device, which must not wait
@@ -192,7 +211,7 @@ class Recovery:
         self.membership.confirm(change, bound)
         t_agreed = time.monotonic()
 
-        self.on_phase(snapshot.global_steps + 1, "recovery")
+        self._phase(snapshot.global_steps + 1, "recovery")
         gone = set(old_members) - set(change.survivors)
         plan = replica_membership(snapshot.topology, gone, old_members)
         drop = plan.below(self.job.ntp.min_tp)
@@ -207,7 +226,7 @@ class Recovery:
         new_topology = plan.topology(drop)
         placement = self.placement.after_loss(plan.lost, drop)
 
-        self.on_phase(snapshot.global_steps + 1, "rendezvous")
+        self._phase(snapshot.global_steps + 1, "rendezvous")
         self._regroup(change.generation, new_members)
         snapshot = self._share_context(snapshot, frozenset(old_members.index(g) for g in gone))
         t_regrouped = time.monotonic()
@@ -228,6 +247,7 @@ class Recovery:
         """Meet the new generation's members and join its process group."""
         self._arrive(generation, members)
         self.members = members  # first: a late verdict on the old generation's dead must not break the new one
+        self.declared = {}
         join_world(self.job.ntp, self.store, generation, members.index(self.rank), len(members))
         self.monitor = LivenessMonitor(members, self.heartbeat_timeout_s)
         # Until the new engine is built (and its peers are known), a death must still end this rank's waits: on
@@ -377,6 +397,10 @@ class Recovery:
         """Take `plan.joiners` in at this boundary: commit the grown membership, hand the joiners their units and
         optimizer state from memory, and return the new engine. A failure on the way (a joiner dies) falls back to
         a recovery from the state held at the boundary."""
+        with wire.waiting():
+            return self._grow_from_boundary(plan)
+
+    def _grow_from_boundary(self, plan: JoinPlan) -> RecoveryOutcome:
         t0 = time.monotonic()
         traffic_before = wire.traffic()
         generation = self.membership.generation
@@ -452,7 +476,8 @@ class Recovery:
         if on_phase is not None:
             recovery.on_phase = on_phase
         try:
-            recovery._grow(None, plan, time.monotonic(), wire.traffic())
+            with wire.waiting():
+                recovery._grow(None, plan, time.monotonic(), wire.traffic())
         except (RuntimeError, TimeoutError, ConnectionError) as error:
             # The members recover without this rank from the state they held at the boundary: say it is gone.
             mark_exited(store, rank, f"join failed: {error}")
@@ -525,17 +550,20 @@ class Recovery:
         while time.monotonic() < deadline:
             dead = poll_liveness(self.store, self.monitor, self.reader) & set(self.members)
             reported = {r for rep in self.membership.reports(self.membership.generation) for r in rep.ranks}
-            dead |= reported & set(self.members)
+            dead |= (reported | set(self.declared)) & set(self.members)
             if dead:
-                return frozenset(dead), "; ".join(self.monitor.reason(r) for r in sorted(dead)) or str(error)
+                return frozenset(dead), "; ".join(self.declared.get(r) or self.monitor.reason(r)
+                                                  for r in sorted(dead)) or str(error)
             time.sleep(pause)  # backs off to a beat interval: every survivor polls here at once
             pause = min(2 * pause, max(0.05, self.heartbeat_interval_s))
         raise error
 
     # -- parameters ---------------------------------------------------------------------------------------------
     def _reshard(self, groups, snapshot, moves, moved: dict, rereplicated=(), rebalanced=()) -> CausalLMShard:
-        """Build this rank's new shard: keep the units it held, pull the missing ones from their holders."""
-        module = empty_shard(self.job.model_config, groups.layout, groups.tp_rank, groups.tp_group)
+        """Build this rank's new shard: keep the units it held, pull the missing ones from their holders. The shard is
+        built on the data device in the parameters' dtype, so kept units never leave the device."""
+        module = empty_shard(self.job.model_config, groups.layout, groups.tp_rank, groups.tp_group,
+                             device=wire.device_of(), dtype=parameter_dtype(self.job.ds_config))
         spec_shapes = module.param_specs()
         specs = {n: s for n, (s, _) in spec_shapes.items()}
         full_shapes = {n: shape for n, (_, shape) in spec_shapes.items()}
@@ -552,9 +580,9 @@ class Recovery:
                 keep = U.intersect(old_layout.owned(spec.kind, old_tp), groups.layout.owned(spec.kind, groups.tp_rank))
                 keep = U.subtract(keep, snapshot.stale.get(spec.kind, ()))  # fetched afresh with the moves
                 if keep:
-                    buf = gather_units(snapshot.params[name].float(), spec, old_layout, old_tp, keep)
+                    buf = gather_units(snapshot.params[name], spec, old_layout, old_tp, keep)
                     scatter_units(new_params[name].data, buf, spec, groups.layout, groups.tp_rank, keep)
-            self.on_phase(snapshot.global_steps + 1, "transfer")  # its peers are blocked in this exchange with it
+            self._phase(snapshot.global_steps + 1, "transfer")  # its peers are blocked in this exchange with it
             moved["bytes"] = self._exchange_units(moves, groups, snapshot, old_layout, old_tp, specs, full_shapes,
                                                   new_params)
         width = parameter_dtype(self.job.ds_config).itemsize

@@ -24,7 +24,7 @@ from ntp_ds.models import LlamaConfig
 from ntp_ds.schema import SchemaError, build, register
 
 WANDB_MODES = ("online", "offline", "disabled")
-_NOT_NTP = ("zero_stage", "heartbeat_interval_s", "heartbeat_timeout_s", "join_timeout_s")
+_NOT_NTP = ("zero_stage", "heartbeat_interval_s", "heartbeat_timeout_s", "hang_timeout_s", "join_timeout_s")
 """`parallel` fields read by DeepSpeed and the liveness checks rather than by `NTPConfig`."""
 OPTIMIZERS = ("adamw", "sgd")
 DATASETS = ("synthetic", "tokens")
@@ -92,6 +92,10 @@ class ParallelConfig:
     """Seconds between two liveness beats of a worker to the job's store."""
     heartbeat_timeout_s: float = 3.0
     """A worker whose beats stop for this long counts as dead (how a hang is detected)."""
+    hang_timeout_s: float = 120.0
+    """A worker that beats but whose training makes no progress (no phase point, outside any wait) for this long,
+    while a peer waits on it, counts as hung: it is fenced and its launcher kills it. Longer than a rank's longest
+    stretch of its own work between phase points (a micro-batch, a write of its weights)."""
     join_timeout_s: float = 3600.0
     """How long a joining worker (a repair, `ntp-ds launch --join`) waits for the running job to take it in."""
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
@@ -359,7 +363,7 @@ class RunConfig:
         p = self.parallel
         for name in ("tp", "replicas"):
             _check_positive(f"parallel.{name}", getattr(p, name))
-        for name in ("timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "join_timeout_s"):
+        for name in ("timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "hang_timeout_s", "join_timeout_s"):
             if not getattr(p, name) > 0:
                 raise ConfigError(f"parallel.{name}={getattr(p, name)} must be positive")
         if p.heartbeat_interval_s >= p.heartbeat_timeout_s:

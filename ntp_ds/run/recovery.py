@@ -44,7 +44,8 @@ class LiveRecovery:
         """Start beating to the job's store and arm this rank's scheduled faults (and those sent to the job)."""
         p = cfg.parallel
         recovery = Recovery(engine, engine.store, rank, heartbeat_interval_s=p.heartbeat_interval_s,
-                            heartbeat_timeout_s=p.heartbeat_timeout_s, last_good_dir=Path(run_dir) / LAST_GOOD)
+                            heartbeat_timeout_s=p.heartbeat_timeout_s, hang_timeout_s=p.hang_timeout_s,
+                            last_good_dir=Path(run_dir) / LAST_GOOD)
         return cls(recovery, FaultInjector(cfg.fault_schedule(), rank, engine.store))
 
     @classmethod
@@ -57,7 +58,7 @@ class LiveRecovery:
         spec, _ = prepare(cfg.model.llama_config(), cfg.ds_config(), p.ntp(), seq_len=cfg.data.seq_len)
         recovery = Recovery.join(spec, store, rank, not_before=not_before, timeout_s=p.join_timeout_s,
                                  heartbeat_interval_s=p.heartbeat_interval_s, heartbeat_timeout_s=p.heartbeat_timeout_s,
-                                 last_good_dir=Path(run_dir) / LAST_GOOD)
+                                 hang_timeout_s=p.hang_timeout_s, last_good_dir=Path(run_dir) / LAST_GOOD)
         return cls(recovery, FaultInjector(cfg.fault_schedule(), rank, store))
 
     @property

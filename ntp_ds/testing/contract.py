@@ -6,6 +6,9 @@
 - A pairwise exchange is posted in one batch on both sides: when A's message to B and B's message to A belong to
   matching calls, each of those calls posts both directions (a send posted before its receive, in separate calls,
   can deadlock NCCL on large messages).
+- A step commits only once the device has done its work: every `commit_vote` follows a `settle_device` made since the
+  step's `ready_vote` (NCCL's host passes a collective once it is queued, so without the settle a rank could vote a
+  step whose all-gather never completed).
 """
 
 from __future__ import annotations
@@ -27,6 +30,15 @@ def check_calls(records_by_rank: dict[int, list]) -> list[str]:
                 sends[(rank, peer)].append((i, numel))
             for peer, numel in rec.recvs:
                 recvs[(peer, rank)].append((i, numel))
+    for rank, records in records_by_rank.items():
+        settled = True
+        for i, rec in enumerate(records):
+            if rec.op == "ready_vote":
+                settled = False
+            elif rec.op == "settle_device":
+                settled = True
+            elif rec.op == "commit_vote" and not settled:
+                problems.append(f"rank {rank} call {i}: commit_vote without settle_device since the ready_vote")
     for pair in sorted(set(sends) | set(recvs)):
         src, dst = pair
         s, r = sends.get(pair, []), recvs.get(pair, [])

@@ -94,6 +94,89 @@ def test_monitor_rejects_a_non_positive_timeout():
         LivenessMonitor([0], 0)
 
 
+def test_a_beating_rank_whose_progress_stands_still_outside_a_wait_is_hung():
+    clock = FakeClock()
+    mon = LivenessMonitor([0, 1, 2], heartbeat_timeout_s=2.0, clock=clock, hang_timeout_s=5.0)
+    mon.observe({0: Beat(1, 0.0, 7, False), 1: Beat(1, 0.0, 3, True), 2: Beat(1, 0.0)})
+    for beat in range(2, 8):  # everyone beats; 0 stands still working, 1 stands still waiting, 2 says nothing
+        clock.now += 1.0
+        mon.observe({0: Beat(beat, 0.0, 7, False), 1: Beat(beat, 0.0, 3, True), 2: Beat(beat, 0.0)})
+    assert mon.dead() == set()
+    assert mon.hung() == {0}
+    assert "made no progress for 6.00s (hang_timeout_s 5.0s)" in mon.reason(0)
+    assert mon.stalled_for(1) == 0.0 and mon.stalled_for(2) == 0.0
+    mon.observe({0: Beat(8, 0.0, 7, True)})  # it started to wait: its stall was the wait's approach, not a hang
+    assert mon.hung() == set()
+    clock.now += 5.5
+    mon.observe({0: Beat(9, 0.0, 8, False), 1: Beat(9, 0.0, 4, False)})  # moved on, then stood still again
+    assert mon.hung() == set()
+    clock.now += 0.1
+    assert mon.hung() == set()
+    assert LivenessMonitor([0], 2.0, clock=clock).hung() == set()  # no hang_timeout_s: progress is not judged
+    with pytest.raises(ValueError, match="hang_timeout_s=0"):
+        LivenessMonitor([0], 2.0, hang_timeout_s=0)
+
+
+def test_beats_carry_progress_through_the_store_and_the_node_key():
+    from ntp_ds.control.heartbeat import NodeLiveness
+
+    for beat in (Beat(3, 7.25), Beat(4, 8.5, 12, True), Beat(5, 9.0, 0, False)):
+        assert Beat.decode(beat.encode()) == beat
+        node = NodeLiveness(1, {2: beat}, {})
+        assert NodeLiveness.decode(node.encode()).beats == {2: beat}
+
+
+class _Training:
+    """A training thread's progress as the heartbeat reads it, set by hand."""
+
+    def __init__(self):
+        from ntp_ds.comm.wire import Progress
+
+        self.now = Progress(0, False)
+
+    def __call__(self):
+        return self.now
+
+
+def test_only_a_waiting_rank_declares_a_stalled_peer_hung():
+    from ntp_ds.comm.wire import Progress
+
+    store = dist.HashStore()
+    seen, done = [], threading.Event()
+
+    def on_dead(ranks, wall):
+        seen.append(ranks)
+        done.set()
+
+    mine, theirs = _Training(), _Training()
+    theirs.now = Progress(5, False)
+    peer = Heartbeat(store, 1, interval_s=0.01, progress=theirs).start()
+    mon = LivenessMonitor([1], heartbeat_timeout_s=5.0, hang_timeout_s=0.2)
+    try:
+        with Heartbeat(store, 0, interval_s=0.01, monitor=mon, on_dead=on_dead, progress=mine):
+            assert not done.wait(0.6), "a peer's long work was judged while this rank did not wait on it"
+            mine.now = Progress(1, True)
+            assert done.wait(3.0)
+            assert seen == [frozenset({1})]
+            assert "made no progress" in mon.reason(1)
+    finally:
+        peer.stop()
+
+
+def test_wire_progress_moves_at_every_wait_and_phase_point():
+    from ntp_ds.comm import wire
+
+    start = wire.progress()
+    assert not start.waiting
+    with wire.waiting():
+        inside = wire.progress()
+        assert inside.waiting and inside.count > start.count
+        with wire.working():  # a phase point inside DeepSpeed's step: this rank's own work
+            assert not wire.progress().waiting
+        assert wire.progress().waiting and wire.progress().count > inside.count
+    assert not wire.progress().waiting
+
+
 # -- store-backed, in process --------------------------------------------------------------------------------------
 
 def test_beats_and_exits_round_trip_through_the_store():
