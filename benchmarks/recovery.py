@@ -166,7 +166,7 @@ def deepspeed_worker(rank, world_size, args, ckpt_dir: str, resume: bool):
     t_ready = time.time()
     store = connect_from_env(args.timeout_s)
     injector = FaultInjector(FaultSchedule.from_config(_faults(args) if not resume else [], world_size), rank, store)
-    plan = plan_batch((TP,) * REPLICAS, TP, args.global_batch, args.micro, "preserve_global_batch", sync.anchors)
+    plan = plan_batch((1.0,) * REPLICAS, args.global_batch, args.micro, "preserve_global_batch", sync.anchors)
     data = SyntheticTokens(config.vocab_size, args.seq, size=4096, seed=0)
     sampler = GlobalBatchSampler(len(data), seed=0)
     done, save_s = {}, 0.0

@@ -1,39 +1,97 @@
 """Batch planning and the deterministic loader (pure and single-process)."""
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ntp_ds.batch import BatchError, lockstep_replicas, max_micro_batch, plan_batch
 from ntp_ds.batch.loader import FeistelPermutation, GlobalBatchSampler, SyntheticTokens, replica_micro_batches
 
 
-@given(st.lists(st.integers(1, 8), min_size=1, max_size=6), st.integers(1, 6), st.integers(1, 4))
-def test_preserve_global_batch_keeps_every_sample_once(degrees, share, micro):
-    tp = max(degrees)
-    global_batch = share * tp * len(degrees)
-    plan = plan_batch(tuple(degrees), tp, global_batch, micro, "preserve_global_batch")
+import itertools
+import math
+
+from ntp_ds.batch import StepCost, predict_step_s
+from ntp_ds.batch.straggler import rebalance
+
+PACES = st.lists(st.sampled_from([1.0, 1.0, 1.0, 1.02, 1.07, 1.143, 1.5, 2.0, 3.5]), min_size=1, max_size=4)
+
+
+def _step(plan, paces):
+    """The plan's step in healthy per-sample times: its slowest replica's predicted work."""
+    return predict_step_s(plan, [StepCost(0.0, p) for p in paces])
+
+
+@settings(max_examples=150, deadline=None)
+@given(PACES, st.integers(1, 5), st.integers(1, 4))
+def test_preserve_global_batch_keeps_every_sample_once_at_the_least_step(paces, share, micro):
+    """Whole samples, offsets in replica order, the failure-free global batch, and a charged step that no split
+    of the batch beats (by enumeration); slower replicas never take more than faster ones."""
+    global_batch = share * len(paces)
+    plan = plan_batch(tuple(paces), global_batch, micro, "preserve_global_batch")
     assert plan.global_samples == global_batch
     offsets = [(r.offset, r.offset + r.samples) for r in plan.replicas]
     assert offsets[0][0] == 0 and all(a[1] == b[0] for a, b in zip(offsets, offsets[1:]))
-    for r, part in enumerate(plan.replicas):
+    for part in plan.replicas:
         assert max(part.micro_sizes) <= micro and min(part.micro_sizes) >= 1
-        if degrees[r] < tp:  # a degraded replica takes about t'/t of a healthy share
-            assert part.samples == round(share * tp * degrees[r] / tp)
+    best = min(max(p * n for p, n in zip(paces, (b - a for a, b in zip((0, *cut), (*cut, global_batch)))))
+               for cut in itertools.combinations(range(1, global_batch), len(paces) - 1))
+    assert _step(plan, paces) == pytest.approx(best, rel=1e-12)
+    assert _step(plan, paces) >= share  # never shorter than the failure-free step
+    for (p, a), (q, b) in itertools.combinations(zip(paces, plan.replicas), 2):
+        assert (p <= q or a.samples <= b.samples) and (q <= p or b.samples <= a.samples)
+
+
+@given(PACES, st.integers(1, 64))
+def test_proportional_takes_what_a_replica_finishes_in_a_healthy_step(paces, share):
+    """A replica at pace p takes floor(share / p): the healthy step is not lengthened and one more sample would."""
+    if any(share < p for p in paces):
+        with pytest.raises(BatchError, match="no sample"):
+            plan_batch(tuple(paces), share * len(paces), 2, "proportional")
+        return
+    plan = plan_batch(tuple(paces), share * len(paces), 2, "proportional")
+    for p, part in zip(paces, plan.replicas):
+        assert part.samples * p <= share * (1 + 1e-9) < (part.samples + 1) * p
+    assert _step(plan, paces) <= share * (1 + 1e-9)
+
+
+def test_shares_follow_the_predicted_pace_not_the_degree():
+    """A replica whose slowest rank does 1.02x a healthy rank's work takes about 1/1.02 of a healthy share, where
+    t'/t = 63/64 would give it 63."""
+    plan = plan_batch((1.0,) * 7 + (1.02,), 8 * 64, 1, "proportional")
+    assert [p.samples for p in plan.replicas] == [64] * 7 + [math.floor(64 / 1.02)]
+    keep = plan_batch((1.0,) * 7 + (1.02,), 8 * 64, 1, "preserve_global_batch")
+    assert keep.global_samples == 8 * 64 and _step(keep, (1.0,) * 7 + (1.02,)) <= 64 * 1.02
+
+
+def test_measured_costs_take_over_from_the_predicted_ones_with_hysteresis():
+    """The launch plan follows the layouts' paces; measured costs that match them leave it alone, measured costs
+    that do not re-plan it by the same rule, and a gain under the threshold is not taken."""
+    paces = (1.0, 1.0, 1.5)
+    plan = plan_batch(paces, 24, 4, "preserve_global_batch")
+    assert [p.samples for p in plan.replicas] == [9, 9, 6]
+    as_predicted = [StepCost(0.0, 0.01 * p) for p in paces]
+    assert rebalance(plan, as_predicted, 4, threshold=0.0) is None
+    equal = [StepCost(0.0, 0.01)] * 3  # the TP degree costs nothing measurable: the shares even out
+    replan = rebalance(plan, equal, 4, threshold=0.05)
+    assert [p.samples for p in replan.plan.replicas] == [8, 8, 8] and replan.after_s < replan.before_s
+    assert rebalance(plan, equal, 4, threshold=0.2) is None  # 9 -> 8 is an 11% shorter step
 
 
 def test_proportional_shrinks_the_global_batch():
-    plan = plan_batch((4, 3, 4), 4, 24, 2, "proportional")
+    plan = plan_batch((1.0, 4 / 3, 1.0), 24, 2, "proportional")
     assert [r.samples for r in plan.replicas] == [8, 6, 8]
 
 
 def test_lockstep_replicas_share_one_micro_batch_count_and_the_others_run_their_own():
-    plan = plan_batch((2, 2, 1), 2, 15, 2, "preserve_global_batch", lockstep=(0, 1))
-    assert [r.samples for r in plan.replicas] == [7, 6, 2]
-    assert [r.micro_steps for r in plan.replicas] == [4, 4, 1]
-    assert plan.replicas[1].micro_sizes == (2, 2, 1, 1)
-    plan = plan_batch((2, 2, 1), 2, 15, 2, "preserve_global_batch")
-    assert [r.micro_steps for r in plan.replicas] == [4, 3, 1]
+    plan = plan_batch((1.0, 1.0, 2.0), 15, 2, "preserve_global_batch", lockstep=(0, 1))
+    assert [r.samples for r in plan.replicas] == [6, 6, 3]
+    assert [r.micro_steps for r in plan.replicas] == [3, 3, 2]
+    plan = plan_batch((1.0, 1.0, 2.0), 18, 2, "preserve_global_batch", lockstep=(0, 1))
+    assert [r.samples for r in plan.replicas] == [8, 7, 3]
+    assert [r.micro_steps for r in plan.replicas] == [4, 4, 2] and plan.replicas[1].micro_sizes == (2, 2, 2, 1)
+    plan = plan_batch((1.0, 1.0, 2.0), 18, 2, "preserve_global_batch")
+    assert [r.micro_steps for r in plan.replicas] == [4, 4, 2] and plan.replicas[1].micro_sizes == (2, 2, 2, 1)
 
 
 def test_only_zero_2_puts_the_anchors_in_lockstep():
@@ -45,7 +103,7 @@ def test_only_zero_2_puts_the_anchors_in_lockstep():
 def test_memory_budget_lowers_the_micro_batch_and_keeps_the_samples():
     limit = max_micro_batch(static_bytes=6 * 2**30, per_sample_bytes=2**30, budget_bytes=8 * 2**30, configured=4)
     assert limit == 2
-    plan = plan_batch((2, 1), 2, 16, 4, "preserve_global_batch", micro_limits=(4, limit))
+    plan = plan_batch((1.0, 2.0), 12, 4, "preserve_global_batch", micro_limits=(4, limit))
     assert plan.replicas[1].samples == 4 and max(plan.replicas[1].micro_sizes) == 2
     assert plan.replicas[1].micro_steps == 2
     with pytest.raises(BatchError, match="memory_budget_gb=4.00 cannot hold one sample"):
@@ -54,7 +112,7 @@ def test_memory_budget_lowers_the_micro_batch_and_keeps_the_samples():
 
 def test_loader_slices_are_disjoint_deterministic_and_cover_the_global_batch():
     data = SyntheticTokens(vocab_size=50, seq_len=8, size=40, seed=1)
-    plan = plan_batch((3, 2), 3, 10, 2, "preserve_global_batch")
+    plan = plan_batch((1.0, 1.5), 10, 2, "preserve_global_batch")
     seen = []
     for replica in range(2):
         batches = list(replica_micro_batches(data, GlobalBatchSampler(40, seed=2), plan, replica, step=3))

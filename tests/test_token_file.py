@@ -57,7 +57,7 @@ def test_replicas_read_disjoint_samples_that_cover_the_global_batch(tmp_path):
     path = tmp_path / "t.bin"
     write_token_file(path, [np.arange(400) % 97], vocab_size=97)
     data = TokenFile(path, seq_len=8)
-    plan = plan_batch((2, 1), 2, 10, 2, "preserve_global_batch")
+    plan = plan_batch((1.0, 2.0), 10, 2, "preserve_global_batch")
     sampler = GlobalBatchSampler(len(data), seed=4)
     seen = [tuple(row.tolist()) for r in range(2) for b in replica_micro_batches(data, sampler, plan, r, step=5)
             for row in b["input_ids"]]

@@ -147,7 +147,7 @@ class FakeEngine:
 
         topology = SimpleNamespace(degrees=tuple(degrees))
         self.ntp_groups = SimpleNamespace(topology=topology, replica=0, tp_rank=0, plan=SimpleNamespace(anchors=(0,)))
-        self.batch_plan = plan_batch(tuple(degrees), 2, 4, 2, "preserve_global_batch")
+        self.batch_plan = plan_batch(tuple(2 / t for t in degrees), 4, 2, "preserve_global_batch")
         self.fail_at_step, self.global_steps, self.saved = fail_at_step, 0, None
         self.on_phase = lambda step, phase: None
 

@@ -15,26 +15,23 @@ per-sample cost per degree, fitted over the last `HISTORY` windows of all its re
 the median over those windows (one noisy window cannot move it alone). A ratio needs micro-batches of two sizes on one
 replica; until a degree has them (every split so far even), its fixed cost is taken as zero.
 
-The balanced plan (`rebalance`) tries every shared micro-batch count of the lockstep replicas that could win (one
-try when none are), spreads whole samples so that the slowest replica's predicted work is least (a lockstep replica
-between the count and the count x its micro-batch size), and keeps the best. Hysteresis keeps the plan from
-flapping: one decision per window, and a new plan only when it predicts a step more than `threshold` shorter than the
-current plan's. The global batch and each replica's place in
-it (offsets in replica order) keep their meaning, so under `preserve_global_batch` the update is the failure-free
+The re-plan (`rebalance`) is the batch planner's own rule (`balance_samples`) on the measured costs in place of the
+layout's predicted ones. Hysteresis keeps the plan from flapping: one decision per window, and a new plan only when
+it predicts a step more than `threshold` shorter than the current plan's. The global batch and each replica's place
+in it (offsets in replica order) keep their meaning, so under `preserve_global_batch` the update is the failure-free
 run's whatever the split.
 """
 
 from __future__ import annotations
 
-import heapq
-import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from ntp_ds.batch.planner import BatchError, BatchPlan, split_micro_batches
+from ntp_ds.batch.planner import (BatchError, BatchPlan, StepCost, balance_samples, predict_step_s,
+                                  split_micro_batches)
 
 HISTORY = 3
 """Windows a decision fits its costs over: one noisy window cannot move the plan alone."""
@@ -46,17 +43,6 @@ RATIO_SPAN = 8.0
 
 MicroTimes = Mapping[int, tuple[int, float]]
 """Micro-batch size -> (how many were timed, their median seconds): one replica's micro-batches in one window."""
-
-
-@dataclass(frozen=True)
-class StepCost:
-    """A replica's modelled work: `fixed_s` per micro-batch plus `per_sample_s` per sample."""
-
-    fixed_s: float
-    per_sample_s: float
-
-    def step_s(self, micro_batches: int, samples: int) -> float:
-        return self.fixed_s * micro_batches + self.per_sample_s * samples
 
 
 @dataclass(frozen=True)
@@ -147,128 +133,22 @@ def fit_costs(history: Sequence[Sequence[MicroTimes]], degrees: Sequence[int]) -
     return tuple(StepCost(speeds[r] * ratios[degrees[r]], speeds[r]) for r in range(replicas))
 
 
-def _work(cost: StepCost, shared: int, micro: int, samples: int) -> float:
-    """A replica's modelled work: `shared` micro-batches when it runs in lockstep (> 0), else as many as its samples
-    fill at `micro` each."""
-    return max(cost.step_s(shared or math.ceil(samples / micro), samples), 1e-12 * samples)
-
-
-def _spread(costs: Sequence[StepCost], total: int, floors: list[int], caps: Sequence[int | None],
-            shared: Sequence[int], micro: Sequence[int]) -> list[int]:
-    """Whole samples within [floor, cap] per replica summing to `total` that minimise the largest predicted work: a
-    replica with `shared[r]` > 0 runs that many micro-batches, any other ceil(samples / micro[r]).
-
-    The greedy answer (each replica's work grows with its samples, so giving the next sample to the replica whose
-    work would stay least, ties to the lower index, is min-max optimal), reached without a step per sample: bisect
-    for the largest work level that the replicas' samples at or under it do not yet fill the batch, give each replica
-    the samples that level allows, and finish on a heap (the few samples left, all at the level where the batch is
-    full). Costs O(replicas x log) per level instead of O(samples x log replicas)."""
-    if total < sum(floors):
-        raise BatchError(f"{total} samples cannot give {len(floors)} replicas their minimum of {floors}")
-    if any(cap is not None and cap < floor for cap, floor in zip(caps, floors)) or (
-            None not in caps and sum(caps) < total):
-        raise BatchError(f"{total} samples exceed what the replicas' micro-batches can hold")
-    replicas = range(len(floors))
-
-    def work(r: int, n: int) -> float:
-        return _work(costs[r], shared[r], micro[r], n)
-
-    def most(r: int, level: float) -> int:
-        """The most samples replica r takes with its work at most `level`, within its floor and cap."""
-        c = costs[r]
-        if shared[r]:
-            n = (level - c.fixed_s * shared[r]) / c.per_sample_s
-        else:
-            full = c.fixed_s + c.per_sample_s * micro[r]  # the work of one full micro-batch
-            n = max(math.floor(level / full) * micro[r], (level - c.fixed_s * (math.floor(level / full) + 1))
-                    / c.per_sample_s)
-        top = total if caps[r] is None else caps[r]
-        n = min(max(int(math.floor(n)), floors[r]), top) if math.isfinite(n) else floors[r]
-        while n > floors[r] and work(r, n) > level:  # exact against the work itself, whatever the rounding
-            n -= 1
-        while n < top and work(r, n + 1) <= level:
-            n += 1
-        return n
-
-    samples = list(floors)
-    if sum(floors) < total:
-        low, high = 0.0, max(work(r, total if caps[r] is None else caps[r]) for r in replicas)
-        for _ in range(200):  # the level below which the batch is not yet full
-            mid = (low + high) / 2
-            if not low < mid < high:
-                break
-            if sum(most(r, mid) for r in replicas) < total:
-                low = mid
-            else:
-                high = mid
-        samples = [most(r, low) for r in replicas]
-    heap = [(work(r, samples[r] + 1), r) for r in replicas if caps[r] is None or samples[r] < caps[r]]
-    heapq.heapify(heap)
-    for _ in range(total - sum(samples)):
-        _, r = heapq.heappop(heap)
-        samples[r] += 1
-        if caps[r] is None or samples[r] < caps[r]:
-            heapq.heappush(heap, (work(r, samples[r] + 1), r))
-    return samples
-
-
-def predict_step_s(plan: BatchPlan, costs: Sequence[StepCost]) -> float:
-    """The slowest replica's modelled work per step under `plan`."""
-    return max(c.step_s(p.micro_steps, p.samples) for c, p in zip(costs, plan.replicas))
-
-
 def rebalance(plan: BatchPlan, costs: Sequence[StepCost], micro_batch: int, lockstep: tuple[int, ...] = (),
               micro_limits: tuple[int, ...] | None = None, threshold: float = 0.05) -> Replan | None:
-    """The plan that balances the replicas' modelled work, or None when it would not shorten the predicted step by
-    more than `threshold` (a fraction) or cannot be laid out.
-
-    The `lockstep` replicas (`lockstep_replicas`: the anchors under ZeRO 2, which reduce together in every backward)
-    share one micro-batch count M: each holds between M and M x its micro-batch size samples. M is tried upwards from
-    the smallest whose lockstep replicas can hold the batch, and the search stops once none of them sat at its cap in
-    the last M's plan (a larger M only adds fixed cost and raises their floors, so it cannot do better) or even M
-    samples each cost more than the best plan so far; ties go to the smaller M. Every other replica runs as many
-    micro-batches as its samples fill. A replica without a positive cost per sample (never measured) gives no plan.
+    """The plan that balances the replicas' measured costs over `plan`'s samples (`balance_samples`: the planner's
+    own rule, now on measured costs), or None when it would not shorten the predicted step by more than `threshold`
+    (a fraction) or cannot be laid out. A replica without a positive cost per sample (never measured) gives no plan.
     """
     now = [r.samples for r in plan.replicas]
-    replicas = len(now)
-    if len(costs) != replicas:
-        raise ValueError(f"costs has {len(costs)} entries for a plan of {replicas} replicas")
+    if len(costs) != len(now):
+        raise ValueError(f"costs has {len(costs)} entries for a plan of {len(now)} replicas")
     if not all(c.per_sample_s > 0 and c.fixed_s >= 0 for c in costs):
         return None
-    limits = micro_limits or (micro_batch,) * replicas
-    micro = [min(micro_batch, limits[r]) for r in range(replicas)]
-    total = sum(now)
-    locked = [False] * replicas
-    for a in lockstep:
-        locked[a] = True
-    best: tuple[float, list[int]] | None = None
-    if not lockstep:
-        candidates = range(0, 1)
-    else:
-        others = replicas - len(lockstep)
-        first = 1 if others else max(1, math.ceil(total / sum(micro[a] for a in lockstep)))
-        candidates = range(first, (total - others) // len(lockstep) + 1)
-    for count in candidates:
-        if lockstep and best is not None:
-            floor_s = max(costs[a].step_s(count, count) for a in lockstep)
-            if floor_s >= best[0]:
-                break
-        floors = [count if locked[r] else 1 for r in range(replicas)]
-        caps = [count * micro[r] if locked[r] else None for r in range(replicas)]
-        shared = [count if locked[r] else 0 for r in range(replicas)]
-        try:
-            samples = _spread(costs, total, floors, caps, shared, micro)
-        except BatchError:
-            continue
-        predicted = max(_work(costs[r], shared[r], micro[r], samples[r]) for r in range(replicas))
-        if best is None or predicted < best[0]:
-            best = (predicted, samples)
-        if lockstep and all(samples[a] < caps[a] for a in lockstep):
-            break
-    if best is None or best[1] == now:
+    samples = balance_samples(costs, sum(now), micro_batch, lockstep, micro_limits)
+    if samples is None or samples == now:
         return None
     try:
-        new = split_micro_batches(best[1], micro_batch, lockstep, micro_limits, "the straggler-aware plan")
+        new = split_micro_batches(samples, micro_batch, lockstep, micro_limits, "the straggler-aware plan")
     except BatchError:
         return None
     before, after = predict_step_s(plan, costs), predict_step_s(new, costs)

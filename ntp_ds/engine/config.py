@@ -177,12 +177,13 @@ def cuda_device_index(env: Mapping[str, str], device_count: int) -> int:
                       f"would share a device. Start at most {device_count} ranks per node, each seeing all of them")
 
 
-def check_batch(ds_config: dict, ntp: NTPConfig) -> None:
-    """Raise a ConfigError (not a BatchError deep in a rank) for a batch the topology cannot split."""
+def check_batch(ds_config: dict, ntp: NTPConfig, topology) -> None:
+    """Raise a ConfigError (not a BatchError deep in a rank) for a batch `topology` (a `Topology`) cannot split."""
     from ntp_ds.batch import plan_batch
+    from ntp_ds.layout import replica_paces
 
     try:
-        plan_batch(ntp.replica_degrees, ntp.tp, ds_config["train_batch_size"],
+        plan_batch(replica_paces(topology.layouts, ntp.tp), ds_config["train_batch_size"],
                    ds_config["train_micro_batch_size_per_gpu"], ntp.batch_policy)
     except BatchError as e:
         raise ConfigError(str(e)) from None

@@ -24,7 +24,7 @@ from ntp_ds.comm.groups import (NTPMpu, ReplicaGroups, backend_for_device, build
 from ntp_ds.engine.config import (ConfigError, NTPConfig, check_batch, cuda_device_index, env_world_size,
                                   load_deepspeed_config)
 from ntp_ds.engine.engine import NTPEngine, deepspeed_batch
-from ntp_ds.layout import LayoutError, Topology, plan_buddies, plan_gradient_sync
+from ntp_ds.layout import LayoutError, Topology, plan_buddies, plan_gradient_sync, replica_paces
 from ntp_ds.models import CausalLMShard, HFCausalLM, HFConfig, Llama, LlamaConfig
 from ntp_ds.models.hf import check_supported, is_hf_model, is_model_dir
 from ntp_ds.layout.sharding import shard_tensor
@@ -51,10 +51,10 @@ class JobSpec:
         return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
 
     def plan(self, topology: Topology) -> tuple:
-        """Gradient-sync and batch plans of a topology."""
+        """Gradient-sync and batch plans of a topology (the batch from the layouts' predicted paces)."""
         sync = plan_gradient_sync(topology)
         limits = _micro_limits(self, topology)
-        batch = plan_batch(topology.degrees, self.ntp.tp, self.ds_config["train_batch_size"],
+        batch = plan_batch(replica_paces(topology.layouts, self.ntp.tp), self.ds_config["train_batch_size"],
                            self.ds_config["train_micro_batch_size_per_gpu"], self.ntp.batch_policy,
                            lockstep_replicas(sync.anchors, self.zero_stage), limits)
         return sync, batch
@@ -150,7 +150,7 @@ def prepare(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_len=
     ntp.validate(env_world_size())
     spec = JobSpec(ds_config, ntp, model_config_of(model), optimizer, lr_scheduler, seq_len)
     topology = build_topology(spec.units(), ntp)
-    check_batch(ds_config, ntp)
+    check_batch(ds_config, ntp, topology)
     spec.plan(topology)
     if ds_config.get("gradient_clipping", 0) and any(lay.shares_kv() for lay in topology.layouts):
         raise ConfigError("gradient_clipping>0 is not supported yet with a layout that shares a KV head between "

@@ -7,6 +7,7 @@ simulator measures a replica's pace with it (`ntp_ds.sim.granularity`): one cost
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ntp_ds.layout import units as U
@@ -58,3 +59,11 @@ def rank_work(layout: "ShardLayout", rank: int, cost: UnitCost | None = None) ->
 def max_rank_work(layout: "ShardLayout", cost: UnitCost | None = None) -> float:
     """Work of the most loaded rank: the one that sets the replica's pace."""
     return max(rank_work(layout, r, cost) for r in range(layout.tp))
+
+
+def replica_paces(layouts: Sequence["ShardLayout"], healthy_tp: int) -> tuple[float, ...]:
+    """Each replica's predicted time per sample over a healthy replica's: its most loaded rank's work over that of a
+    balanced TP-`healthy_tp` layout of the same units (1.0 for a healthy replica)."""
+    first = layouts[0]
+    healthy = max_rank_work(type(first).balanced(first.units, healthy_tp))
+    return tuple(max_rank_work(lay) / healthy for lay in layouts)

@@ -337,7 +337,7 @@ class RunConfig:
         self._check_world(world_size)
         ds = self.ds_config()
         try:
-            check_batch(ds, ntp)
+            check_batch(ds, ntp, Topology.from_degrees(llama.units(self.data.seq_len), ntp.replica_degrees))
         except ConfigError as e:
             raise ConfigError(f"train.global_batch/micro_batch: {e}") from None
         self._check_faults()

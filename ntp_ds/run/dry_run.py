@@ -9,9 +9,9 @@ import json
 import math
 import re
 
-from ntp_ds.batch import BatchError, lockstep_replicas, max_micro_batch, plan_batch
+from ntp_ds.batch import BatchError, StepCost, lockstep_replicas, max_micro_batch, plan_batch, predict_step_s
 from ntp_ds.batch.memory import rank_memory
-from ntp_ds.layout import ShardLayout, Topology, max_rank_work, plan_gradient_sync
+from ntp_ds.layout import ShardLayout, Topology, plan_gradient_sync, replica_paces
 from ntp_ds.layout import units as U
 from ntp_ds.run.config import RunConfig
 
@@ -51,19 +51,21 @@ def degraded_layouts(layout: ShardLayout, min_tp: int) -> list[tuple[str, ShardL
 
 def pace_section(cfg: RunConfig, ds: dict, healthy: ShardLayout) -> list[str]:
     """For each degree from tp-1 down to min_tp: the most loaded rank's work per token against a healthy rank's
-    (the replica's pace), the ideal t/t', and the samples the batch planner gives that replica."""
+    (the replica's pace), the ideal t/t', the samples the batch planner gives that replica next to healthy ones
+    (from that pace) and the step it charges, against the failure-free step."""
     p, lines = cfg.parallel, []
     share = ds["train_batch_size"] // p.replicas
-    base = max_rank_work(healthy)
     for degree in range(p.tp - 1, max(p.min_tp, 1) - 1, -1):
-        pace = max_rank_work(healthy.without_ranks(set(range(degree, p.tp)))) / base
+        layouts = (healthy,) * (p.replicas - 1) + (healthy.without_ranks(set(range(degree, p.tp))),)
+        paces = replica_paces(layouts, p.tp)
         try:
-            plan = plan_batch((p.tp,) * (p.replicas - 1) + (degree,), p.tp, ds["train_batch_size"],
-                              ds["train_micro_batch_size_per_gpu"], p.batch_policy)
-            samples = f"share {plan.replicas[-1].samples} of {share} samples"
+            plan = plan_batch(paces, ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], p.batch_policy)
+            step = predict_step_s(plan, [StepCost(0.0, pace) for pace in paces]) / share
+            samples = f"share {plan.replicas[-1].samples} of {share} samples, step {step:.3f}x failure-free"
         except BatchError as e:
             samples = f"no share ({e})"
-        lines.append(f"degraded pace TP{degree}: {pace:.2f}x a healthy rank (ideal {p.tp / degree:.3f}x), {samples}")
+        lines.append(f"degraded pace TP{degree}: {paces[-1]:.2f}x a healthy rank (ideal {p.tp / degree:.3f}x), "
+                     f"{samples}")
     return lines
 
 
@@ -116,8 +118,9 @@ def memory_section(cfg: RunConfig, ds: dict, layouts: list[tuple[str, ShardLayou
 
 def layout_section(cfg: RunConfig, ds: dict, topology: Topology) -> list[str]:
     plan = plan_gradient_sync(topology)
-    batch = plan_batch(topology.degrees, cfg.parallel.tp, ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"],
-                       cfg.parallel.batch_policy, lockstep_replicas(plan.anchors, cfg.parallel.zero_stage))
+    batch = plan_batch(replica_paces(topology.layouts, cfg.parallel.tp), ds["train_batch_size"],
+                       ds["train_micro_batch_size_per_gpu"], cfg.parallel.batch_policy,
+                       lockstep_replicas(plan.anchors, cfg.parallel.zero_stage))
     lines = ["group layout (anchors reduce in DeepSpeed's DP groups; contributors send to their anchor):"]
     for r, lay in enumerate(topology.layouts):
         role = "anchor" if plan.is_anchor(r) else f"contributor -> replica {plan.anchor_of[r]}"

@@ -1,8 +1,8 @@
 """What a degraded replica really costs: whole sequences, its most loaded rank, the gradient exchange.
 
 A replica does not take an arbitrary fraction of the global batch: the engine's batch planner
-(``ntp_ds.batch.planner.plan_batch``) gives it whole sequences, ``round(share * t'/t)`` of a healthy
-replica's ``share``, and none at all when that rounds to zero.  Inside the replica the engine's layout
+(``ntp_ds.batch.planner.plan_batch``) gives it whole sequences, as many as its most loaded rank finishes in a
+healthy replica's step (``share / load_ratio``, rounded down), and none at all when that rounds to zero.  Inside the replica the engine's layout
 (``ntp_ds.layout.ShardLayout.balanced(...).without_ranks(...)``) hands the lost ranks' heads, KV heads,
 FFN columns and vocabulary rows to the survivors, balancing their work (``ntp_ds.layout.cost``): 128 heads
 over 30 ranks leave 8 ranks with 5 heads where TP32 gives every rank 4, and those hold fewer FFN columns.
@@ -64,14 +64,15 @@ def load_ratio(m: ModelConfig, tp: int, degree: int) -> float:
     return max_rank_work(_layout(units, tp, degree)) / max_rank_work(_layout(units, tp, tp))
 
 
-def planned_samples(share: int, tp: int, degree: int) -> int:
-    """Sequences the engine's planner gives a replica at ``degree`` next to healthy ones (0: none)."""
+def planned_samples(m: ModelConfig, share: int, tp: int, degree: int) -> int:
+    """Sequences the engine's planner gives a replica at ``degree`` next to healthy ones (0: none): what its most
+    loaded rank finishes in a healthy step."""
     if degree <= 0:
         return 0
     if degree >= tp:
         return share
     try:
-        plan = plan_batch((tp, degree), tp, 2 * share, 1, "proportional")
+        plan = plan_batch((1.0, load_ratio(m, tp, degree)), 2 * share, 1, "proportional")
     except BatchError:
         return 0
     return plan.replicas[1].samples
@@ -107,7 +108,7 @@ def level_cost(degree: np.ndarray, tp: int, share: int, m: ModelConfig, parts: d
     for k, t1 in enumerate(deg.tolist()):
         if t1 <= 0:
             continue
-        samples = planned_samples(share, tp, t1) if rebalance else share
+        samples = planned_samples(m, share, tp, t1) if rebalance else share
         if samples <= 0:
             continue
         sigma = samples / share
