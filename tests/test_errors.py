@@ -22,8 +22,10 @@ def init(monkeypatch, ntp, ds=None, world_size=None, **model):
     ({"tp": 3}, None, None, {"intermediate_size": 2}, r"tp=3 leaves rank 2 with zero ffn units"),
     ({"tp": 3, "replicas": 2, "degrees": (3, 2)}, deepspeed_config("sgd", 1, 11, 2), None, {},
      r"train_batch_size=11 is not divisible by the 2 replicas"),
-    ({"tp": 3, "replicas": 2, "degrees": (3, 1)}, deepspeed_config("sgd", 1, 2, 1), None, {},
-     r"train_batch_size=2 leaves replica 1 \(tp=1\) no sample"),
+    # proportional: a replica takes what it finishes in a healthy step (under preserve_global_batch it would take one
+    # sample and the step would be charged its pace).
+    ({"tp": 3, "replicas": 2, "degrees": (3, 1), "batch_policy": "proportional"}, deepspeed_config("sgd", 1, 2, 1),
+     None, {}, r"train_batch_size=2 leaves replica 1 \(pace [0-9.]+\) no sample"),
     ({"tp": 2}, deepspeed_config("sgd", 3, 12, 2), None, {}, r"zero_optimization.stage=3 is not supported"),
     ({"tp": 3, "replicas": 2, "degrees": (3, 2)}, None, 6, {}, r"world size 6 does not match the topology"),
     ({"tp": 2, "replicas": 2, "degrees": (2,)}, None, None, {}, r"ntp.degrees=\[2\] lists 1 replicas"),
