@@ -81,15 +81,21 @@ class Beat:
     waiting: bool = False
 
     def fields(self) -> list:
-        return [self.counter, self.wall] + ([] if self.progress is None else [self.progress, int(self.waiting)])
+        if self.progress is None:
+            return [self.counter, self.wall]
+        return [self.counter, self.wall, self.progress, int(self.waiting)]
 
     @classmethod
     def from_fields(cls, fields) -> Beat:
-        counter, wall, *rest = fields
-        return cls(int(counter), float(wall), *((int(rest[0]), bool(int(rest[1]))) if rest else ()))
+        if len(fields) == 2:  # a beat without progress (a launcher's or a joiner's): the watchers' hot path
+            return cls(int(fields[0]), float(fields[1]))
+        counter, wall, progress, waiting = fields
+        return cls(int(counter), float(wall), int(progress), bool(int(waiting)))
 
     def encode(self) -> str:
-        return " ".join(repr(f) if isinstance(f, float) else str(f) for f in self.fields())
+        if self.progress is None:
+            return f"{self.counter} {self.wall!r}"
+        return f"{self.counter} {self.wall!r} {self.progress} {int(self.waiting)}"
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Beat:
