@@ -39,13 +39,18 @@ def cases(draw):
     return spec, shape, old, a, (s0, s1 - s0), new, b, (d0, d1 - d0)
 
 
+def _maps(case):
+    """Both sides' element maps (each local index's unsharded index) and grids."""
+    spec, shape, old, a, _, new, b, _ = case
+    return (_full_index(spec, shape, old, a), _full_index(spec, shape, new, b), grid(spec, shape, old, a),
+            grid(spec, shape, new, b))
+
+
 @settings(max_examples=300, deadline=None)
 @given(cases())
 def test_blocks_match_the_element_maps(case):
     spec, shape, old, a, src, new, b, dst = case
-    src_full = _full_index(spec, shape, old, a)
-    dst_full = _full_index(spec, shape, new, b)
-    g_src, g_dst = grid(spec, shape, old, a), grid(spec, shape, new, b)
+    src_full, dst_full, g_src, g_dst = _maps(case)
     assert g_src.numel == src_full.numel() and g_dst.numel == dst_full.numel()
     pairs = set()
     for blk in blocks(g_src, src, g_dst, dst):
@@ -65,9 +70,7 @@ def test_blocks_match_the_element_maps(case):
 
 @given(st.integers(0, 40), st.integers(0, 40), st.integers(1, 9))
 def test_rectangles_tile_a_flat_range(start, numel, width):
-    cells = [r * width + c for r0, r1, c0, c1 in rectangles(start, numel, width)
-             for r in range(r0, r1) for c in range(c0, c1)]
-    assert cells == list(range(start, start + numel))
+    assert _cells(rectangles(start, numel, width), width) == list(range(start, start + numel))
 
 
 def _cells(rects, width: int) -> list[int]:
@@ -81,9 +84,7 @@ def test_rectangles_in_full_coordinates_match_the_element_maps(case):
     # Two slices of the same parameter, in two layouts: their rectangles hold exactly their elements, a block's
     # rectangle exactly the block's, and the area of their union less the other's counts the set difference.
     spec, shape, old, a, src, new, b, dst = case
-    src_full = _full_index(spec, shape, old, a)
-    dst_full = _full_index(spec, shape, new, b)
-    g_src, g_dst = grid(spec, shape, old, a), grid(spec, shape, new, b)
+    src_full, dst_full, g_src, g_dst = _maps(case)
     width = math.prod(shape) // g_src.outer
     theirs, mine = rects_in_full(g_src, *src), rects_in_full(g_dst, *dst)
     held = set(src_full[src[0]:src[0] + src[1]].tolist())

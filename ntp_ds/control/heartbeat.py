@@ -351,8 +351,7 @@ class LivenessMonitor:
         while nobody waits for it."""
         if self.hang_timeout_s is None:
             return frozenset()
-        return frozenset(r for r in self._progress if r in self._changed_at
-                         and self.stalled_for(r) > self.hang_timeout_s)
+        return frozenset(r for r in self._progress if self.stalled_for(r) > self.hang_timeout_s)
 
     def dead(self) -> frozenset[int]:
         """Return the ranks that have exited or have been silent for longer than `heartbeat_timeout_s`."""
@@ -537,11 +536,6 @@ class Heartbeat:
         if new:
             self.on_dead(frozenset(new), self._wall())
         return bool(new) or changed or suspect
-
-    def declared(self) -> frozenset[int]:
-        """The peers this heartbeat has reported dead since it was last told whom to watch."""
-        with self._lock:
-            return frozenset(self._reported)
 
     def silences(self) -> dict[int, float]:
         """Seconds each watched peer has been silent, on this host's monotonic clock (see `LivenessMonitor`)."""

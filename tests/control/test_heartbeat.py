@@ -142,12 +142,7 @@ def test_only_a_waiting_rank_declares_a_stalled_peer_hung():
     from ntp_ds.comm.wire import Progress
 
     store = dist.HashStore()
-    seen, done = [], threading.Event()
-
-    def on_dead(ranks, wall):
-        seen.append(ranks)
-        done.set()
-
+    seen, done, on_dead = _verdicts()
     mine, theirs = _Training(), _Training()
     theirs.now = Progress(5, False)
     peer = Heartbeat(store, 1, interval_s=0.01, progress=theirs).start()
@@ -207,14 +202,20 @@ def test_heartbeat_thread_beats_and_stops_within_its_bound():
     assert read_beats(store, [3])[3].counter == stopped
 
 
-def test_heartbeat_reports_each_dead_peer_once():
-    store = dist.HashStore()
+def _verdicts():
+    """(seen, done, on_dead): an `on_dead` that records each verdict in `seen` and sets `done`."""
     seen, done = [], threading.Event()
 
     def on_dead(ranks, wall):
         seen.append(ranks)
         done.set()
 
+    return seen, done, on_dead
+
+
+def test_heartbeat_reports_each_dead_peer_once():
+    store = dist.HashStore()
+    seen, done, on_dead = _verdicts()
     peer = Heartbeat(store, 1, interval_s=0.01).start()
     mon = LivenessMonitor([1, 2], heartbeat_timeout_s=0.1)
     with Heartbeat(store, 0, interval_s=0.01, monitor=mon, on_dead=on_dead) as hb:
