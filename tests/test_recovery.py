@@ -201,7 +201,10 @@ def test_stalled_training_thread_is_found_hung_and_recovered_within_hang_timeout
     # DeepSpeed's reduction or its step's all-gather, at the votes) and declare it hung once its progress has stood
     # still for hang_timeout_s; it is fenced and killed, and they recover to the failure-free weights. A peer blocked
     # inside DeepSpeed's collectives waits too, so it is not taken for hung (the job would lose more than rank 3).
-    hang_timeout_s = 3.0
+    # 6 s: well above any stretch of a healthy rank's own work here (each rank warns of its own at half the timeout,
+    # with its stack). At 3 s one CI run saw a healthy rank judged hung before the first step: its store clients took
+    # 3.4 s to connect outside a wait (now a wait, `Recovery.__init__`).
+    hang_timeout_s = 6.0
     ntp = {"tp": 2, "replicas": 3, "min_tp": 1}
     train = functools.partial(training.train_with_recovery, hang_timeout_s=hang_timeout_s)
     results = run_ranks(train, 6, ntp, "adamw", stage, GLOBAL_BATCH, MICRO, STEPS, [fault(3, 3, phase, "stall")],
@@ -210,6 +213,7 @@ def test_stalled_training_thread_is_found_hung_and_recovered_within_hang_timeout
     assert_equivalent(results)
     assert_lossless_and_minimal(results, (2, 1, 2))
     for rank, res in results.items():
+        assert 3 in res["fired"], f"rank 3 was judged hung before its stall fired (rank {rank} saw no record of it)"
         assert len(res["recovered"]) == 1, f"rank {rank} recovered {len(res['recovered'])} times"
         detected, recovered = res["noticed"][0] - res["fired"][3], res["recovered"][0] - res["fired"][3]
         print(f"rank {rank}: stall seen after {detected:.2f} s, recovered after {recovered:.2f} s")

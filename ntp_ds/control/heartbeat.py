@@ -29,7 +29,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
+import traceback
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -423,6 +425,8 @@ class Heartbeat:
         """The latest error of a beat or a poll, if any (the thread keeps beating through store hiccups)."""
         self._wall = wall
         self._progress = progress
+        self._training_thread = threading.get_ident()  # the thread that builds the heartbeat trains
+        self._own: tuple | None = None  # (own progress, since when, warned)
         self._counter = 0
         self._reported: set[int] = set()
         self._members: set[int] = set()
@@ -505,6 +509,8 @@ class Heartbeat:
                         log.warning("rank %d beats %.2f s late", self.rank, late)
                     self.beat()
                     last_beat = time.monotonic()
+                if self._progress is not None:
+                    self._watch_own_progress()
                 if self.monitor is not None:
                     tick = next_pause(tick, self.poll_peers(), fastest, self.interval_s)
                 self.error = None
@@ -513,6 +519,25 @@ class Heartbeat:
                 if self.error is None:
                     log.warning("heartbeat of rank %d failed: %s", self.rank, err)
                 self.error = err
+
+    def _watch_own_progress(self) -> None:
+        """Warn once per stretch when this rank's own training has made no progress outside a wait for half of
+        `hang_timeout_s`, with where its training thread is: waiting peers declare it hung at the full timeout, and
+        the warning says what it was doing."""
+        hang_timeout_s = self.monitor.hang_timeout_s if self.monitor is not None else None
+        if hang_timeout_s is None:
+            return
+        now, progress = time.monotonic(), self._progress()
+        if self._own is None or self._own[0] != progress:
+            self._own = (progress, now, False)
+            return
+        _, since, warned = self._own
+        if not progress.waiting and not warned and now - since > hang_timeout_s / 2:
+            self._own = (progress, since, True)
+            frame = sys._current_frames().get(self._training_thread)
+            where = "".join(traceback.format_stack(frame, limit=6)) if frame is not None else "(thread gone)\n"
+            log.warning("rank %d: its training has made no progress outside a wait for %.2f s (hang_timeout_s %gs); "
+                        "it is at:\n%s", self.rank, now - since, hang_timeout_s, where.rstrip())
 
     def poll_peers(self) -> bool:
         """Poll the peers once; report the newly dead; return whether anything was news (keep polling fast)."""

@@ -89,15 +89,18 @@ class Recovery:
         so only this verdict names it."""
         self.monitor = LivenessMonitor(self.members, heartbeat_timeout_s)
         self.reader = LivenessReader.from_env(store)
-        beat_store = store.clone()
-        # A peer that beats but makes no training progress while this rank waits on it is hung (hang_timeout_s).
-        self.heartbeat = Heartbeat(beat_store, rank, heartbeat_interval_s,
-                                   monitor=LivenessMonitor((), heartbeat_timeout_s, hang_timeout_s=hang_timeout_s),
-                                   on_dead=self._peers_dead, reader=LivenessReader.from_env(beat_store),
-                                   progress=wire.progress)
-        if engine is not None:
-            self.heartbeat.watch(self._peers(engine), set(self.members) - {rank})
-        self.heartbeat.start()
+        # Connecting the heartbeat's store clients waits on the store's server: seconds when a whole job connects at
+        # once (seen here: 3.4 s on a loaded 2-core machine), and not this rank's own work, so not a hang.
+        with wire.waiting():
+            beat_store = store.clone()
+            # A peer that beats but makes no training progress while this rank waits on it is hung (hang_timeout_s).
+            self.heartbeat = Heartbeat(beat_store, rank, heartbeat_interval_s,
+                                       monitor=LivenessMonitor((), heartbeat_timeout_s, hang_timeout_s=hang_timeout_s),
+                                       on_dead=self._peers_dead, reader=LivenessReader.from_env(beat_store),
+                                       progress=wire.progress)
+            if engine is not None:
+                self.heartbeat.watch(self._peers(engine), set(self.members) - {rank})
+            self.heartbeat.start()
         self.events: list[dict] = []
         self.failed_attempts: list[float] = []
         """Wall times at which recovery attempts failed (a rank died during the recovery itself)."""

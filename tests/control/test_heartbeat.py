@@ -158,6 +158,29 @@ def test_only_a_waiting_rank_declares_a_stalled_peer_hung():
         peer.stop()
 
 
+def test_a_rank_stuck_in_its_own_work_says_where_at_half_the_hang_timeout(caplog):
+    # The warning comes from the stalled rank itself, with its training thread's stack: what a false hang verdict on
+    # a loaded machine, or a true one, needs to be understood. A wait, however long, says nothing.
+    from ntp_ds.comm.wire import Progress
+
+    store = dist.HashStore()
+    training = _Training()
+    mon = LivenessMonitor([], heartbeat_timeout_s=5.0, hang_timeout_s=0.2)
+    _, _, on_dead = _verdicts()
+    with caplog.at_level("WARNING", logger="ntp_ds.control.heartbeat"):
+        training.now = Progress(3, True)
+        with Heartbeat(store, 0, interval_s=0.01, monitor=mon, on_dead=on_dead, progress=training):
+            time.sleep(0.5)
+            assert "no progress" not in caplog.text
+            training.now = Progress(4, False)
+            deadline = time.monotonic() + 5.0
+            while "no progress" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+    assert "rank 0: its training has made no progress outside a wait" in caplog.text
+    assert __file__ in caplog.text  # the training thread's stack: this test, sleeping
+    assert caplog.text.count("no progress") == 1, "one warning per stretch"
+
+
 def test_wire_progress_moves_at_every_wait_and_phase_point():
     from ntp_ds.comm import wire
 
