@@ -277,9 +277,6 @@ def _level_notes(cfg: SimConfig, layout: Layout, tables: LevelTables,
                 f"{seqs} sequences and needs {time[k]:.3f}x a healthy step; "
                 + ("the synchronous step waits for it" if kept else
                    "the job is faster without it, so it leaves data parallelism until repaired"))
-        elif deg > 0 and share[k] == 0:
-            notes.append(f"NTP: a replica at TP{deg} of TP{tables.tp} gets no whole sequence "
-                         f"of its {seqs} from the planner and stops contributing")
     return levels, notes
 
 

@@ -2,7 +2,8 @@
 
 A replica does not take an arbitrary fraction of the global batch: the engine's batch planner
 (``ntp_ds.batch.planner.plan_batch``) gives it whole sequences, as many as its most loaded rank finishes in a
-healthy replica's step (``share / load_ratio``, rounded down), and none at all when that rounds to zero.  Inside the replica the engine's layout
+healthy replica's step (``share / load_ratio``, rounded down), and one when that rounds to zero: the step then waits
+for it, or the job drops it, whichever loses less.  Inside the replica the engine's layout
 (``ntp_ds.layout.ShardLayout.balanced(...).without_ranks(...)``) hands the lost ranks' heads, KV heads,
 FFN columns and vocabulary rows to the survivors, balancing their work (``ntp_ds.layout.cost``): 128 heads
 over 30 ranks leave 8 ranks with 5 heads where TP32 gives every rank 4, and those hold fewer FFN columns.
@@ -65,16 +66,19 @@ def load_ratio(m: ModelConfig, tp: int, degree: int) -> float:
 
 
 def planned_samples(m: ModelConfig, share: int, tp: int, degree: int) -> int:
-    """Sequences the engine's planner gives a replica at ``degree`` next to healthy ones (0: none): what its most
-    loaded rank finishes in a healthy step."""
+    """Sequences the engine's planner gives a replica at ``degree`` next to healthy ones (0: a stopped replica):
+    what its most loaded rank finishes in a healthy step, and at least one whole sequence. Under the engine's
+    default ``preserve_global_batch`` no running replica is left without a sample (``balance_samples``): where one
+    sequence takes it longer than a healthy step, the step waits for it, which `level_cost` charges, and the job
+    keeps it or drops it, whichever loses less."""
     if degree <= 0:
         return 0
     if degree >= tp:
         return share
     try:
         plan = plan_batch((1.0, load_ratio(m, tp, degree)), 2 * share, 1, "proportional")
-    except BatchError:
-        return 0
+    except BatchError:  # it finishes no whole sequence in a healthy step
+        return 1
     return plan.replicas[1].samples
 
 

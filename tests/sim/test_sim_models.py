@@ -117,7 +117,8 @@ def test_spares_restore_capacity_and_needs_are_ordered():
 
 def test_one_sequence_per_replica_gives_ntp_nothing_without_boost(tmp_path):
     """TP = domain, one sequence per replica: a TP7 replica cannot finish a whole sequence in a
-    healthy step, so the planner gives it none and the job drops it as DP-DROP would.  The NTP spare
+    healthy step, so the planner's one sequence would hold back every step, and the job drops it
+    as DP-DROP would.  The NTP spare
     count then equals DP-DROP's, which is the broken-domain peak read off the trace itself."""
     trace = tmp_path / "t.csv"
     trace.write_text("time_hours,gpu,kind,repair_hours\n1,3,hw,10\n2,12,hw,10\n3,13,sw,1\n"
@@ -127,11 +128,11 @@ def test_one_sequence_per_replica_gives_ntp_nothing_without_boost(tmp_path):
     cfg.model.tokens_per_batch = cfg.model.seq_len * 256       # 256 replicas, 1 sequence each
     res = run(cfg)
     # GPUs 12 and 13 are in one TP group: TP7 and, for an hour, TP6
-    assert [(d, sh, kept) for d, sh, _, kept in res.levels] == [(7, 0.0, False), (6, 0.0, False)]
+    assert [(d, sh, kept) for d, sh, _, kept in res.levels] == [(7, 1.0, False), (6, 1.0, False)]
     assert res.outcomes["ntp"].mean_capacity == pytest.approx(res.outcomes["dp_drop"].mean_capacity)
     # GPUs 12 and 13 share domain 1: at most 2 broken domains at once (h 2-3)
     assert res.spares["ntp"] == res.spares["dp_drop"] == 2
-    assert any("gets no whole sequence" in n for n in res.notes)
+    assert any("TP7 of TP8 takes 1 of 1 sequences" in n and "leaves data parallelism" in n for n in res.notes)
     # the ideal fluid model gives NTP 7/8 of each broken replica back
     cfg.ntp.batch_granularity = "fluid"
     fluid = run(cfg)
