@@ -16,8 +16,9 @@ measured, as a throttled device would compute). `--replicas 2` gives each rank a
   at most (f (R - 1) + 1) / R on R replicas with one slowed f times (1.33 at f = 1.5, R = 3; 1.25 at R = 2), less
   the fixed cost of a micro-batch that moving samples cannot remove and the rounding to whole samples.
 - The step's own fixed costs (the gradient all-reduce, the optimizer step) do not move with samples either. The
-  defaults (global batch 48 of 256 tokens) keep them a small part of a step, as on GPUs; with 24 samples of 128
-  tokens they were about a seventh of a CPU step, and 2 replicas gained 1.10 where the plan predicted 1.20.
+  defaults (global batch 96 of 256 tokens) keep them a small part of a step, as on GPUs: with 24 samples of 128
+  tokens they were about a seventh of a CPU step, and 2 replicas gained 1.10 where the plan predicted 1.20; with
+  48 of 256, 1.11 to 1.24 over four runs.
 
 Time is the sum of the step times (the writer's `step_time_s` in metrics.jsonl) after `--warmup` steps, the aware
 run's first windows at the fixed plan included. The final weights of both runs are compared as well (under
@@ -28,7 +29,7 @@ than ranks the ranks share cores, and a sample moved off the slowed replica leng
 on one core (or device) per rank.
 
     python benchmarks/straggler.py                      # 3 replicas, slow factor 1.5, a few minutes on a laptop CPU
-    python benchmarks/straggler.py --replicas 2         # one rank per core of a 2-core machine (about 3.5 minutes)
+    python benchmarks/straggler.py --replicas 2         # one rank per core of a 2-core machine (about 5 minutes)
     python benchmarks/straggler.py --slow-factor 2 --steps 40
 """
 
@@ -79,14 +80,14 @@ def main(argv=None) -> int:
                         "gives each rank a core of a 2-core machine)")
     parser.add_argument("--slow-factor", type=float, default=1.5, help="how many times as long the last replica's "
                         "micro-batches take (default 1.5)")
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the times")
     parser.add_argument("--every-steps", type=int, default=3, help="parallel.straggler.every_steps of the aware run")
     parser.add_argument("--threshold", type=float, default=0.05, help="parallel.straggler.threshold of the aware run")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--global-batch", type=int, default=48)
+    parser.add_argument("--global-batch", type=int, default=96)
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=600, help="bound on each run, seconds")
     args = parser.parse_args(argv)
