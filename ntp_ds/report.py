@@ -27,7 +27,7 @@ LOSS_OVERLAY = "loss_overlay.png"
 """Written next to the timeline by `--against`."""
 # Step s covers the x interval (s - 1, s]: a failure and its recovery happen inside the step they interrupt.
 MARKERS = {"failure": ("tab:red", "-", "failure", 0.6), "recovery": ("tab:green", "--", "recovery", 0.3),
-           "run_resumed": ("tab:gray", ":", "resumed", 0.0)}
+           "join": ("tab:cyan", "-.", "join", 0.0), "run_resumed": ("tab:gray", ":", "resumed", 0.0)}
 
 
 def _replica_keys(metrics: list[dict]) -> list[str]:
@@ -64,16 +64,21 @@ def summary_table(metrics: list[dict], events: list[dict], summary: dict, run_di
     if "wall_s" in s:
         rows.append(("wall time" if len(parts) <= 1 else "wall time (last segment)", f"{s['wall_s']:.2f} s (+ {s.get('startup_s', 0.0):.1f} s start-up, not counted)"))
     rows += [("goodput", f"{s.get('goodput', 0.0):.3f}"),
-             ("tokens/s", (f"{s.get('tokens_per_s', 0.0):.0f} ({s.get('throughput_ratio', 0.0):.2f} of failure-free "
-                           f"{s.get('failure_free_tokens_per_s', 0.0):.0f})")),
+             ("of failure-free", (f"{s.get('throughput_ratio', 0.0):.2f} (the time it would have taken without its "
+                                  f"failures, over its time)" if "failure_free_s" in s else
+                                  f"{s.get('throughput_ratio', 0.0):.2f} (the last step's rate over the failure-free)")),
+             ("tokens/s", f"{s.get('tokens_per_s', 0.0):.0f} (failure-free steps "
+                          f"{s.get('failure_free_tokens_per_s', 0.0):.0f})"),
              ("active GPUs", f"{100 * s.get('active_gpu_fraction', 0.0):.0f}% of {s.get('allocated_gpus', 0)}"),
              ("TP degrees", f"{start} -> {end}"),
-             ("recoveries", str(counts.get("recovery", 0)))]
+             ("recoveries", str(counts.get("recovery", 0))), ("joins", str(counts.get("join", 0)))]
     if any(f"time/{b}_s" in s for b in BUCKETS):
         rows.append(("time split", "  ".join(f"{b} {100 * s.get(f'share/{b}', 0.0):.1f}%" for b in BUCKETS)))
     for e in events:
         if e.get("event") == "recovery":
             rows.append((f"  at step {e.get('step')}", _recovery_row(e)))
+        elif e.get("event") == "join":
+            rows.append((f"  join at step {e.get('step')}", _join_row(e)))
         elif e.get("event") == "replan":
             rows.append((f"  re-plan at step {e.get('step')}",
                          f"samples per replica {e.get('samples_before')} -> {e.get('samples_after')} (predicted step "
@@ -114,6 +119,14 @@ def latest_per_step(metrics: list[dict]) -> list[dict]:
     for m in sorted(metrics, key=lambda m: m.get("time", 0.0)):
         latest[m["step"]] = m
     return [latest[k] for k in sorted(latest)]
+
+
+def _join_row(e: dict) -> str:
+    """One join: degrees, and the time from the step boundary to the next completed step."""
+    text = f"TP {e.get('degrees_before')} -> {e.get('degrees_after')}"
+    if "boundary_to_step_s" in e:
+        text += f", {e['boundary_to_step_s']:.2f} s from the boundary to the next step"
+    return text
 
 
 def _recovery_row(e: dict) -> str:
@@ -228,7 +241,7 @@ def plot_loss_overlay(runs: list[tuple[str, list[dict], list[dict]]], path: Path
         losses = _losses(metrics, key)
         ax.plot(list(losses), list(losses.values()), label=label, **style)
         for e in events:
-            if e.get("event") not in ("failure", "recovery"):
+            if e.get("event") not in ("failure", "recovery", "join"):
                 continue
             color, line, name, before = MARKERS[e["event"]]
             name = f"{name} ({label})"

@@ -57,6 +57,33 @@ def test_reference_rate_wins():
     assert meter.record_step(timing(1))["throughput_ratio"] == pytest.approx(0.5)
 
 
+def test_a_failure_free_run_reads_one_whatever_its_first_step_and_checkpoints_cost():
+    meter = GoodputMeter(allocated_gpus=8, healthy_tp=4)
+    for s, wall in enumerate([9.0, 1.0, 1.2, 0.9, 1.0], start=1):  # a slow first step, some noise
+        meter.record_step(timing(s, wall=wall, compute=0.5, comm=0.3))
+    meter.record_lost("checkpoint", 4.0, active_gpus=8)
+    s = meter.summary()
+    assert s["throughput_ratio"] == 1.0 and s["failure_free_s"] == s["wall_s"]
+    assert s["tokens_per_s"] < s["failure_free_tokens_per_s"]  # the rates differ: the first step and the checkpoint
+
+
+def test_a_runs_ratio_takes_out_what_its_failures_cost():
+    # 3 healthy steps at 1000 tokens/s (the first one warm-up), a failure costing 0.5 s detection, 2 s recovery and
+    # 0.5 s redone, then 2 degraded steps of 750 tokens at 1.0 s: 0.75 s each at the failure-free rate.
+    meter = GoodputMeter(allocated_gpus=8, healthy_tp=4)
+    for s in range(1, 4):
+        meter.record_step(timing(s))
+    for bucket, seconds in (("detection", 0.5), ("recovery", 2.0), ("redone", 0.5)):
+        meter.record_lost(bucket, seconds, active_gpus=7)
+    for s in (4, 5):
+        meter.record_step(timing(s, tokens=750, degrees=(4, 3)))
+    meter.record_lost("checkpoint", 1.0, active_gpus=7)
+    s = meter.summary()
+    assert s["wall_s"] == pytest.approx(3 + 3 + 2 + 1)
+    assert s["failure_free_s"] == pytest.approx(3 + 2 * 0.75 + 1)
+    assert s["throughput_ratio"] == pytest.approx(5.5 / 9)
+
+
 def test_lost_time_enters_the_wall_but_not_the_work():
     meter = GoodputMeter(allocated_gpus=8, healthy_tp=4)
     meter.record_step(timing(1))

@@ -12,13 +12,18 @@ from ntp_ds.run.records import RunRecorder, read_run
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def fake_run(run_dir, finished=True):
-    """A run of 6 steps in which replica 1 drops from TP 2 to TP 1 after a failure at step 4."""
+def fake_run(run_dir, finished=True, join=False):
+    """A run of 6 steps in which replica 1 drops from TP 2 to TP 1 after a failure at step 4 (and, with `join`, a
+    repaired worker joins it back at the boundary after step 5)."""
     recorder = RunRecorder(run_dir)
     meter = GoodputMeter(allocated_gpus=4, healthy_tp=2)
     recorder.event("run_start", 0, degrees=[2, 2])
     for step in range(1, 7):
-        degrees = (2, 2) if step < 4 else (2, 1)
+        degrees = (2, 2) if step < 4 or (join and step == 6) else (2, 1)
+        if join and step == 6:
+            meter.record_lost("recovery", 0.5, active_gpus=4)
+            recorder.event("join", 5, degrees_before=[2, 1], degrees_after=[2, 2], grow_s=0.5,
+                           boundary_to_step_s=1.5)
         if step == 4:
             recorder.event("failure", 4, rank=3, kind="crash")
             meter.record_lost("detection", 0.2, active_gpus=3)
@@ -41,6 +46,17 @@ def test_report_writes_a_png_and_a_table(tmp_path, capsys):
     for piece in ("goodput", "tokens/s", "[2, 2] -> [2, 1]", "final loss", str(png)):
         assert piece in out
     assert re.search(r"^recoveries +1$", out, re.MULTILINE)
+
+
+def test_report_marks_joins_as_well_as_recoveries(tmp_path, capsys):
+    fake_run(tmp_path, join=True)
+    assert cli(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^recoveries +1$", out, re.MULTILINE) and re.search(r"^joins +1$", out, re.MULTILINE)
+    assert re.search(r"^  join at step 5 +TP \[2, 1\] -> \[2, 2\], 1.50 s from the boundary", out, re.MULTILINE)
+    # the run lost 1.5 s (detection, recovery, the join) and its degraded steps 4 and 5 took 1 s for 3/4 of a
+    # healthy step's tokens: 7.5 s of wall, of which 7.5 - 1.5 - 2 x 0.25 would have been enough without failures
+    assert re.search(r"^of failure-free +0.73 ", out, re.MULTILINE)
 
 
 def test_report_to_another_path_and_of_an_unfinished_run(tmp_path, capsys):

@@ -134,6 +134,9 @@ def test_report_against_the_failure_free_run_shows_equal_losses(trained, tmp_pat
     reference = [json.loads(x) for x in (clean / "metrics.jsonl").read_text().splitlines()]
     assert faulted[0]["loss"] == reference[0]["loss"]
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(faulted, reference)) > 1e-4  # the replica's own share
+    # the failure-free run reads 1.00 of failure-free; the faulted run less, by what its failure cost
+    assert json.loads((clean / "summary.json").read_text())["throughput_ratio"] == pytest.approx(1.0)
+    assert json.loads((run_dir / "summary.json").read_text())["throughput_ratio"] < 1.0
 
 
 # -- the Trainer's recovery seam, with fakes (no process group) ---------------------------------------------------

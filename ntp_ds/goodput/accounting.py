@@ -10,7 +10,11 @@ Pure arithmetic over timings the trainer measures; nothing here reads a clock. D
   fraction; a replica at t' of t GPUs lowers it by the idle (t - t') GPUs it still holds.
 - The failure-free token rate is `reference_tokens_per_s` when given, else the median rate of the steps run with
   every replica healthy (after `warmup_steps`; the median ignores stragglers), else the current rate scaled by
-  allocated/active GPUs.
+  allocated/active GPUs. A step's `throughput_ratio` is its rate over that one.
+- A run's `throughput_ratio` (the summary's) is the time the same run would have taken without its failures over
+  the time it took: its wall time less the time failures cost (detection, recovery, redone work) and less what its
+  degraded steps took beyond their tokens at the failure-free rate. A failure-free run reads 1.00, however slow its
+  first step or its checkpoints (a run without failures pays those too); start-up is not in the wall time at all.
 """
 
 from __future__ import annotations
@@ -77,6 +81,9 @@ class GoodputMeter:
     tokens: int = 0
     steps: int = 0
     _healthy_rates: list = field(default_factory=list)
+    degraded_wall_s: float = 0.0
+    """Wall time of the steps run with a replica below the healthy degree (or dropped)."""
+    degraded_tokens: int = 0
 
     def __post_init__(self):
         if self.allocated_gpus < 1 or self.healthy_tp < 1:
@@ -109,6 +116,9 @@ class GoodputMeter:
         healthy = all(d >= self.healthy_tp for d in t.degrees)
         if healthy and self.steps > self.warmup_steps and rate > 0:
             bisect.insort(self._healthy_rates, rate)
+        if not healthy:
+            self.degraded_wall_s += t.wall_s
+            self.degraded_tokens += t.tokens
         baseline = self.failure_free_rate(rate, active / self.allocated_gpus)
         metrics = {
             "step": t.step,
@@ -138,19 +148,28 @@ class GoodputMeter:
         self.seconds[bucket] += seconds
         self.active_gpu_s += seconds * active_gpus
 
+    def failure_free_s(self, baseline: float) -> float:
+        """The run's wall time without what its failures cost: the detection, recovery and redone seconds, and the
+        degraded steps' time beyond their tokens at the failure-free rate `baseline`."""
+        lost = sum(self.seconds[b] for b in ("detection", "recovery", "redone"))
+        slower = self.degraded_wall_s - (self.degraded_tokens / baseline if baseline > 0 else 0.0)
+        return self.wall_s - lost - slower
+
     def summary(self) -> dict:
         """Totals of the run so far: goodput, token rates, bucket seconds and shares."""
         wall = self.wall_s
         rate = self.tokens / wall if wall > 0 else 0.0
         active_share = self.active_gpu_s / (wall * self.allocated_gpus) if wall > 0 else 0.0
         baseline = self.failure_free_rate(rate, active_share)
+        failure_free = self.failure_free_s(baseline)
         out = {
             "steps": self.steps,
             "wall_s": wall,
             "tokens": self.tokens,
             "tokens_per_s": rate,
             "failure_free_tokens_per_s": baseline,
-            "throughput_ratio": rate / baseline if baseline > 0 else 0.0,
+            "failure_free_s": failure_free,
+            "throughput_ratio": failure_free / wall if wall > 0 else 0.0,
             "goodput": goodput(self.productive_gpu_s, wall, self.allocated_gpus),
             "active_gpu_fraction": active_share,
             "allocated_gpus": self.allocated_gpus,

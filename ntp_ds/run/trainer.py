@@ -458,10 +458,10 @@ class Trainer:
             log.warning("stopped by %s after step %d of %d: %s written; %s", signal_name(self.stopped_by), self.step,
                         self.cfg.train.steps, ", ".join(written), resume)
         elif self.writer:
-            log.info("done: %d steps, goodput %.3f, %.0f tokens/s (%.2f of failure-free), active GPUs %.0f%%, "
-                     "loss %.4f at the first step, %.4f at the last", summary["steps"], summary["goodput"],
-                     summary["tokens_per_s"], summary["throughput_ratio"], 100 * summary["active_gpu_fraction"],
-                     self.first_loss, self.last_loss)
+            log.info("done: %d steps, goodput %.3f, %.2f of failure-free, %.0f tokens/s, active GPUs %.0f%%, "
+                     "loss %.4f at the first step, %.4f at the last (start-up %.1f s, not counted)", summary["steps"],
+                     summary["goodput"], summary["throughput_ratio"], summary["tokens_per_s"],
+                     100 * summary["active_gpu_fraction"], self.first_loss, self.last_loss, self.startup_s)
         return summary
 
     def _report_step(self, metrics: dict, verbose: bool) -> None:
