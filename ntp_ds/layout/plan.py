@@ -5,8 +5,11 @@ Pure logic, no torch. Global ranks are numbered replica after replica: replica 0
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate
 
 from ntp_ds.layout import units as U
 from ntp_ds.layout.shard_layout import KINDS, OWNED_KINDS, LayoutError, ShardLayout
@@ -28,27 +31,30 @@ class Topology:
     def from_degrees(cls, units, degrees) -> "Topology":
         return cls(tuple(ShardLayout.balanced(units, t) for t in degrees))
 
-    @property
+    # Computed once per topology (the dataclass is frozen, the caches write the instance's dict): every lookup below
+    # is O(1) or O(log R), so plans over R replicas cost O(R), not O(R^2).
+    @cached_property
     def degrees(self) -> tuple[int, ...]:
         return tuple(lay.tp for lay in self.layouts)
 
+    @cached_property
+    def _starts(self) -> tuple[int, ...]:
+        """First global rank of each replica, and the world size last."""
+        return (0, *accumulate(self.degrees))
+
     @property
     def world_size(self) -> int:
-        return sum(self.degrees)
+        return self._starts[-1]
 
     def ranks_of(self, replica: int) -> list[int]:
-        start = sum(self.degrees[:replica])
-        return list(range(start, start + self.degrees[replica]))
+        return list(range(self._starts[replica], self._starts[replica + 1]))
 
     def locate(self, rank: int) -> tuple[int, int]:
         """Return (replica, tp_rank) of a global rank."""
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank={rank} is outside the world of size {self.world_size}")
-        for replica, t in enumerate(self.degrees):
-            if rank < t:
-                return replica, rank
-            rank -= t
-        raise AssertionError("unreachable")
+        replica = bisect_right(self._starts, rank) - 1
+        return replica, rank - self._starts[replica]
 
     def layout_classes(self) -> list[tuple[int, ...]]:
         """Replicas grouped by identical layout, in order of first appearance."""
@@ -119,7 +125,8 @@ class SyncPlan:
 def plan_gradient_sync(topology: Topology) -> SyncPlan:
     classes = topology.layout_classes()
     anchor_class = min(classes, key=lambda c: (-len(c), -topology.degrees[c[0]], c[0]))
-    contributors = [r for r in range(len(topology.layouts)) if r not in anchor_class]
+    anchors = set(anchor_class)
+    contributors = [r for r in range(len(topology.layouts)) if r not in anchors]
     anchor_of = {c: anchor_class[i % len(anchor_class)] for i, c in enumerate(contributors)}
     grads, params = [], []
     for c, a in anchor_of.items():
@@ -140,9 +147,11 @@ def plan_buddies(topology: Topology, plan: SyncPlan, zero_stage: int, copies: in
     if copies <= 0 or (zero_stage == 0 and len(plan.anchors) >= 2):
         return {}
     order = list(plan.anchors) + sorted(plan.anchor_of)
+    copies = min(copies, len(order) - 1)
+    starts, degrees = topology._starts, topology.degrees
     out = {}
-    for a in plan.anchors:
-        others = order[order.index(a) + 1:] + order[:order.index(a)]
+    for i, a in enumerate(plan.anchors):  # the anchors lead `order`, so anchor i sits at position i
+        others = [order[(i + k) % len(order)] for k in range(1, copies + 1)]
         for tp_rank, rank in enumerate(topology.ranks_of(a)):
-            out[rank] = tuple(topology.ranks_of(r)[tp_rank % topology.degrees[r]] for r in others[:copies])
+            out[rank] = tuple(starts[r] + tp_rank % degrees[r] for r in others)
     return out
