@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ntp_ds.layout import ModelUnits, Topology
 from ntp_ds.layout import units as U
@@ -40,6 +42,59 @@ def test_stale_units_are_fetched_again_and_never_served():
     assert all(not (m.src == 3 and m.kind == "vocab" and U.intersect(m.units, ((0, 4),))) for m in moves)
     without = plan_unit_moves(old, new, old_rank_of)
     assert _fetched(without, 3, "vocab") == []
+
+
+def _reference_unit_moves(old, new, old_rank_of, stale):
+    """The plan's rule written plainly (every survivor's holdings, a full sort per missing piece): the oracle for
+    the planner, which walks only what it needs."""
+    from collections import defaultdict
+
+    from ntp_ds.layout import KINDS
+    from ntp_ds.recovery.plan import UnitMove
+
+    def held(rank, kind):
+        if rank not in old_rank_of:
+            return ()
+        replica, tp_rank = old.locate(old_rank_of[rank])
+        return U.subtract(old.layouts[replica].owned(kind, tp_rank), stale.get(rank, {}).get(kind, ()))
+
+    survivors, load, moves = sorted(old_rank_of), defaultdict(int), []
+    for new_rank in range(new.world_size):
+        replica, tp_rank = new.locate(new_rank)
+        for kind in KINDS:
+            missing = U.subtract(new.layouts[replica].owned(kind, tp_rank), held(new_rank, kind))
+            for src in sorted(survivors, key=lambda h: (new.locate(h)[0] == replica, load[h], h)):
+                piece = U.intersect(missing, held(src, kind)) if missing else ()
+                if piece:
+                    moves.append(UnitMove(src, new_rank, kind, piece))
+                    load[src] += U.count(piece)
+                    missing = U.subtract(missing, piece)
+            if missing:
+                raise LookupError(kind)
+    return sorted(moves, key=lambda m: (m.src, m.dst, m.kind))
+
+
+@given(st.lists(st.integers(1, 4), min_size=2, max_size=5), st.data())
+@settings(max_examples=150, deadline=None)
+def test_the_planner_matches_its_rule_written_plainly(degrees, data):
+    from ntp_ds.control.membership import replica_membership
+
+    old = Topology.from_degrees(UNITS, degrees)
+    dead = data.draw(st.sets(st.integers(0, old.world_size - 1), min_size=1, max_size=old.world_size - 1))
+    membership = replica_membership(old, dead)
+    new = membership.topology()
+    old_rank_of = dict(enumerate(membership.ranks()))
+    stale = {}
+    if data.draw(st.booleans()):
+        rank = data.draw(st.sampled_from(sorted(old_rank_of)))
+        stale = {rank: {"vocab": ((0, data.draw(st.integers(1, 16))),)}}
+    try:
+        expected = _reference_unit_moves(old, new, old_rank_of, stale)
+    except LookupError:
+        with pytest.raises(LookupError):
+            plan_unit_moves(old, new, old_rank_of, stale)
+        return
+    assert plan_unit_moves(old, new, old_rank_of, stale) == expected
 
 
 def test_last_good_writers_share_the_model_and_fetch_every_unit_once():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ntp_ds.layout import KINDS, Topology
@@ -26,36 +27,68 @@ def plan_unit_moves(old: Topology, new: Topology, old_rank_of: dict[int, int],
                     stale: dict[int, dict[str, U.Ranges]] | None = None) -> list[UnitMove]:
     """Units every new rank needs but did not hold before, each fetched once from a surviving holder.
 
-    `old_rank_of` maps each new global rank to its global rank in the old topology (a joiner has none). A unit a rank held before stays
-    in place; a missing one comes from the least-loaded survivor holding it in another replica. `stale[new_rank]`
-    lists units (by kind) that rank holds only at the previous step (a streamed copy that never arrived): it holds
-    them for nobody, itself included.
+    `old_rank_of` maps each new global rank to its global rank in the old topology (a joiner has none). A unit a rank
+    held before stays in place; a missing one comes from the least-loaded survivor holding it in another replica
+    (survivors ordered by: in another replica first, then load, then rank). `stale[new_rank]` lists units (by kind)
+    that rank holds only at the previous step (a streamed copy that never arrived): it holds them for nobody, itself
+    included.
+
+    O(W) cheap checks (a replica whose members kept their places and layout needs nothing) plus, for each rank that
+    needs units, a scan of the survivors in that order which stops once they are found: not a sort of all W.
     """
     stale = stale or {}
     survivors = sorted(old_rank_of)
-    held = {(r, kind): _held(old, old_rank_of[r], kind, stale.get(r, {}).get(kind, ()))
-            for r in survivors for kind in KINDS}
+    held_cache: dict[tuple[int, str], U.Ranges] = {}
+
+    def held(rank: int, kind: str) -> U.Ranges:
+        if (rank, kind) not in held_cache:
+            held_cache[(rank, kind)] = (_held(old, old_rank_of[rank], kind, stale.get(rank, {}).get(kind, ()))
+                                        if rank in old_rank_of else ())
+        return held_cache[(rank, kind)]
+
     load: dict[int, int] = defaultdict(int)
     moves = []
-    for new_rank in range(new.world_size):
-        replica, tp_rank = new.locate(new_rank)
-        for kind in KINDS:
-            missing = U.subtract(new.layouts[replica].owned(kind, tp_rank), held.get((new_rank, kind), ()))
-            if not missing:
-                continue
-            # Another replica's copy first (the own replica's survivors hold none of a lost unit), least loaded first.
-            order = sorted(survivors, key=lambda h: (new.locate(h)[0] == replica, load[h], h))
-            for src in order:
-                piece = U.intersect(missing, held[(src, kind)])
-                if piece:
-                    moves.append(UnitMove(src, new_rank, kind, piece))
-                    load[src] += U.count(piece)
-                    missing = U.subtract(missing, piece)
-                    if not missing:
-                        break
-            if missing:
-                raise LookupError(f"no survivor holds {kind} units {list(missing)}")
+    for replica in range(len(new.layouts)):
+        if _unchanged(old, new, replica, old_rank_of, stale):
+            continue
+        for tp_rank, new_rank in enumerate(new.ranks_of(replica)):
+            for kind in KINDS:
+                missing = U.subtract(new.layouts[replica].owned(kind, tp_rank), held(new_rank, kind))
+                if not missing:
+                    continue
+                # Another replica's copy first (the own replica's survivors hold none of a lost unit), least loaded
+                # first: the loads as they stand now (a sort of every survivor by them, walked lazily).
+                for src in _by_load(survivors, dict(load), lambda h: new.locate(h)[0] == replica):
+                    piece = U.intersect(missing, held(src, kind))
+                    if piece:
+                        moves.append(UnitMove(src, new_rank, kind, piece))
+                        load[src] += U.count(piece)
+                        missing = U.subtract(missing, piece)
+                        if not missing:
+                            break
+                if missing:
+                    raise LookupError(f"no survivor holds {kind} units {list(missing)}")
     return sorted(moves, key=lambda m: (m.src, m.dst, m.kind))
+
+
+def _unchanged(old: Topology, new: Topology, replica: int, old_rank_of: dict[int, int], stale) -> bool:
+    """Whether every member of new `replica` holds, at the same TP index of the same layout, what it held before
+    (and nothing of it is stale): it then needs no unit."""
+    ranks = new.ranks_of(replica)
+    olds = [old_rank_of.get(r) for r in ranks]
+    if None in olds or any(stale.get(r) for r in ranks):
+        return False
+    old_replica, first = old.locate(olds[0])
+    return first == 0 and olds == old.ranks_of(old_replica) and old.layouts[old_replica] == new.layouts[replica]
+
+
+def _by_load(survivors: list[int], load: dict[int, int], same_replica) -> Iterator[int]:
+    """`survivors` (sorted) in the order of `sorted(survivors, key=lambda h: (same_replica(h), load[h], h))`, made
+    lazily: the unloaded ones are walked in rank order, and only the few loaded ones are sorted."""
+    loaded = sorted(load, key=lambda h: (load[h], h))
+    for own in (False, True):
+        yield from (h for h in survivors if h not in load and bool(same_replica(h)) == own)
+        yield from (h for h in loaded if bool(same_replica(h)) == own)
 
 
 @dataclass(frozen=True)
