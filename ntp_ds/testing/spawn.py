@@ -8,6 +8,7 @@ workers, ranks are forked from a server that imported the training stack once; `
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -38,6 +39,7 @@ def _child(fn, rank, world_size, port, store_address, args, results, environ):
     if os.environ.get("NTP_TEST_DEVICE", "cpu") == "cpu":
         os.environ["DS_ACCELERATOR"] = "cpu"
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for every thread's stack at a timeout
     try:
         import torch
         torch.set_num_threads(1)
@@ -81,6 +83,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, store: bool = 
         while len(done) < total:
             left = deadline - time.monotonic()
             if left <= 0:
+                _dump_stacks(procs, done)
                 raise TimeoutError(f"ranks {sorted(set(range(total)) - done)} did not finish in {timeout}s")
             try:
                 rank, status, value = results.get(timeout=min(left, 0.05))
@@ -116,6 +119,19 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, store: bool = 
     if store:
         return out
     return [out[r] for r in range(world_size)]
+
+
+def _dump_stacks(procs, done) -> None:
+    """Have each rank still running write every thread's stack to its stderr (what a hang was waiting on), then give
+    them a moment to write it before they are killed."""
+    alive = [p for r, p in enumerate(procs) if r not in done and p.is_alive() and p.pid]
+    for p in alive:
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    if alive:
+        time.sleep(1.0)
 
 
 def _context():
