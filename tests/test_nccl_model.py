@@ -189,6 +189,35 @@ def test_abort_leaves_pending_poisoned_and_refuses_use():
     assert _run(aborted_group, "nccl_model")[0] == "ok"
 
 
+def abort_racing_a_post(rank, world):
+    """An abort that lands while the training thread posts an op (between its check and its registration): the op
+    is refused, as a real aborted communicator refuses it, not left pending for a wait that never returns."""
+    import ntp_ds.testing.nccl_model as nm
+
+    group = dist.new_group([0, 1])
+    if rank == 1:
+        dist.barrier(group=dist.group.WORLD)
+        return None
+    real = nm.ModelWork.__init__
+
+    def abort_meanwhile(work, *args, **kwargs):  # the moment between the post's first check and its registration
+        real(work, *args, **kwargs)
+        group.abort()
+
+    nm.ModelWork.__init__ = abort_meanwhile
+    try:
+        with pytest.raises(nm.Aborted):
+            dist.all_reduce(torch.ones(4), group=group, async_op=True)
+    finally:
+        nm.ModelWork.__init__ = real
+    dist.barrier(group=dist.group.WORLD)
+    return "refused"
+
+
+def test_an_abort_racing_a_post_refuses_the_op():
+    assert _run(abort_racing_a_post, "nccl_model")[0] == "refused"
+
+
 def collectives(rank, world):
     """Every collective DeepSpeed and the package use gives gloo's answer once waited."""
     out = {}

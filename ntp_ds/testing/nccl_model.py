@@ -228,7 +228,9 @@ class ModelGroup(dist.ProcessGroup):
         if self._aborted:
             raise Aborted(f"nccl_model: {what} on an aborted communicator ({self._aborted})")
         work = ModelWork(what, list(inputs), list(outputs))
-        with self._lock:
+        with self._lock:  # with the abort's check: an op posted as another thread aborts is refused, never left pending
+            if self._aborted:
+                raise Aborted(f"nccl_model: {what} on an aborted communicator ({self._aborted})")
             self._pending.add(work)
         op = _Op(work, run, list(p2p), next(self._numbers))
         if not self._ordered:  # gloo's way: every op starts as it is posted, none waits for another
