@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Iterator
@@ -38,13 +39,12 @@ def plan_unit_moves(old: Topology, new: Topology, old_rank_of: dict[int, int],
     """
     stale = stale or {}
     survivors = sorted(old_rank_of)
-    held_cache: dict[tuple[int, str], U.Ranges] = {}
 
+    @functools.cache  # only the ranks the plan looks at: those that need units, and their sources
     def held(rank: int, kind: str) -> U.Ranges:
-        if (rank, kind) not in held_cache:
-            held_cache[(rank, kind)] = (_held(old, old_rank_of[rank], kind, stale.get(rank, {}).get(kind, ()))
-                                        if rank in old_rank_of else ())
-        return held_cache[(rank, kind)]
+        if rank not in old_rank_of:  # a joiner
+            return ()
+        return _held(old, old_rank_of[rank], kind, stale.get(rank, {}).get(kind, ()))
 
     load: dict[int, int] = defaultdict(int)
     moves = []
