@@ -301,18 +301,25 @@ class LivenessMonitor:
     """Decide which of `ranks` are dead from the beats and exits observed so far; no I/O, the clock is injected.
 
     A rank is dead once it is marked as exited, or once its beat counter has not changed for more than
-    `heartbeat_timeout_s` on `clock` (counted from the monitor's creation for a rank never heard from). With
+    `heartbeat_timeout_s` on `clock`. A rank never heard from (no beat of it in the store yet) is dead once
+    `first_beat_timeout_s` (default: `heartbeat_timeout_s`) has passed since the monitor's creation: a peer may still
+    be connecting its heartbeat's store clients when this one starts watching, which takes seconds when a whole job
+    connects at once, and a dead process is seen by its launcher's exit mark whatever the bound. With
     `hang_timeout_s`, a rank that beats but whose training progress has stood still, outside any wait, for more than
     `hang_timeout_s` is hung (`hung`): a live process whose training makes no progress.
     """
 
     def __init__(self, ranks: Iterable[int], heartbeat_timeout_s: float, clock: Callable[[], float] = time.monotonic,
-                 hang_timeout_s: float | None = None):
+                 hang_timeout_s: float | None = None, first_beat_timeout_s: float | None = None):
         if not heartbeat_timeout_s > 0:
             raise ValueError(f"heartbeat_timeout_s={heartbeat_timeout_s} must be positive")
         if hang_timeout_s is not None and not hang_timeout_s > 0:
             raise ValueError(f"hang_timeout_s={hang_timeout_s} must be positive (or None: no progress watch)")
+        if first_beat_timeout_s is not None and not first_beat_timeout_s >= heartbeat_timeout_s:
+            raise ValueError(f"first_beat_timeout_s={first_beat_timeout_s} must be at least heartbeat_timeout_s="
+                             f"{heartbeat_timeout_s} (or None: the same)")
         self.heartbeat_timeout_s, self.hang_timeout_s = heartbeat_timeout_s, hang_timeout_s
+        self.first_beat_timeout_s = heartbeat_timeout_s if first_beat_timeout_s is None else first_beat_timeout_s
         self._clock = clock
         now = clock()
         self._changed_at = {int(r): now for r in ranks}
@@ -355,19 +362,26 @@ class LivenessMonitor:
             return frozenset()
         return frozenset(r for r in self._progress if self.stalled_for(r) > self.hang_timeout_s)
 
+    def _bound(self, rank: int) -> float:
+        """How long `rank` may stay silent: `heartbeat_timeout_s`, or `first_beat_timeout_s` until its first beat."""
+        return self.heartbeat_timeout_s if rank in self._counter else self.first_beat_timeout_s
+
     def dead(self) -> frozenset[int]:
-        """Return the ranks that have exited or have been silent for longer than `heartbeat_timeout_s`."""
-        return frozenset(r for r in self._changed_at
-                         if r in self._exited or self.silent_for(r) > self.heartbeat_timeout_s)
+        """Return the ranks that have exited or have been silent for longer than their bound (`heartbeat_timeout_s`;
+        `first_beat_timeout_s` for a rank never heard from)."""
+        return frozenset(r for r in self._changed_at if r in self._exited or self.silent_for(r) > self._bound(r))
 
     def reason(self, rank: int) -> str:
         """Say why `rank` counts as dead, for the membership decision's record."""
         if rank in self._exited:
             return f"rank {rank} exited ({self._exited[rank]})"
-        if self.silent_for(rank) <= self.heartbeat_timeout_s and self.hang_timeout_s is not None \
+        if self.silent_for(rank) <= self._bound(rank) and self.hang_timeout_s is not None \
                 and self.stalled_for(rank) > self.hang_timeout_s:
             return (f"rank {rank}: beats, but its training made no progress for {self.stalled_for(rank):.2f}s "
                     f"(hang_timeout_s {self.hang_timeout_s}s)")
+        if rank not in self._counter:
+            return (f"rank {rank}: not one heartbeat in {self.silent_for(rank):.2f}s "
+                    f"(first_beat_timeout_s {self.first_beat_timeout_s}s)")
         return f"rank {rank}: no heartbeat for {self.silent_for(rank):.2f}s (timeout {self.heartbeat_timeout_s}s)"
 
     def retain(self, ranks: Iterable[int]) -> None:
@@ -574,7 +588,7 @@ class Heartbeat:
             raise RuntimeError("this heartbeat watches no peers (it has no monitor)")
         with self._lock:
             self.monitor = LivenessMonitor(ranks, self.monitor.heartbeat_timeout_s, self.monitor._clock,
-                                           self.monitor.hang_timeout_s)
+                                           self.monitor.hang_timeout_s, self.monitor.first_beat_timeout_s)
             self._members = set(members)
             self._reported = set()
 

@@ -87,15 +87,20 @@ class Recovery:
         self.declared: dict[int, str] = {}
         """Members of this generation that this rank's heartbeat declared dead, with why: a hung peer still beats,
         so only this verdict names it."""
-        self.monitor = LivenessMonitor(self.members, heartbeat_timeout_s)
-        self.reader = LivenessReader.from_env(store)
         # Connecting the heartbeat's store clients waits on the store's server: seconds when a whole job connects at
-        # once (seen here: 3.4 s on a loaded 2-core machine), and not this rank's own work, so not a hang.
+        # once (seen here: 3.4 s on a loaded 2-core machine), and not this rank's own work, so neither a hang nor a
+        # silence. A peer still connecting when this rank starts watching has not beaten yet: it gets the job's
+        # collective bound on top of the heartbeat timeout for its first beat (CI saw rank 0 declared dead at start).
+        self.first_beat_timeout_s = heartbeat_timeout_s + self.job.ntp.timeout_s
+        self.monitor = LivenessMonitor(self.members, heartbeat_timeout_s,
+                                       first_beat_timeout_s=self.first_beat_timeout_s)
+        self.reader = LivenessReader.from_env(store)
         with wire.waiting():
             beat_store = store.clone()
             # A peer that beats but makes no training progress while this rank waits on it is hung (hang_timeout_s).
             self.heartbeat = Heartbeat(beat_store, rank, heartbeat_interval_s,
-                                       monitor=LivenessMonitor((), heartbeat_timeout_s, hang_timeout_s=hang_timeout_s),
+                                       monitor=LivenessMonitor((), heartbeat_timeout_s, hang_timeout_s=hang_timeout_s,
+                                                               first_beat_timeout_s=self.first_beat_timeout_s),
                                        on_dead=self._peers_dead, reader=LivenessReader.from_env(beat_store),
                                        progress=wire.progress)
             if engine is not None:
@@ -252,7 +257,7 @@ class Recovery:
         self.members = members  # first: a late verdict on the old generation's dead must not break the new one
         self.declared = {}
         join_world(self.job.ntp, self.store, generation, members.index(self.rank), len(members))
-        self.monitor = LivenessMonitor(members, self.heartbeat_timeout_s)
+        self.monitor = LivenessMonitor(members, self.heartbeat_timeout_s, first_beat_timeout_s=self.first_beat_timeout_s)
         # Until the new engine is built (and its peers are known), a death must still end this rank's waits: on
         # NCCL nothing else does (no error, no timeout), so watch every member meanwhile.
         others = set(members) - {self.rank}

@@ -68,6 +68,29 @@ def test_rank_never_heard_from_is_dead_after_the_timeout():
     assert mon.dead() == {0, 1}
 
 
+def test_a_rank_never_heard_from_has_its_first_beat_bound_then_the_heartbeat_timeout():
+    # A peer still connecting its heartbeat's store clients when the watch starts has not beaten yet (CI saw a whole
+    # job's connections take 3.4 s against a 2 s heartbeat timeout): it is judged by the first-beat bound.
+    clock = FakeClock()
+    mon = LivenessMonitor([0, 1], heartbeat_timeout_s=2.0, clock=clock, first_beat_timeout_s=14.0)
+    mon.observe({0: Beat(1, 1.0)})
+    clock.now += 3.0
+    assert mon.dead() == {0}
+    assert mon.reason(0).startswith("rank 0: no heartbeat for 3.00s")
+    clock.now += 10.0
+    mon.observe({1: Beat(1, 1.0)})  # rank 1's first beat, 13 s in: from now on the heartbeat timeout holds
+    clock.now += 1.9
+    assert mon.dead() == {0}
+    clock.now += 0.2
+    assert mon.dead() == {0, 1}
+    never = LivenessMonitor([2], heartbeat_timeout_s=2.0, clock=clock, first_beat_timeout_s=14.0)
+    clock.now += 14.01
+    assert never.dead() == {2}
+    assert never.reason(2) == "rank 2: not one heartbeat in 14.01s (first_beat_timeout_s 14.0s)"
+    with pytest.raises(ValueError, match="first_beat_timeout_s=1.0 must be at least heartbeat_timeout_s=2.0"):
+        LivenessMonitor([0], 2.0, first_beat_timeout_s=1.0)
+
+
 def test_exited_rank_is_dead_at_once_and_unknown_ranks_are_ignored():
     clock = FakeClock()
     mon = LivenessMonitor([0, 1, 2], heartbeat_timeout_s=10.0, clock=clock)
