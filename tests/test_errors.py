@@ -32,6 +32,12 @@ def init(monkeypatch, ntp, ds=None, world_size=None, **model):
     ({"tp": 2, "batch_policy": "greedy"}, None, None, {}, r"ntp.batch_policy='greedy'"),
     ({"tp": 2, "replicas": 2, "degrees": (2, 3)}, None, None, {}, r"ntp.degrees\[1\]=3 must lie in"),
     ({"tp": 2, "pipeline": 2}, None, None, {}, r"ntp.pipeline is not a known NTP setting"),
+    ({"tp": 2}, deepspeed_config("sgd", 1, 12, 2, clip=-1.0), None, {}, r"gradient_clipping=-1.0 must be a number"),
+    ({"tp": 2}, {**deepspeed_config("sgd", 2, 12, 2, clip=1.0),
+                 "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, None, {},
+     r"gradient_clipping=1.0 with zero_optimization.offload_optimizer is not supported"),
+    ({"tp": 2}, deepspeed_config("sgd", 0, 12, 2, bf16=True, clip=1.0), None, {},
+     r"gradient_clipping=1.0 with bf16 at zero_optimization.stage=0 is not supported"),
 ])
 def test_error_names_field_before_any_process_group(monkeypatch, ntp, ds, world, model, message):
     with pytest.raises(ConfigError, match=message):

@@ -60,6 +60,7 @@ def test_cpu_demo_is_two_replicas_of_tp2_with_a_crash_and_its_repair():
     assert cfg.model.name == "tiny"
     assert cfg.parallel.timeout_s == 20.0 and cfg.parallel.ntp().timeout_s == 20.0
     assert cfg.parallel.heartbeat_interval_s < cfg.parallel.heartbeat_timeout_s
+    assert cfg.optim.grad_clip == 1.0
 
 
 def test_readme_overrides_apply(tmp_path):
@@ -220,6 +221,7 @@ def test_cpu_demo_config_learns():
         loss = model(torch.stack([it["input_ids"] for it in items]), labels=torch.stack([it["labels"] for it in items]))
         opt.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         opt.step()
         losses.append(loss.item())
     assert abs(losses[0] - math.log(llama.vocab_size)) < 0.1

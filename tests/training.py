@@ -38,12 +38,13 @@ def make_optimizer(name: str, params):
 
 
 def deepspeed_config(optim: str, stage: int, global_batch: int, micro: int, bf16: bool = False,
-                     zero: dict | None = None) -> dict:
-    """`zero`: more `zero_optimization` settings (e.g. round_robin_gradients)."""
+                     zero: dict | None = None, clip: float = 0.0) -> dict:
+    """`zero`: more `zero_optimization` settings (e.g. round_robin_gradients); `clip`: DeepSpeed's
+    gradient_clipping (0: none)."""
     return {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": micro,
             "optimizer": optimizer_config(optim), "zero_optimization": {"stage": stage, **(zero or {})},
             "bf16": {"enabled": bf16}, "steps_per_print": 10**9, "wall_clock_breakdown": False,
-            "zero_allow_untested_optimizer": True}
+            "zero_allow_untested_optimizer": True, "gradient_clipping": clip}
 
 
 def dataset(config: LlamaConfig) -> SyntheticTokens:
@@ -75,16 +76,17 @@ def host_shards(module) -> dict:
 
 
 def train_ntp(rank, world_size, ntp: dict, optim: str, stage: int, global_batch: int, micro: int, steps: int,
-              model_overrides: dict | None = None, make_model=None, save_dir: str | None = None):
+              model_overrides: dict | None = None, make_model=None, save_dir: str | None = None, clip: float = 0.0):
     """One rank of an NTP run; returns its local shards and, on the consolidating rank, the full weights.
 
     `make_model`: a function building the unsharded model (default: the own Llama of `tiny_config`); `save_dir`:
-    where the engine writes the final weights with `save_pretrained`."""
+    where the engine writes the final weights with `save_pretrained`; `clip`: DeepSpeed's gradient_clipping."""
     import ntp_ds
 
     model = make_model() if make_model else full_model(tiny_config(**(model_overrides or {})))
     config = model.config
-    engine = ntp_ds.initialize(model=model, config=deepspeed_config(optim, stage, global_batch, micro), ntp=ntp)
+    engine = ntp_ds.initialize(model=model, config=deepspeed_config(optim, stage, global_batch, micro, clip=clip),
+                               ntp=ntp)
     data, sampler = dataset(config), GlobalBatchSampler(256, seed=1)
     replica = engine.ntp_groups.replica
     losses = []
@@ -105,8 +107,10 @@ def train_ntp(rank, world_size, ntp: dict, optim: str, stage: int, global_batch:
 
 
 def train_reference(optim: str, global_samples: int, steps: int, model_overrides: dict | None = None,
-                    make_model=None):
-    """A single process training the unsharded model on the union of every replica's samples."""
+                    make_model=None, clip: float = 0.0, norms: list | None = None):
+    """A single process training the unsharded model on the union of every replica's samples; with `clip`, its
+    gradients clipped to that global norm (torch's clip_grad_norm_), each step's norm before clipping appended to
+    `norms`."""
     model = make_model() if make_model else full_model(tiny_config(**(model_overrides or {})))
     config = model.config
     opt = make_optimizer(optim, model.parameters())
@@ -117,6 +121,10 @@ def train_reference(optim: str, global_samples: int, steps: int, model_overrides
         opt.zero_grad()
         loss = model(batch["input_ids"], labels=batch["labels"])
         (loss if torch.is_tensor(loss) else loss.loss).backward()
+        if clip:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if norms is not None:
+                norms.append(float(norm))
         opt.step()
     return model
 

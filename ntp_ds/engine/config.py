@@ -150,6 +150,19 @@ def load_deepspeed_config(config) -> dict:
             raise ConfigError(f"{key}={config[key]!r} must be a positive integer")
     if config.get("fp16", {}).get("enabled"):
         raise ConfigError("fp16.enabled=true is not supported: use bf16 or fp32")
+    clip = config.get("gradient_clipping", 0)
+    if not isinstance(clip, (int, float)) or isinstance(clip, bool) or clip < 0:
+        raise ConfigError(f"gradient_clipping={clip!r} must be a number >= 0 (0 disables clipping)")
+    if clip:
+        # These two compute DeepSpeed's norm from per-parameter norms, where no element can be counted once.
+        zero = config.get("zero_optimization", {})
+        if zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None):
+            raise ConfigError(f"gradient_clipping={clip} with zero_optimization.offload_optimizer is not supported: "
+                              "the norm would count a KV head shared by TP ranks more than once; keep the optimizer "
+                              "on the device or set gradient_clipping=0")
+        if stage == 0 and config.get("bf16", {}).get("enabled"):
+            raise ConfigError(f"gradient_clipping={clip} with bf16 at zero_optimization.stage=0 is not supported: "
+                              "use stage 1 or 2 (its norm counts every element once) or set gradient_clipping=0")
     return config
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from safetensors.torch import save_file
 
 from ntp_ds.batch import BatchPlan
@@ -29,6 +30,7 @@ from ntp_ds.comm import wire
 from ntp_ds.comm.exchange import same_layout
 from ntp_ds.comm.groups import ReplicaGroups
 from ntp_ds.comm.streams import IncomingGradients, IncomingParameters, OutgoingGradients, OutgoingParameters
+from ntp_ds.engine import clipping
 from ntp_ds.engine import fragments as state
 from ntp_ds.engine.copies import StateCopies
 from ntp_ds.layout import ParamSpec
@@ -88,6 +90,10 @@ class NTPEngine(DeepSpeedEngine):
                  full_shapes: dict[str, tuple[int, ...]], job, store, **deepspeed_kwargs):
         super().__init__(**deepspeed_kwargs)
         state.link_round_robin(self)
+        # The global gradient norm (clipping, and the norm DeepSpeed reports) counts every element of the model once.
+        clipping.mark_norm_counting(self.module.named_parameters(), specs, ntp_groups.layout, ntp_groups.tp_rank)
+        if isinstance(self.optimizer, DeepSpeedZeroOptimizer):
+            clipping.count_once_in_zero_norm(self.optimizer)
         self.ntp_groups, self.batch_plan, self.job, self.store = ntp_groups, batch_plan, job, store
         """`job`: the validated JobSpec this engine was built from; `store`: the coordination store, if any."""
         ntp = job.ntp
@@ -319,6 +325,11 @@ class NTPEngine(DeepSpeedEngine):
             self._copy_parameters()
         if not self.is_anchor:
             self.micro_steps += 1
+
+    def clip_fp32_gradients(self):
+        """Stage 0 in fp32: clip by the norm of the whole model, every element counted once (`engine.clipping`)."""
+        self._global_grad_norm = clipping.clip_by_counted_norm(self.module.parameters(), self.gradient_clipping(),
+                                                               self.ntp_groups.tp_group, self.ntp_groups.tp_rank)
 
     def _copy_parameters(self) -> None:
         """The anchors' updated parameters to the contributors: streamed into the next forward, or now."""

@@ -152,9 +152,6 @@ def prepare(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_len=
     topology = build_topology(spec.units(), ntp)
     check_batch(ds_config, ntp, topology)
     spec.plan(topology)
-    if ds_config.get("gradient_clipping", 0) and any(lay.shares_kv() for lay in topology.layouts):
-        raise ConfigError("gradient_clipping>0 is not supported yet with a layout that shares a KV head between "
-                          "ranks; choose TP degrees that divide num_key_value_heads or disable clipping")
     return spec, topology
 
 

@@ -384,11 +384,6 @@ class RunConfig:
         if self.train.precision == "bf16" and p.zero_stage == 0:
             raise ConfigError("parallel.zero_stage=0 with train.precision=bf16: live recovery cannot read that "
                               "optimizer's fp32 masters; use parallel.zero_stage=1 or 2")
-        topology = Topology.from_degrees(llama.units(), p.replica_degrees)
-        if self.optim.grad_clip and any(lay.shares_kv() for lay in topology.layouts):
-            raise ConfigError(f"optim.grad_clip={self.optim.grad_clip} is not supported yet when a replica's layout "
-                              f"shares a KV head between ranks (parallel.degrees={list(p.replica_degrees)}, "
-                              f"num_key_value_heads={llama.num_key_value_heads}); set optim.grad_clip=0")
         return ntp
 
     def _check_world(self, world_size: int | None) -> None:
