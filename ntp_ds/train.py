@@ -102,38 +102,6 @@ def agree_run_dir(run_dir: str) -> Path:
     return Path(wire.broadcast_object(str(Path(run_dir).resolve()), 0))
 
 
-def job_store(timeout_s: float):
-    """Return (store, hosted here): the launcher's store (NTP_STORE), else one rank 0 hosts for the job.
-
-    `ntp-ds launch` (and `ntp-ds train`) host the store outside every rank. Under another launcher (deepspeed,
-    torchrun) rank 0 hosts it at MASTER_ADDR:MASTER_PORT+1, so recovery works there too, as long as rank 0 lives.
-    """
-    from ntp_ds.control.store import connect_from_env, connect_store, format_address, host_store
-
-    if os.environ.get("NTP_STORE"):
-        return connect_from_env(timeout_s), False
-    if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
-        return None, False
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
-    if int(os.environ["RANK"]) == 0:
-        store, _ = host_store(port, host, timeout_s)
-        log.info("no NTP_STORE from the launcher: rank 0 hosts the job's store at %s (losing rank 0 ends the job)",
-                 format_address(host, port))
-        return store, True
-    return connect_store(format_address(host, port), timeout_s), False
-
-
-def outlive_peers(store, rank: int, world_size: int, heartbeat_timeout_s: float) -> None:
-    """Keep hosting the store until every other rank has finished, exited or gone silent."""
-    from ntp_ds.control.heartbeat import LivenessMonitor, poll_liveness
-
-    others = [r for r in range(world_size) if r != rank]
-    monitor = LivenessMonitor(others, heartbeat_timeout_s)
-    log.info("rank %d hosts the job's store: waiting for the other ranks to finish before exiting", rank)
-    while poll_liveness(store, monitor) != set(others):
-        time.sleep(heartbeat_timeout_s / 4)
-
-
 def open_records(cfg, run_dir: Path, store, resume: bool):
     """The writer's records: metrics, events and summary files and the W&B run (resumed after a takeover)."""
     from ntp_ds.goodput.wandb_log import WandbLogger
@@ -155,7 +123,8 @@ def run_worker(cfg, started: float, stop) -> int:
 
     import ntp_ds
     from ntp_ds.comm import wire
-    from ntp_ds.control.heartbeat import mark_exited
+    from ntp_ds.control.heartbeat import mark_exited, outlive_peers
+    from ntp_ds.control.store import job_store
     from ntp_ds.control.job import publish_job
     from ntp_ds.recovery.manager import QuiescedExit, RecoveryImpossible
     from ntp_ds.run.records import CHECKPOINTS, RUN_CONFIG, RunRecorder

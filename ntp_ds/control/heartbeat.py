@@ -392,6 +392,16 @@ class LivenessMonitor:
                 del table[rank]
 
 
+def outlive_peers(store, rank: int, world_size: int, heartbeat_timeout_s: float) -> None:
+    """Keep hosting the store (rank `rank` of a job whose rank 0 hosts it) until every other rank of the launch has
+    finished, exited or gone silent."""
+    others = [r for r in range(world_size) if r != rank]
+    monitor = LivenessMonitor(others, heartbeat_timeout_s)
+    log.info("rank %d hosts the job's store: waiting for the other ranks to finish before exiting", rank)
+    while poll_liveness(store, monitor) != set(others):
+        time.sleep(heartbeat_timeout_s / 4)
+
+
 def next_pause(pause: float, news: bool, fastest: float, slowest: float) -> float:
     """Back off between two polls: back to `fastest` on news, else twice the last pause, at most `slowest`."""
     return fastest if news else min(2 * pause, slowest)

@@ -12,12 +12,15 @@ that must not be delayed (the heartbeat) gets a client of its own.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 import threading
 import time
 
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 STORE_ENV = "NTP_STORE"
 """Environment variable through which the launcher passes the store's HOST:PORT to workers."""
@@ -129,3 +132,23 @@ def generation_store(store: dist.Store, generation: int) -> dist.PrefixStore:
     if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
         raise ValueError(f"generation={generation!r} must be a non-negative integer")
     return dist.PrefixStore(f"pg/{generation}", store)
+
+
+def job_store(timeout_s: float, env=os.environ) -> tuple[dist.Store | None, bool]:
+    """Return (store, hosted here) for a training rank: the launcher's store (NTP_STORE), else one that rank 0 hosts
+    for the job, else (None, False) where there is no address to host it at.
+
+    `ntp-ds launch` (and `ntp-ds train`) host the store outside every rank. Under another launcher (deepspeed,
+    torchrun) rank 0 hosts it at MASTER_ADDR:MASTER_PORT+1, so recovery works there too, as long as rank 0 lives.
+    """
+    if env.get(STORE_ENV):
+        return connect_from_env(timeout_s, env), False
+    if not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
+        return None, False
+    host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"]) + 1
+    if int(env.get("RANK", "0")) == 0:
+        store, _ = host_store(port, host, timeout_s)
+        log.info("no %s from the launcher: rank 0 hosts the job's store at %s (losing rank 0 ends the job)",
+                 STORE_ENV, format_address(host, port))
+        return store, True
+    return connect_store(format_address(host, port), timeout_s), False

@@ -38,6 +38,62 @@ class StragglerConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """Live recovery in the caller's own training loop (`ntp_ds.fault_tolerant`): `ntp.fault_tolerance` is true, or a
+    mapping of these fields."""
+
+    enabled: bool = False
+    """`ntp_ds.initialize` returns a `FaultTolerantEngine`, whose `attempt` recovers a step a peer's failure broke."""
+    heartbeat_interval_s: float = 0.5
+    """How often each rank beats to the job's store."""
+    heartbeat_timeout_s: float = 3.0
+    """A peer silent this long is dead (a crash is seen at once, through its launcher or its connections)."""
+    hang_timeout_s: float | None = None
+    """A peer that beats but makes no training progress this long while this rank waits on it is hung (None: never
+    judged by progress)."""
+    join_timeout_s: float = 600.0
+    """How long a joining worker (started with NTP_JOIN by its launcher) waits to be taken in."""
+    faults: tuple = ()
+    """Injected faults: `{rank, step, phase, kind}` entries, as `fault.faults` of `ntp-ds train`."""
+    last_good_dir: str | None = None
+    """Where the survivors write the last good weights (HF form) when no replica can go on (None: not written)."""
+
+    def validate(self, where: str = "ntp.fault_tolerance") -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"{where}.enabled={self.enabled!r} must be true or false")
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "join_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{where}.{name}={value!r} must be a positive number of seconds")
+        if self.heartbeat_interval_s >= self.heartbeat_timeout_s:
+            raise ConfigError(f"{where}.heartbeat_interval_s={self.heartbeat_interval_s} must be shorter than "
+                              f"heartbeat_timeout_s={self.heartbeat_timeout_s}")
+        if self.hang_timeout_s is not None and (isinstance(self.hang_timeout_s, bool) or not isinstance(
+                self.hang_timeout_s, (int, float)) or not self.hang_timeout_s > 0):
+            raise ConfigError(f"{where}.hang_timeout_s={self.hang_timeout_s!r} must be a positive number of seconds "
+                              "or null")
+
+
+def _sub_config(cls, value, where: str, mapping_enables: bool = False):
+    """A nested setting given as its dataclass, a mapping of its fields, None (defaults) or, for one with an
+    `enabled` field, a bool; with `mapping_enables`, a mapping without `enabled` turns the feature on."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, bool) and any(f.name == "enabled" for f in fields(cls)):
+        return cls(enabled=value)
+    if value is not None and not isinstance(value, Mapping):
+        raise ConfigError(f"{where}={value!r} must be a mapping of its settings")
+    value = dict(value or {})
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]} is not a known setting; valid: {sorted(known)}")
+    if mapping_enables and value and "enabled" not in value:
+        value["enabled"] = True
+    return cls(**value)
+
+
+@dataclass
 class NTPConfig:
     """How replicas are laid out and how a degraded replica trains."""
 
@@ -74,17 +130,16 @@ class NTPConfig:
     `reduce_bucket_size`): bounds the exchange buffers, and smaller buckets start streaming sooner in backward."""
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     """Give a replica slower than its peers a smaller share of the global batch (a mapping of its fields also works)."""
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    """Live recovery in the caller's own loop: true, or a mapping of `FaultToleranceConfig` fields."""
 
     def __post_init__(self):
         if self.degrees is not None:
             self.degrees = tuple(int(d) for d in self.degrees)
         if isinstance(self.straggler, Mapping) or self.straggler is None:
-            value = dict(self.straggler or {})
-            known = {f.name for f in fields(StragglerConfig)}
-            unknown = sorted(set(value) - known)
-            if unknown:
-                raise ConfigError(f"ntp.straggler.{unknown[0]} is not a known setting; valid: {sorted(known)}")
-            self.straggler = StragglerConfig(**value)
+            self.straggler = _sub_config(StragglerConfig, self.straggler, "ntp.straggler")
+        self.fault_tolerance = _sub_config(FaultToleranceConfig, self.fault_tolerance, "ntp.fault_tolerance",
+                                           mapping_enables=True)
 
     @classmethod
     def from_any(cls, value) -> "NTPConfig":
@@ -117,6 +172,7 @@ class NTPConfig:
         if self.zero_redundancy < 0:
             raise ConfigError(f"ntp.zero_redundancy={self.zero_redundancy} must be 0 or more")
         self.straggler.validate()
+        self.fault_tolerance.validate()
         degrees = self.replica_degrees
         if len(degrees) != self.replicas:
             raise ConfigError(f"ntp.degrees={list(degrees)} lists {len(degrees)} replicas but "

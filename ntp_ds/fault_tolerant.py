@@ -1,0 +1,238 @@
+"""Fault tolerance in the caller's own training loop.
+
+`ntp_ds.initialize(model=..., config=..., ntp={..., "fault_tolerance": True})` returns a `FaultTolerantEngine`:
+the DeepSpeed engine API (`engine(batch)`, `backward`, `step`, checkpoints, every attribute of the current
+`NTPEngine`) plus three entries that make a DeepSpeed loop survive a lost GPU:
+
+    for step in engine.train_steps(num_steps):          # yields again a step that a failure interrupted
+        with engine.attempt(step):                        # a peer's failure in here is recovered, not raised
+            for batch in engine.micro_batches(dataset):   # this replica's share of the step's global batch
+                loss = engine(batch)
+                engine.backward(loss)
+                engine.step()
+
+The handle stays valid across recoveries and joins: each of them builds a new `NTPEngine` for the new topology, and
+the handle goes on with it, so the caller's reference never goes stale (the inner engine, `engine.engine`, must not
+be kept across steps). Between steps it takes in workers that join (a repaired GPU), stops the job cleanly at one
+step every rank agrees on after SIGINT or SIGTERM, and reports every event to `on_event(kind, step, fields)`.
+A rank whose own device fails leaves the job (exit status 0); an error of the caller's own code is raised as is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+
+from ntp_ds.batch.loader import GlobalBatchSampler, replica_micro_batches
+from ntp_ds.comm import wire
+from ntp_ds.engine.config import ConfigError, NTPConfig, env_world_size
+
+log = logging.getLogger(__name__)
+
+EventCallback = Callable[[str, int, dict], None]
+"""`on_event(kind, step, fields)`: kind is "recovery", "join", "stop" or "leave"; step the last completed step."""
+
+
+def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_len: int | None = None, store=None,
+               on_event: EventCallback | None = None) -> FaultTolerantEngine:
+    """Build this rank's engine under live recovery, or, in a worker its launcher started to join a running job
+    (NTP_JOIN), receive it from the job's members. Every check runs before a process group is built."""
+    from ntp_ds.control.faults import FaultInjector, FaultSchedule
+    from ntp_ds.control.joins import JOIN_ENV
+    from ntp_ds.control.store import job_store
+    from ntp_ds.engine.initialize import initialize as build, prepare
+    from ntp_ds.recovery.manager import Recovery
+
+    ntp = NTPConfig.from_any(ntp)
+    ft = ntp.fault_tolerance
+    ntp.validate(env_world_size())
+    world = env_world_size() or 1
+    try:
+        schedule = FaultSchedule.from_config(list(ft.faults), world, where="ntp.fault_tolerance.faults")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    rank = int(os.environ.get("RANK", "0"))
+    hosts_store = False
+    if store is None:
+        store, hosts_store = job_store(ntp.timeout_s)
+    if store is None:
+        raise ConfigError("ntp.fault_tolerance needs the job's coordination store: start the job with ntp-ds launch "
+                          "(NTP_STORE), torchrun or deepspeed (rank 0 hosts it at MASTER_PORT+1), or pass store=")
+    liveness = dict(heartbeat_interval_s=ft.heartbeat_interval_s, heartbeat_timeout_s=ft.heartbeat_timeout_s,
+                    hang_timeout_s=ft.hang_timeout_s, last_good_dir=ft.last_good_dir)
+    injector = FaultInjector(schedule, rank, store)
+    if os.environ.get(JOIN_ENV):
+        spec, _ = prepare(model, config, ntp, optimizer, lr_scheduler, seq_len)
+        recovery = Recovery.join(spec, store, rank, not_before=int(os.environ.get("NTP_JOIN_STEP", "0")),
+                                 timeout_s=ft.join_timeout_s, on_phase=injector.check, **liveness)
+        engine = recovery.engine
+    else:
+        engine = build(model, config, ntp, optimizer, lr_scheduler, seq_len, store)
+        recovery = Recovery(engine, store, rank, **liveness)
+    return FaultTolerantEngine(engine, recovery, injector=injector, on_event=on_event, hosts_store=hosts_store)
+
+
+class FaultTolerantEngine:
+    """A DeepSpeed engine handle that outlives recoveries and joins (see the module's docstring).
+
+    Attributes the handle does not define are read from the current `NTPEngine`.
+    """
+
+    def __init__(self, engine, recovery, *, injector=None, on_event: EventCallback | None = None,
+                 hosts_store: bool = False, stop_on_signals: bool = True):
+        self._engine, self.recovery, self.injector = engine, recovery, injector
+        self.on_event = on_event
+        """Called with (kind, step, fields) for every recovery, join, stop and leave of this rank."""
+        self.hosts_store = hosts_store
+        self.events: list[dict] = []
+        """Every event this rank saw, as `{"kind", "step", **fields}`."""
+        self.stopped_by: int | None = None
+        """Number of the signal the job stopped for, if `train_steps` ended early."""
+        self._samplers: dict[tuple[int, int, int], GlobalBatchSampler] = {}
+        self._stop = None
+        if stop_on_signals and threading.current_thread() is threading.main_thread():
+            from ntp_ds.run.stop import StopSignals
+
+            self._stop = StopSignals(recovery.store).install()
+        self._closed = False
+        self._attach()
+
+    # -- the engine's API ----------------------------------------------------------------------------------------
+    @property
+    def engine(self):
+        """The current NTPEngine (a recovery or a join replaces it: use it within a step, never keep it)."""
+        return self._engine
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._engine, name)
+
+    def __call__(self, *inputs, **kwargs):
+        return self._engine(*inputs, **kwargs)
+
+    def forward(self, *inputs, **kwargs):
+        return self._engine(*inputs, **kwargs)
+
+    def backward(self, loss, *args, **kwargs):
+        return self._engine.backward(loss, *args, **kwargs)
+
+    def step(self, *args, **kwargs):
+        return self._engine.step(*args, **kwargs)
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+    def train_steps(self, num_steps: int) -> Iterator[int]:
+        """Yield the index of each step to run (the steps completed so far, DeepSpeed's `global_steps`) until
+        `num_steps` are complete. A step a failure interrupted is yielded again (after a roll-back, the step before
+        it too); joiners are taken in between steps; after SIGINT or SIGTERM the job stops at a step every rank
+        agrees on (`stopped_by` then holds the signal). At the end every rank has finished its last step."""
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
+            raise ValueError(f"num_steps={num_steps!r} must be a non-negative integer")
+        while self._engine.global_steps < num_steps:
+            step = self._engine.global_steps
+            yield step
+            if self._engine.global_steps <= step:
+                continue  # the attempt failed and was recovered: run the step again
+            done = self._engine.global_steps
+            if self._stop is not None and self._stop.should_stop(done) and done < num_steps:
+                self.stopped_by = self._stop.signal
+                self._event("stop", done, signal=self._stop.signal)
+                break
+            if done < num_steps:
+                self._take_joiners(done, num_steps)
+        wire.barrier()  # every rank is done with the steps' collectives before any stops watching its peers
+
+    @contextlib.contextmanager
+    def attempt(self, step: int | None = None):
+        """Run one step's work; a failure of a peer (or of a collective) in it is recovered: the handle goes on with
+        the recovered engine and `train_steps` yields the step to run next. This rank's own device error makes it
+        leave the job; any other error is raised."""
+        from ntp_ds.control.faults import DeviceError
+        from ntp_ds.recovery.manager import RecoveryImpossible
+
+        if step is not None and step != self._engine.global_steps:
+            raise ValueError(f"attempt(step={step}) but the engine has completed {self._engine.global_steps} steps: "
+                             "attempt the step train_steps yields")
+        try:
+            yield self
+        except DeviceError as error:
+            self._event("leave", self._engine.global_steps, reason=str(error))
+            self.recovery.leave(f"device error at step {self._engine.global_steps + 1}")
+        except Exception as error:
+            if isinstance(error, RecoveryImpossible) or not wire.is_wire_failure(error):
+                raise
+            self._recover(error)
+
+    def micro_batches(self, dataset, seed: int = 0) -> Iterator[dict]:
+        """This replica's micro-batches of the current step's global batch (DeepSpeed's `train_batch_size`), drawn
+        from `dataset` (a map-style dataset of dicts of equal-shaped tensors with `input_ids` and `labels`) in an
+        order every rank agrees on (shuffled per epoch by `seed`). Each carries the global batch's token count, which
+        weights its loss."""
+        key = (id(dataset), len(dataset), seed)
+        sampler = self._samplers.get(key)
+        if sampler is None:
+            sampler = self._samplers[key] = GlobalBatchSampler(len(dataset), seed)
+        engine = self._engine
+        return replica_micro_batches(dataset, sampler, engine.batch_plan, engine.ntp_groups.replica,
+                                     engine.global_steps)
+
+    def close(self) -> None:
+        """Stop watching the peers and leave the job's store (call once, after the last collective: after
+        `train_steps` and whatever the caller saves). The rank hosting the store waits for the others to leave."""
+        from ntp_ds.control.heartbeat import mark_exited, outlive_peers
+
+        if self._closed:
+            return
+        self._closed = True
+        if self._stop is not None:
+            self._stop.uninstall()
+        self.recovery.close(finished=True)
+        store = self.recovery.store
+        mark_exited(store, self.recovery.rank, "finished", alarm=False)
+        if self.hosts_store:
+            outlive_peers(store, self.recovery.rank, int(os.environ.get("WORLD_SIZE", "1")),
+                          self.recovery.heartbeat_timeout_s)
+
+    def __enter__(self) -> FaultTolerantEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- recoveries and joins ------------------------------------------------------------------------------------
+    def _recover(self, error: BaseException) -> None:
+        step = self._engine.global_steps
+        log.info("step %d failed (%s); recovering", step + 1, str(error).splitlines()[0] if str(error) else error)
+        self._engine = None  # the recovery releases the old engine: nothing of it may stay reachable from here
+        outcome = self.recovery.recover(error)
+        self._adopt(outcome.engine)
+        self._event("recovery", step, **outcome.event)
+
+    def _take_joiners(self, completed: int, num_steps: int) -> None:
+        try:
+            outcome = self.recovery.at_boundary(completed, num_steps)
+        except Exception as error:
+            if not wire.is_wire_failure(error):
+                raise
+            self._recover(error)
+            return
+        if outcome is not None:
+            self._adopt(outcome.engine)
+            self._event("join", completed, **outcome.event)
+
+    def _adopt(self, engine) -> None:
+        self._engine = engine
+        self._attach()
+
+    def _attach(self) -> None:
+        if self.injector is not None:
+            self._engine.on_phase = self.recovery.on_phase = self.injector.check
+
+    def _event(self, kind: str, step: int, **fields) -> None:
+        self.events.append({"kind": kind, "step": step, **fields})
+        if self.on_event is not None:
+            self.on_event(kind, step, fields)
+

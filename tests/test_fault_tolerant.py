@@ -1,0 +1,90 @@
+"""Fault tolerance in the caller's own loop: `ntp_ds.initialize(..., ntp={"fault_tolerance": ...})` and a
+DeepSpeed-style loop over `train_steps`, `attempt` and `micro_batches`, judged by final state: after a lost GPU the
+weights equal one process training the unsharded model on the same samples."""
+
+import pytest
+
+from ntp_ds.engine import ConfigError
+from ntp_ds.testing.spawn import run_ranks
+from tests.training import assert_equivalent
+
+STEPS, GLOBAL_BATCH, MICRO = 5, 12, 2
+
+
+def user_loop(rank, world_size, ntp: dict, stage: int, steps: int, faults: list, joins: dict | None = None):
+    """A user's script: their model, DeepSpeed config and dataset; the loop reads like DeepSpeed's. `joins`: the
+    step from which each joiner (started with NTP_JOIN, as a launcher starts a repaired GPU's worker) trains."""
+    import os
+
+    import ntp_ds
+    from tests.training import _await_join_requests, dataset, deepspeed_config, full_model, host_shards, tiny_config
+
+    joining = bool(os.environ.get("NTP_JOIN"))
+    if joining:
+        os.environ["NTP_JOIN_STEP"] = str(joins[rank])  # what the launcher tells a replacement
+    model = full_model(tiny_config())
+    seen = []
+    engine = ntp_ds.initialize(model=model, config=deepspeed_config("adamw", stage, GLOBAL_BATCH, MICRO),
+                               ntp={**ntp, "fault_tolerance": {"heartbeat_timeout_s": 2.0, "faults": faults}},
+                               on_event=lambda kind, step, fields: seen.append((kind, step, fields.get("dead"))))
+    data = dataset(model.config)
+    first_engine = engine.engine
+    if joins and not joining:  # when a joiner is taken in depends on the step it asked for, not on its start-up
+        _await_join_requests(engine.store, len(joins))
+    attempts = []
+    for step in engine.train_steps(steps):
+        attempts.append(step)
+        with engine.attempt(step):
+            for batch in engine.micro_batches(data, seed=1):
+                loss = engine(batch)
+                engine.backward(loss)
+                engine.step()
+    result = {"replica": engine.ntp_groups.replica, "tp_rank": engine.ntp_groups.tp_rank,
+              "layout": engine.ntp_groups.layout, "shards": host_shards(engine.module),
+              "full": engine.consolidated_state_dict(), "global_steps": engine.global_steps,
+              "degrees": tuple(engine.ntp_groups.topology.degrees), "events": seen, "attempts": attempts,
+              "engine_replaced": engine.engine is not first_engine}
+    engine.close()
+    return result
+
+
+def test_a_crash_in_the_users_loop_is_recovered_and_ends_equal_to_the_failure_free_run():
+    faults = [{"rank": 3, "step": 3, "phase": "backward", "kind": "crash"}]
+    results = run_ranks(user_loop, 4, {"tp": 2, "replicas": 2}, 1, STEPS, faults, timeout=200, store=True)
+    assert sorted(results) == [0, 1, 2]
+    assert_equivalent(results, GLOBAL_BATCH, STEPS)
+    for res in results.values():
+        assert res["degrees"] == (2, 1)
+        assert res["events"] == [("recovery", 2, [3])]  # after 2 completed steps, rank 3 lost
+        assert res["attempts"] == [0, 1, 2, 2, 3, 4]  # step index 2 (the third step) ran twice
+        assert res["engine_replaced"]  # the same handle, a new engine inside it
+
+
+def test_a_repaired_gpu_joins_the_users_loop_between_steps():
+    faults = [{"rank": 3, "step": 2, "phase": "forward", "kind": "crash"}]
+    results = run_ranks(user_loop, 4, {"tp": 2, "replicas": 2}, 1, STEPS, faults, {4: 4}, timeout=200, store=True,
+                        joiners=1)
+    assert sorted(results) == [0, 1, 2, 4]
+    assert_equivalent(results, GLOBAL_BATCH, STEPS)
+    assert all(res["degrees"] == (2, 2) for res in results.values())
+    for rank in (0, 1, 2):
+        assert [kind for kind, _, _ in results[rank]["events"]] == ["recovery", "join"]
+    assert results[4]["attempts"][0] == 3, "the joiner trains from the step it asked for (index 3: step 4)"
+
+
+def test_fault_tolerance_settings_are_checked_before_any_process_group(monkeypatch):
+    import torch.distributed as dist
+
+    import ntp_ds
+    from tests.training import deepspeed_config, full_model, tiny_config
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cases = [({"heartbeat_interval_s": 5.0, "heartbeat_timeout_s": 2.0},
+              r"ntp.fault_tolerance.heartbeat_interval_s=5.0 must be shorter than heartbeat_timeout_s=2.0"),
+             ({"faults": [{"rank": 9, "step": 1, "phase": "forward"}]}, r"ntp.fault_tolerance.faults\[0\]"),
+             ({"heartbeat": 1}, r"ntp.fault_tolerance.heartbeat is not a known setting")]
+    for settings, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            ntp_ds.initialize(model=full_model(tiny_config()), config=deepspeed_config("sgd", 1, 12, 2),
+                              ntp={"tp": 2, "fault_tolerance": settings})
+    assert not dist.is_initialized()
