@@ -40,7 +40,7 @@ def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_l
                on_event: EventCallback | None = None) -> FaultTolerantEngine:
     """Build this rank's engine under live recovery, or, in a worker its launcher started to join a running job
     (NTP_JOIN), receive it from the job's members. Every check runs before a process group is built."""
-    from ntp_ds.control.faults import FaultInjector, FaultSchedule
+    from ntp_ds.control.faults import FaultInjector, FaultSchedule, send_fault
     from ntp_ds.control.joins import JOIN_ENV
     from ntp_ds.control.store import job_store
     from ntp_ds.engine.initialize import initialize as build, prepare
@@ -64,7 +64,13 @@ def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_l
     liveness = dict(heartbeat_interval_s=ft.heartbeat_interval_s, heartbeat_timeout_s=ft.heartbeat_timeout_s,
                     hang_timeout_s=ft.hang_timeout_s, last_good_dir=ft.last_good_dir)
     injector = FaultInjector(schedule, rank, store)
-    if os.environ.get(JOIN_ENV):
+    joining = bool(os.environ.get(JOIN_ENV))
+    if schedule.repairs() and rank == 0 and not joining and not hosts_store:
+        # `ntp-ds launch` starts a replacement for a repaired rank's worker; it learns of repairs sent to the job.
+        for fault in schedule.faults:
+            if fault.kind == "repair":
+                send_fault(store, fault)
+    if joining:
         spec, _ = prepare(model, config, ntp, optimizer, lr_scheduler, seq_len)
         recovery = Recovery.join(spec, store, rank, not_before=int(os.environ.get("NTP_JOIN_STEP", "0")),
                                  timeout_s=ft.join_timeout_s, on_phase=injector.check, **liveness)
@@ -72,6 +78,7 @@ def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_l
     else:
         engine = build(model, config, ntp, optimizer, lr_scheduler, seq_len, store)
         recovery = Recovery(engine, store, rank, **liveness)
+    recovery.expect_joiners(schedule.repairs().values())
     return FaultTolerantEngine(engine, recovery, injector=injector, on_event=on_event, hosts_store=hosts_store)
 
 
@@ -180,8 +187,9 @@ class FaultTolerantEngine:
                                      engine.global_steps)
 
     def close(self) -> None:
-        """Stop watching the peers and leave the job's store (call once, after the last collective: after
-        `train_steps` and whatever the caller saves). The rank hosting the store waits for the others to leave."""
+        """Leave the job (every rank calls it, after its last collective: after `train_steps` and whatever the caller
+        saves): stop judging the peers, meet them, stop beating and record this rank's exit. The rank that hosts the
+        store waits for the others to leave."""
         from ntp_ds.control.heartbeat import mark_exited, outlive_peers
 
         if self._closed:
@@ -189,7 +197,11 @@ class FaultTolerantEngine:
         self._closed = True
         if self._stop is not None:
             self._stop.uninstall()
+        # A peer that met us and left would otherwise be declared dead by a watcher still running here.
+        self.recovery.heartbeat.watch([])
+        wire.barrier()
         self.recovery.close(finished=True)
+        wire.teardown()
         store = self.recovery.store
         mark_exited(store, self.recovery.rank, "finished", alarm=False)
         if self.hosts_store:

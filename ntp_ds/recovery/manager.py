@@ -112,6 +112,8 @@ class Recovery:
         self.placement = Placement.initial(build_topology(self.job.units(), self.job.ntp))
         """Which configured replica and healthy TP slot each member holds: where joiners go."""
         self.joins = JoinRequests(store)
+        self._expected: list[int] = []
+        """Steps from which scheduled repairs' replacements train (`expect_joiners`)."""
         self.fingerprint = job_fingerprint(self.job)
         """What a joiner's configuration must match."""
         self.on_phase = lambda step, phase: None
@@ -353,11 +355,35 @@ class Recovery:
         engine's outcome, or None (one store request per rank while nobody joins)."""
         generation = self.membership.generation
         if self.members.index(self.rank) == 0 and (last_step is None or completed + 2 <= last_step):
+            self._await_expected_joiners(completed)
             self._plan_joins(generation, completed)
         plan = read_join_plan(self.store, generation)
         if plan is None or plan.after != completed or not plan.joiners:
             return None
         return self.grow(plan)
+
+    def expect_joiners(self, steps) -> None:
+        """Scheduled repairs: a replacement worker trains from each of these steps (1-based). Global rank 0 holds the
+        boundary at which it plans a step's joins until as many join requests as repairs due by then have arrived,
+        so a repair takes effect at its step however long the replacement takes to start; the hold is bounded by
+        half the job's collective bound (the other members wait in the next step meanwhile), after which the
+        repair waits for a later boundary."""
+        self._expected = sorted(int(s) for s in steps)
+
+    def _await_expected_joiners(self, completed: int) -> None:
+        due = sum(1 for s in self._expected if s <= completed + 2)
+        if not due or len(self.joins.read()) >= due:
+            return
+        deadline = time.monotonic() + self.job.ntp.timeout_s / 2
+        with wire.waiting():
+            while len(self.joins.read()) < due:
+                if time.monotonic() > deadline:
+                    log.warning("rank %d: %d repair(s) due by step %d, but only %d join request(s) arrived within "
+                                "%.0f s; going on", self.rank, due, completed + 2, len(self.joins.read()),
+                                self.job.ntp.timeout_s / 2)
+                    self._expected = [s for s in self._expected if s > completed + 2]
+                    return
+                time.sleep(0.05)
 
     def _refuse_all(self, reason: str) -> None:
         for request in self.joins.pending(self.membership.generation + 1, self.members):

@@ -46,6 +46,7 @@ class LiveRecovery:
         recovery = Recovery(engine, engine.store, rank, heartbeat_interval_s=p.heartbeat_interval_s,
                             heartbeat_timeout_s=p.heartbeat_timeout_s, hang_timeout_s=p.hang_timeout_s,
                             last_good_dir=Path(run_dir) / LAST_GOOD)
+        recovery.expect_joiners(cfg.fault_schedule().repairs().values())  # a repair takes effect at its step
         return cls(recovery, FaultInjector(cfg.fault_schedule(), rank, engine.store))
 
     @classmethod
