@@ -23,12 +23,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 
 from ntp_ds.batch.loader import GlobalBatchSampler, replica_micro_batches
 from ntp_ds.comm import wire
 from ntp_ds.engine.config import ConfigError, NTPConfig, env_world_size
+from ntp_ds.sentinel import become_sentinel, under_foreign_launcher
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,9 @@ def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_l
         schedule = FaultSchedule.from_config(list(ft.faults), world, where="ntp.fault_tolerance.faults")
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if under_foreign_launcher():
+        # deepspeed and torchrun act on a worker's death: this process supervises the worker, started again below it.
+        sys.exit(become_sentinel(schedule.repairs()))
     rank = int(os.environ.get("RANK", "0"))
     hosts_store = False
     if store is None:

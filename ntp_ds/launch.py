@@ -93,6 +93,8 @@ class LaunchSpec:
     """Start workers that join the job running on `store` instead of starting one."""
     repairs: dict = field(default_factory=dict)
     """Launch rank -> step: once that worker has died, start a replacement that joins from this step."""
+    env: dict = field(default_factory=dict)
+    """Set in every worker's environment last (a sentinel keeps its launcher's LOCAL_RANK this way)."""
 
     def __post_init__(self):
         if self.join and not self.store:
@@ -160,7 +162,8 @@ def worker_env(spec: LaunchSpec, local_rank: int, store: str, master: tuple[str,
         env.pop("NTP_NODE_SIZE")  # its rank lies outside the node numbering: watchers read its beats per rank
     if spec.run_dir:
         env["NTP_RUN_DIR"] = str(Path(spec.run_dir).resolve())
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.nproc_per_node)))
+    env.update(spec.env)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(env["LOCAL_WORLD_SIZE"]))))
     set_cpu_accelerator(env)
     return env
 
@@ -202,8 +205,10 @@ def _rendezvous(spec: LaunchSpec):
     return store, spec.store, (host, int(store.get(MASTER_PORT_KEY).decode()))
 
 
-def launch(spec: LaunchSpec, poll_s: float = 0.1) -> int:
-    """Start the workers, wait for every one, report each exit; return the exit status described above."""
+def launch(spec: LaunchSpec, poll_s: float = 0.1, finish=None) -> int:
+    """Start the workers, wait for every one, report each exit; return the exit status described above, or what
+    `finish(store, codes)` returns (called once every worker has exited, while this process still holds the store)
+    if it returns a status."""
     from ntp_ds.control.heartbeat import (
         NODE_PUBLISH_S,
         NodePublisher,
@@ -275,6 +280,8 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1) -> int:
                 for p in left.values():
                     p.kill()
             time.sleep(poll_s)
+        if finish is not None and (status := finish(store, codes)) is not None:
+            return status
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

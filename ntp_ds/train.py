@@ -158,7 +158,8 @@ def run_worker(cfg, started: float, stop) -> int:
         engine.load_checkpoint(run_dir / CHECKPOINTS)  # checked before the workers started: same degrees
         engine.refresh_copies()  # the buddies' copies of the loaded optimizer state, as after every step
     g = engine.ntp_groups
-    console.setLevel(cfg.logging.level if is_writer(engine) else cfg.logging.other_ranks_level)
+    members = live.recovery.members if joining else None  # launch ranks by global rank: who writes the records
+    console.setLevel(cfg.logging.level if is_writer(engine, members) else cfg.logging.other_ranks_level)
     log.info("replica %d, TP rank %d of %d (%s)", g.replica, g.tp_rank, len(g.tp_ranks),
              "anchor" if g.is_anchor else "contributor")
     if not joining:
@@ -166,9 +167,9 @@ def run_worker(cfg, started: float, stop) -> int:
     if live is None:
         log.warning("no store to coordinate through: a failure ends the run")
     recorder, progress = RunRecorder(None), None
-    if joining and is_writer(engine):  # it took the writer's place: it goes on with the run's records
+    if joining and is_writer(engine, members):  # it took the writer's place: it goes on with the run's records
         recorder = open_records(cfg, run_dir, store, resume=True)
-    elif is_writer(engine):
+    elif not joining and is_writer(engine):
         if store is not None:
             publish_job(store, cfg.world_size, cfg.train.steps, engine.global_steps)
         (run_dir / RUN_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2, default=str) + "\n")
@@ -285,6 +286,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(argv)
         world = int(os.environ.get("WORLD_SIZE", "0")) if under_launcher and not cfg.dry_run else 0
         cfg.validate(world or None)
+        if under_launcher and not cfg.dry_run:
+            from ntp_ds.sentinel import become_sentinel, under_foreign_launcher
+
+            if under_foreign_launcher():  # deepspeed, torchrun: a worker's death must not reach them
+                stop.uninstall()  # the sentinel passes signals on to its worker
+                return become_sentinel(cfg.fault_schedule().repairs())
         if not cfg.dry_run and not os.environ.get("NTP_JOIN"):  # a joiner joins the run its directory holds
             prepare_run_dir(cfg, clear=first)
     except BAD_INPUT as e:

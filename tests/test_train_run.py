@@ -322,3 +322,24 @@ def test_a_stop_request_ends_the_run_after_the_agreed_step_with_weights_checkpoi
     assert events[1]["step"] == 1 and events[1]["signal"] == "SIGTERM"
     assert summary["status"] == "stopped" and summary["last_step"] == 1 and summary["stopped_by"] == "SIGTERM"
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "stopped"
+
+
+def test_a_worker_that_joins_never_takes_the_records_from_one_that_trained_all_along():
+    from types import SimpleNamespace
+
+    from ntp_ds.layout import Topology
+    from ntp_ds.run.trainer import is_writer
+    from tests.training import tiny_config
+
+    # Two anchor replicas of TP 2; rank 0 died and launch rank 4 took its place (global rank 0 again).
+    topology = Topology.from_degrees(tiny_config().units(), (2, 2))
+    members = (4, 1, 2, 3)
+
+    def engine(rank):
+        replica, tp_rank = topology.locate(rank)
+        return SimpleNamespace(ntp_groups=SimpleNamespace(topology=topology, replica=replica, tp_rank=tp_rank,
+                                                          rank=rank, plan=SimpleNamespace(anchors=(0, 1))))
+
+    assert [is_writer(engine(r), members) for r in range(4)] == [False, False, True, False]
+    assert [is_writer(engine(r), (0, 1, 2, 3)) for r in range(4)] == [True, False, False, False]
+    assert [is_writer(engine(r)) for r in range(4)] == [True, False, False, False]

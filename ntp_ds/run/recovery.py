@@ -66,6 +66,11 @@ class LiveRecovery:
     def events(self) -> list[dict]:
         return self.recovery.events
 
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Launch ranks of the generation's members, in global-rank order (who writes the records)."""
+        return self.recovery.members
+
     def recover(self, trainer, step: int, error: BaseException) -> RecoveryReport:
         """Leave on this rank's own device error; otherwise recover and return the new engine with its event."""
         if isinstance(error, DeviceError):

@@ -20,8 +20,8 @@ of that step, a `run_stopped` event and a summary with status `stopped`. A run s
 (`existing_run=resume`: the engine has loaded it, so `engine.global_steps` is its step) records `run_resumed`
 instead of `run_start` and goes on from the next step.
 
-One rank writes the run's records (`is_writer`): TP rank 0 of the first anchor replica, the rank that also
-consolidates the final weights. Its step timings stand for the job's (an anchor runs the full DeepSpeed step; a
+One rank writes the run's records (`is_writer`): TP rank 0 of an anchor replica (the lowest launch rank among
+them, so a worker that joins never takes the role from one that trained all along). Its step timings stand for the job's (an anchor runs the full DeepSpeed step; a
 contributor waits on its anchor). A recovery can move that role (the writer died, or its replica became a
 contributor): the old writer, if alive, hands its records over, and the new one resumes them through
 `switch_writer(True)`, appending to the same files and W&B run.
@@ -150,7 +150,7 @@ class Trainer:
 
     @property
     def writer(self) -> bool:
-        return is_writer(self.engine)
+        return is_writer(self.engine, getattr(self.recovery, "members", None))
 
     # -- topology ----------------------------------------------------------------------------------------------
     @property
@@ -475,10 +475,17 @@ class Trainer:
         log.log(logging.INFO if verbose and self.progress is None else logging.DEBUG, text)
 
 
-def is_writer(engine) -> bool:
-    """Whether this rank writes the run's records: TP rank 0 of the first anchor replica."""
+def is_writer(engine, members=None) -> bool:
+    """Whether this rank writes the run's records: TP rank 0 of an anchor replica; with `members` (launch ranks in
+    global-rank order), of the one whose launch rank is lowest, so that a worker that just joined (a fresh launch
+    rank) never takes the records from a rank that has trained all along; without, of the first anchor replica."""
     g = engine.ntp_groups
-    return g.replica == g.plan.anchors[0] and g.tp_rank == 0
+    if g.tp_rank != 0 or g.replica not in g.plan.anchors:
+        return False
+    if members is None:
+        return g.replica == g.plan.anchors[0]
+    firsts = [g.topology.ranks_of(a)[0] for a in g.plan.anchors]
+    return members[g.rank] == min(members[r] for r in firsts)
 
 
 def _describe(faults) -> str:

@@ -1,0 +1,83 @@
+"""A sentinel in front of each worker that a foreign launcher (`deepspeed`, `torchrun`) started.
+
+Those launchers act on a worker's death: `deepspeed` kills every sibling when one exits non-zero, `torchrun` stops
+(or restarts) them all. So under them the process the launcher started becomes a sentinel: it touches no device,
+starts the training process again (the same command line, with `NTP_SENTINEL=child`), and supervises it as
+`ntp-ds launch` supervises its workers (`ntp_ds.launch.launch`, one worker per "node"): it records the worker's
+exit in the job's store, stops it when its peers declare it dead, starts a replacement that joins the job for a
+`repair`, and passes SIGINT and SIGTERM on. Rank 0's sentinel hosts the job's store (at MASTER_PORT + 1), so
+losing rank 0's worker loses neither the store nor the job. A sentinel exits only once the job is done (every
+other rank has finished, exited or gone silent), with status 0 when some rank finished the job, so the launcher
+never sees a failure it would act on.
+
+`NTP_SENTINEL=0` in the environment turns it off (the worker then trains in the launcher's process, and a crash
+ends the job as the launcher decides).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Mapping
+
+SENTINEL_ENV = "NTP_SENTINEL"
+"""`0`: no sentinel; `child`: this process is the worker a sentinel started."""
+OUTLIVE_TIMEOUT_S = 3.0
+"""How long a peer may be silent before a sentinel waiting for the job's end counts it gone."""
+DONE_KEY = "sentinel/done"
+"""Store counter of the sentinels (other than rank 0's) done with the store."""
+DONE_WAIT_S = 30.0
+"""How long rank 0's sentinel keeps the store for the other sentinels after the job's end."""
+
+
+def under_foreign_launcher(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether this process is a worker started by a launcher other than `ntp-ds launch` (no NTP_STORE), with the
+    env:// rendezvous variables a sentinel needs, and no sentinel yet."""
+    from ntp_ds.control.store import STORE_ENV
+
+    return ("RANK" in env and "WORLD_SIZE" in env and bool(env.get("MASTER_ADDR")) and bool(env.get("MASTER_PORT"))
+            and not env.get(STORE_ENV) and env.get(SENTINEL_ENV) not in ("0", "child"))
+
+
+def become_sentinel(repairs: Mapping[int, int] | None = None, env: Mapping[str, str] = os.environ,
+                    argv: list[str] | None = None) -> int:
+    """Start this process's command line again as the worker and supervise it (see the module's docstring); return
+    the sentinel's exit status once the job is done. `repairs`: launch rank -> step of the repairs scheduled at
+    launch (repairs sent to the job's store are read too)."""
+    from ntp_ds.launch import LaunchSpec, launch
+
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    store = f"{env['MASTER_ADDR']}:{int(env['MASTER_PORT']) + 1}"
+    local_world = env.get("LOCAL_WORLD_SIZE", "1")
+    command = [sys.executable, *(sys.orig_argv[1:] if argv is None else argv)]
+    spec = LaunchSpec(command, nproc_per_node=1, nnodes=world, node_rank=rank, store=store,
+                      run_dir=env.get("NTP_RUN_DIR"), repairs=dict(repairs or {}),
+                      env={"LOCAL_RANK": env.get("LOCAL_RANK", "0"), "LOCAL_WORLD_SIZE": local_world,
+                           SENTINEL_ENV: "child"})
+    return launch(spec, finish=lambda job_store, codes: _outlast(job_store, rank, world, codes))
+
+
+def _outlast(store, rank: int, world: int, codes: dict[int, int]) -> int:
+    """Wait for the job's end (every other launch rank finished, exited or silent); rank 0's sentinel, which hosts
+    the store, also waits (bounded) until the other sentinels are done with it. Return 0 when some rank finished
+    the job, else the status of this sentinel's first worker."""
+    from ntp_ds.control.heartbeat import outlive_peers, read_exits
+
+    failed = {r: c for r, c in codes.items() if c != 0}
+    try:
+        outlive_peers(store, rank, world, OUTLIVE_TIMEOUT_S)
+        finished = any(reason == "finished" for reason in read_exits(store).values())
+        if rank == 0:
+            deadline = time.monotonic() + DONE_WAIT_S
+            while store.add(DONE_KEY, 0) < world - 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+        else:
+            store.add(DONE_KEY, 1)
+    except Exception as e:  # the store went with rank 0's sentinel: judge by this rank's own worker
+        print(f"ntp-ds sentinel: rank {rank}: the job's store is gone ({e})", file=sys.stderr, flush=True)
+        finished = not failed
+    if finished or not failed:
+        return 0
+    code = failed[min(failed)]
+    return 128 - code if code < 0 else code
