@@ -14,6 +14,7 @@ the norm the anchors compute is the global one, and contributors compute none.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -79,14 +80,17 @@ def count_once_in_zero_norm(optimizer) -> None:
     """Make a ZeRO 1/2 optimizer's global norm count every element once. DeepSpeed hands its norm, per parameter
     group, the gradient pieces of `params_in_partition` in order, the first from `first_offset` on; the pieces of a
     partly counted parameter are masked before DeepSpeed's own sum and reductions."""
-    own_norm = optimizer.get_grad_norm_direct
+    # A weak reference: the optimizer holds this function, and a cycle through it would keep the engine's process
+    # groups open after a release until a full garbage collection.
+    holder = weakref.ref(optimizer)
 
     def get_grad_norm_direct(gradients, params, norm_type=2):
-        group = next((i for i, ps in enumerate(optimizer.params_in_partition) if ps is params), None)
-        first = int(optimizer.first_offset[group]) if group is not None else 0
+        opt = holder()
+        group = next((i for i, ps in enumerate(opt.params_in_partition) if ps is params), None)
+        first = int(opt.first_offset[group]) if group is not None else 0
         pieces = [g for g in gradients if not getattr(g, "_zero_padding", False)]
         masked = [counted_slice(g, p, first if j == 0 else 0) for j, (g, p) in enumerate(zip(pieces, params))]
-        return own_norm(masked + pieces[len(masked):], params, norm_type)
+        return type(opt).get_grad_norm_direct(opt, masked + pieces[len(masked):], params, norm_type)
 
     optimizer.get_grad_norm_direct = get_grad_norm_direct
 
