@@ -150,7 +150,7 @@ def run_worker(cfg, started: float, stop) -> int:
             return 2
         engine = live.recovery.engine
     else:
-        engine = ntp_ds.initialize(model=cfg.model.llama_config(), config=cfg.ds_config(), ntp=cfg.parallel.ntp(),
+        engine = ntp_ds.initialize(model=cfg.model.source(), config=cfg.ds_config(), ntp=cfg.parallel.ntp(),
                                    seq_len=cfg.data.seq_len, store=store)
         run_dir = agree_run_dir(run_dir_of(cfg))
         add_file_log(run_dir, rank, cfg.logging.level)

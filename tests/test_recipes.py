@@ -20,7 +20,7 @@ from ntp_ds.run.dry_run import describe
 from ntp_ds.sim.runspec import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = ["cpu_demo", "cpu_failure_matrix", "gpu_1b_8gpu", "gpu_70b_nvl72"]
+RECIPES = ["cpu_demo", "cpu_failure_matrix", "gpu_1b_8gpu", "gpu_70b_nvl72", "gpu_qwen2_7b_8gpu"]
 
 
 def validated(argv):
@@ -148,10 +148,12 @@ def test_a_key_the_schema_refuses_in_a_recipe_names_the_recipe(tmp_path, monkeyp
     assert load_config(["recipe=unset", "train.steps=3"]).train.steps == 3
 
 
-def test_the_model_schema_is_llama_config_plus_a_name():
-    assert [f.name for f in fields(ModelConfig)] == ["name"] + [f.name for f in fields(LlamaConfig)]
+def test_the_model_schema_is_llama_config_plus_a_name_and_a_path():
+    assert [f.name for f in fields(ModelConfig)] == ["name", "path"] + [f.name for f in fields(LlamaConfig)]
     cfg = validated(["model=llama_1b"])
-    assert cfg.model.llama_config() == LlamaConfig(**{k: v for k, v in cfg.to_dict()["model"].items() if k != "name"})
+    assert cfg.model.llama_config() == LlamaConfig(**{k: v for k, v in cfg.to_dict()["model"].items()
+                                                     if k not in ("name", "path")})
+    assert cfg.model.path is None and cfg.model.source() == cfg.model.llama_config()
 
 
 def test_a_run_written_before_the_model_schema_can_be_resumed(tmp_path):

@@ -13,6 +13,7 @@ Pure logic: no process group, no file written.
 from __future__ import annotations
 
 import typing
+from pathlib import Path
 from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from typing import Any
 
@@ -39,12 +40,42 @@ class ModelName:
 
     name: str = "tiny"
     """Name shown in logs, the dry run and the summary."""
+    path: str | None = None
+    """An HF model directory (`model=hf model.path=DIR`): its config.json gives the shape (the Llama fields below are
+    then unused) and each rank reads only its slices of the weights. A relative path is read from the working
+    directory, else from the project's root (where `recipes/hf/` lies)."""
 
     def llama_config(self) -> LlamaConfig:
         try:
             return LlamaConfig(**{f.name: getattr(self, f.name) for f in fields(LlamaConfig)})
         except (TypeError, ValueError) as e:
             raise ConfigError(f"model.{e}") from None
+
+    def directory(self) -> Path:
+        """The HF model directory `path` names (it must hold a config.json)."""
+        from ntp_ds.sim.runspec import config_dir
+
+        where = Path(self.path).expanduser()
+        if not where.is_absolute() and not where.exists() and (config_dir().parent / where).exists():
+            where = config_dir().parent / where
+        if not (where / "config.json").is_file():
+            raise ConfigError(f"model.path={self.path}: no config.json there (an HF model directory is expected)")
+        return where.resolve()
+
+    def model_config(self):
+        """The shape the job plans with: the HF directory's config (`path`), else the own Llama's fields."""
+        if self.path is None:
+            return self.llama_config()
+        from ntp_ds.engine.initialize import model_config_of
+
+        try:
+            return model_config_of(str(self.directory()))
+        except ConfigError as e:
+            raise ConfigError(f"model.path={self.path}: {e}") from None
+
+    def source(self):
+        """What `ntp_ds.initialize` takes: the HF directory, or the own Llama's config (fresh weights from `seed`)."""
+        return str(self.directory()) if self.path is not None else self.llama_config()
 
 
 def _llama_fields() -> list:
@@ -328,7 +359,7 @@ class RunConfig:
         if self.optim.grad_clip < 0 or self.optim.warmup_steps < 0:
             raise ConfigError(f"optim.grad_clip={self.optim.grad_clip} and optim.warmup_steps="
                               f"{self.optim.warmup_steps} must be 0 or more")
-        llama = self.model.llama_config()
+        llama = self.model.model_config()
         if self.data.seq_len > llama.max_position_embeddings:
             raise ConfigError(f"data.seq_len={self.data.seq_len} exceeds model.max_position_embeddings="
                               f"{llama.max_position_embeddings}")

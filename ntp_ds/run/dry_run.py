@@ -70,10 +70,9 @@ def pace_section(cfg: RunConfig, ds: dict, healthy: ShardLayout) -> list[str]:
 
 
 def shapes_section(cfg: RunConfig, layouts: list[tuple[str, ShardLayout]]) -> list[str]:
-    from ntp_ds.models import Llama
+    from ntp_ds.models import empty_shard
 
-    llama = cfg.model.llama_config()
-    specs = Llama(llama, init=False, device="meta").param_specs()
+    specs = empty_shard(cfg.model.model_config(), device="meta").param_specs()
     seen: dict[str, tuple[int, tuple]] = {}
     for name, (spec, shape) in specs.items():
         key = re.sub(r"\.layers\.\d+\.", ".layers.N.", name)
@@ -92,7 +91,7 @@ def shapes_section(cfg: RunConfig, layouts: list[tuple[str, ShardLayout]]) -> li
 
 
 def memory_section(cfg: RunConfig, ds: dict, layouts: list[tuple[str, ShardLayout]]) -> list[str]:
-    llama, micro = cfg.model.llama_config(), ds["train_micro_batch_size_per_gpu"]
+    llama, micro = cfg.model.model_config(), ds["train_micro_batch_size_per_gpu"]
     budget = cfg.parallel.memory_budget_gb
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     share = f"over ZeRO-{stage} DP {cfg.parallel.replicas}" if stage else "unpartitioned"
@@ -134,12 +133,12 @@ def layout_section(cfg: RunConfig, ds: dict, topology: Topology) -> list[str]:
 
 def describe(cfg: RunConfig) -> str:
     """The dry-run report of a validated config."""
-    llama, ds, p = cfg.model.llama_config(), cfg.ds_config(), cfg.parallel
+    llama, ds, p = cfg.model.model_config(), cfg.ds_config(), cfg.parallel
     units = llama.units(cfg.data.seq_len)
     topology = Topology.from_degrees(units, p.replica_degrees)
-    from ntp_ds.models import Llama
+    from ntp_ds.models import empty_shard
 
-    params = sum(math.prod(shape) for _, shape in Llama(llama, init=False, device="meta").param_specs().values())
+    params = sum(math.prod(shape) for _, shape in empty_shard(llama, device="meta").param_specs().values())
     nproc = cfg.launcher.nproc_per_node or cfg.world_size // cfg.launcher.nnodes
     precision = "bf16" if ds.get("bf16", {}).get("enabled") else "fp32"
     head = f"dry run: recipe {cfg.recipe or '-'}, model {cfg.model.name} ({_count(params)} parameters, {precision})"

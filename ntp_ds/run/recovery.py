@@ -56,7 +56,7 @@ class LiveRecovery:
         from ntp_ds.engine.initialize import prepare
 
         p = cfg.parallel
-        spec, _ = prepare(cfg.model.llama_config(), cfg.ds_config(), p.ntp(), seq_len=cfg.data.seq_len)
+        spec, _ = prepare(cfg.model.source(), cfg.ds_config(), p.ntp(), seq_len=cfg.data.seq_len)
         recovery = Recovery.join(spec, store, rank, not_before=not_before, timeout_s=p.join_timeout_s,
                                  heartbeat_interval_s=p.heartbeat_interval_s, heartbeat_timeout_s=p.heartbeat_timeout_s,
                                  hang_timeout_s=p.hang_timeout_s, last_good_dir=Path(run_dir) / LAST_GOOD)

@@ -110,7 +110,7 @@ class Trainer:
         self.switch_writer = switch_writer
         """After a recovery, called with True when this rank becomes the writer (returns the resumed records) and
         with False when it stops being the writer (returns the recorder of a rank that writes nothing)."""
-        self.dataset = cfg.data.dataset(cfg.model.llama_config().vocab_size)
+        self.dataset = cfg.data.dataset(cfg.model.model_config().vocab_size)
         self.sampler = GlobalBatchSampler(len(self.dataset), cfg.data.seed)
         self.meter = GoodputMeter(cfg.allocated_gpus, cfg.parallel.tp)
         self.step = int(getattr(engine, "global_steps", 0))
