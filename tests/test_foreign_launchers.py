@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ntp_ds.run.records import read_run
 from tests.test_cli import ntp_ds, run
 
 pytestmark = pytest.mark.launchers
@@ -40,6 +41,12 @@ def test_deepspeed_launcher_trains_the_demo_through_a_crash_and_its_repair(tmp_p
     degraded = "[1, 2]" if rank == 0 else "[2, 1]"  # rank 0 is in replica 0, rank 3 in replica 1
     assert f"from the loss of rank {rank}; TP degrees [2, 2] -> {degraded}" in out, out[-4000:]
     assert f"joined after step 19: TP degrees {degraded} -> [2, 2]" in out, out[-4000:]
+    _, events, summary = read_run(run_dir)
+    kinds = [e["event"] for e in events]
+    assert kinds.count("recovery") == 1 and kinds.count("join") == 1, kinds
+    join = next(e for e in events if e["event"] == "join")
+    assert join["step"] == 19 and join["degrees_after"] == [2, 2], join
+    assert summary["last_step"] == 30 and summary["status"] == "finished", summary
     weights = final_weights(run_dir)
     assert set(weights) == set(failure_free)
     for name, tensor in failure_free.items():
