@@ -326,6 +326,8 @@ class _Repairs:
     def __init__(self, store, scheduled: dict, poll_s: float = 0.5):
         self.store, self.waiting, self.poll_s = store, dict(scheduled), poll_s
         self._received, self._next = 0, 0.0
+        self._done: set[int] = set()
+        """Ranks already replaced: a repair of one, scheduled and also sent to the job, starts one replacement."""
 
     def due(self, codes: dict[int, int]) -> list[tuple[int, int]]:
         if time.monotonic() >= self._next:
@@ -334,6 +336,7 @@ class _Repairs:
         out = [(rank, step) for rank, step in self.waiting.items() if rank in codes and codes[rank] != 0]
         for rank, _ in out:
             del self.waiting[rank]
+            self._done.add(rank)
         return out
 
     def _poll(self) -> None:
@@ -344,7 +347,7 @@ class _Repairs:
             while self._received < count and self.store.check([fault_key(self._received + 1)]):
                 self._received += 1
                 fault = Fault.decode(self.store.get(fault_key(self._received)))
-                if fault.kind == "repair":
+                if fault.kind == "repair" and fault.rank not in self._done:
                     self.waiting[fault.rank] = fault.step
         except Exception as e:  # the store is ours; retried at the next poll
             _say(f"could not read the faults sent to the job: {e}")

@@ -228,3 +228,19 @@ def test_launcher_passes_a_stop_signal_on_and_kills_workers_that_outlast_the_gra
     assert (tmp_path / "got").read_text() == str(int(signal.SIGTERM)), "the signal reaches the worker"
     assert "did not stop within --grace-s=1 s; killing them" in err
     assert "rank 1 killed by SIGKILL" in err and "1 of 2 workers stopped cleanly" in err
+
+
+def test_a_repair_both_scheduled_and_sent_starts_one_replacement():
+    import torch.distributed as dist
+
+    from ntp_ds.control.faults import Fault, send_fault
+    from ntp_ds.launch import _Repairs
+
+    store = dist.HashStore()
+    repairs = _Repairs(store, {3: 9}, poll_s=0.0)
+    assert repairs.due({}) == []
+    assert repairs.due({3: -9}) == [(3, 9)]
+    send_fault(store, Fault(rank=3, step=9, phase="boundary", kind="repair"))  # the job's rank 0 sends it too
+    assert repairs.due({3: -9}) == [] and repairs.due({3: -9}) == []
+    other = _Repairs(store, {}, poll_s=0.0)  # a launcher that learns of the repair from the store alone
+    assert other.due({3: -9}) == [(3, 9)]
