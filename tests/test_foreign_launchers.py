@@ -3,23 +3,14 @@ sentinel (`ntp_ds.sentinel`), so the launcher never sees the death, and rank 0's
 Judged by final state: the weights equal those of the failure-free run. Marker `launchers` (CI's second stage)."""
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from ntp_ds.run.records import read_run
 from tests.test_cli import ntp_ds, run
+from tests.training import final_weights
 
 pytestmark = pytest.mark.launchers
 
 COMMON = ["recipe=cpu_demo", "logging=disabled", "train.save_checkpoint=false"]
-
-
-def final_weights(run_dir) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for f in sorted((run_dir / "final").glob("*.safetensors")):
-        tensors.update(load_file(f))
-    assert tensors, f"no weights in {run_dir / 'final'}"
-    return tensors
 
 
 @pytest.fixture(scope="module")

@@ -1,23 +1,14 @@
 """`ntp-ds train model=hf model.path=DIR`: transformers' Qwen2 from an HF directory, each rank reading its slices,
 trained through a crash to the failure-free run's weights; the Qwen2.5-7B recipe's dry run validates."""
 
-import torch
 from safetensors.torch import load_file
 
 from tests.test_cli import ntp_ds
-from tests.training import tiny_qwen2
+from tests.training import final_weights, tiny_qwen2
 
 JOB = ("model=hf", "parallel.tp=2", "parallel.replicas=2", "parallel.timeout_s=20", "train.steps=6",
        "train.global_batch=8", "train.micro_batch=2", "data.seq_len=16", "logging=disabled",
        "logging.progress=false", "optim.grad_clip=1.0", "train.save_checkpoint=false")
-
-
-def final_weights(run_dir) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for f in sorted((run_dir / "final").glob("*.safetensors")):
-        tensors.update(load_file(f))
-    assert tensors, f"no weights in {run_dir / 'final'}"
-    return tensors
 
 
 def test_an_hf_model_from_its_directory_trains_through_a_crash_to_the_failure_free_weights(tmp_path):

@@ -278,3 +278,14 @@ def _await_join_requests(store, n: int, timeout_s: float = 90.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"only {len(requests.read())} of {n} joiners asked within {timeout_s:g} s")
         time.sleep(0.05)
+
+
+def final_weights(run_dir) -> dict:
+    """The weights a run of `ntp-ds train` wrote to RUN_DIR/final (HF safetensors), by name."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted((run_dir / "final").glob("*.safetensors")):
+        tensors.update(load_file(f))
+    assert tensors, f"no weights in {run_dir / 'final'}"
+    return tensors
