@@ -103,7 +103,6 @@ class FaultTolerantEngine:
         """Every event this rank saw, as `{"kind", "step", **fields}`."""
         self.stopped_by: int | None = None
         """Number of the signal the job stopped for, if `train_steps` ended early."""
-        self._samplers: dict[tuple[int, int, int], GlobalBatchSampler] = {}
         self._stop = None
         if stop_on_signals and threading.current_thread() is threading.main_thread():
             from ntp_ds.run.stop import StopSignals
@@ -183,13 +182,9 @@ class FaultTolerantEngine:
         from `dataset` (a map-style dataset of dicts of equal-shaped tensors with `input_ids` and `labels`) in an
         order every rank agrees on (shuffled per epoch by `seed`). Each carries the global batch's token count, which
         weights its loss."""
-        key = (id(dataset), len(dataset), seed)
-        sampler = self._samplers.get(key)
-        if sampler is None:
-            sampler = self._samplers[key] = GlobalBatchSampler(len(dataset), seed)
         engine = self._engine
-        return replica_micro_batches(dataset, sampler, engine.batch_plan, engine.ntp_groups.replica,
-                                     engine.global_steps)
+        return replica_micro_batches(dataset, GlobalBatchSampler(len(dataset), seed), engine.batch_plan,
+                                     engine.ntp_groups.replica, engine.global_steps)
 
     def close(self) -> None:
         """Leave the job (every rank calls it, after its last collective: after `train_steps` and whatever the caller
