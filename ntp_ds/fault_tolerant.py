@@ -25,6 +25,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 from ntp_ds.batch.loader import GlobalBatchSampler, replica_micro_batches
@@ -42,11 +43,9 @@ def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_l
                on_event: EventCallback | None = None) -> FaultTolerantEngine:
     """Build this rank's engine under live recovery, or, in a worker its launcher started to join a running job
     (NTP_JOIN), receive it from the job's members. Every check runs before a process group is built."""
-    from ntp_ds.control.faults import FaultInjector, FaultSchedule, send_fault
+    from ntp_ds.control.faults import FaultSchedule, send_fault
     from ntp_ds.control.joins import JOIN_ENV
     from ntp_ds.control.store import job_store
-    from ntp_ds.engine.initialize import initialize as build, prepare
-    from ntp_ds.recovery.manager import Recovery
 
     ntp = NTPConfig.from_any(ntp)
     ft = ntp.fault_tolerance
@@ -59,23 +58,40 @@ def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_l
     if under_foreign_launcher():
         # deepspeed and torchrun act on a worker's death: this process supervises the worker, started again below it.
         sys.exit(become_sentinel(schedule.repairs()))
-    rank = int(os.environ.get("RANK", "0"))
     hosts_store = False
     if store is None:
         store, hosts_store = job_store(ntp.timeout_s)
     if store is None:
         raise ConfigError("ntp.fault_tolerance needs the job's coordination store: start the job with ntp-ds launch "
                           "(NTP_STORE), torchrun or deepspeed (rank 0 hosts it at MASTER_PORT+1), or pass store=")
-    liveness = dict(heartbeat_interval_s=ft.heartbeat_interval_s, heartbeat_timeout_s=ft.heartbeat_timeout_s,
-                    hang_timeout_s=ft.hang_timeout_s, last_good_dir=ft.last_good_dir)
-    injector = FaultInjector(schedule, rank, store)
-    joining = bool(os.environ.get(JOIN_ENV))
-    if schedule.repairs() and rank == 0 and not joining and not hosts_store:
+    if schedule.repairs() and int(os.environ.get("RANK", "0")) == 0 and not os.environ.get(JOIN_ENV) \
+            and not hosts_store:
         # `ntp-ds launch` starts a replacement for a repaired rank's worker; it learns of repairs sent to the job.
         for fault in schedule.faults:
             if fault.kind == "repair":
                 send_fault(store, fault)
-    if joining:
+    return start(model, config, ntp, store, schedule, hosts_store=hosts_store, optimizer=optimizer,
+                 lr_scheduler=lr_scheduler, seq_len=seq_len, on_event=on_event)
+
+
+def start(model, config, ntp: NTPConfig, store, schedule, *, hosts_store: bool = False, optimizer=None,
+          lr_scheduler=None, seq_len: int | None = None, on_event: EventCallback | None = None,
+          stop_on_signals: bool = True) -> FaultTolerantEngine:
+    """Build this rank's engine on the job's `store` and put it under live recovery, with the liveness bounds of
+    `ntp.fault_tolerance` and the faults of `schedule` (a `FaultSchedule`) armed; a worker its launcher started to
+    join a running job (NTP_JOIN) receives its engine from the members instead (`JoinRefused`, `JoinFailed` or
+    `JoinTimeout` when it cannot). `ntp-ds train` starts its ranks through here too."""
+    from ntp_ds.control.faults import FaultInjector
+    from ntp_ds.control.joins import JOIN_ENV
+    from ntp_ds.engine.initialize import initialize as build, prepare
+    from ntp_ds.recovery.manager import Recovery
+
+    ft = ntp.fault_tolerance
+    rank = int(os.environ.get("RANK", "0"))
+    liveness = dict(heartbeat_interval_s=ft.heartbeat_interval_s, heartbeat_timeout_s=ft.heartbeat_timeout_s,
+                    hang_timeout_s=ft.hang_timeout_s, last_good_dir=ft.last_good_dir)
+    injector = FaultInjector(schedule, rank, store)
+    if os.environ.get(JOIN_ENV):
         spec, _ = prepare(model, config, ntp, optimizer, lr_scheduler, seq_len)
         recovery = Recovery.join(spec, store, rank, not_before=int(os.environ.get("NTP_JOIN_STEP", "0")),
                                  timeout_s=ft.join_timeout_s, on_phase=injector.check, **liveness)
@@ -83,8 +99,9 @@ def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_l
     else:
         engine = build(model, config, ntp, optimizer, lr_scheduler, seq_len, store)
         recovery = Recovery(engine, store, rank, **liveness)
-    recovery.expect_joiners(schedule.repairs().values())
-    return FaultTolerantEngine(engine, recovery, injector=injector, on_event=on_event, hosts_store=hosts_store)
+    recovery.expect_joiners(schedule.repairs().values())  # a repair takes effect at its step
+    return FaultTolerantEngine(engine, recovery, injector=injector, on_event=on_event, hosts_store=hosts_store,
+                               stop_on_signals=stop_on_signals)
 
 
 class FaultTolerantEngine:
@@ -122,17 +139,13 @@ class FaultTolerantEngine:
             raise AttributeError(name)
         return getattr(self._engine, name)
 
-    def __call__(self, *inputs, **kwargs):
+    def __call__(self, *inputs, **kwargs):  # a call looks its method up on the class, not through __getattr__
         return self._engine(*inputs, **kwargs)
 
-    def forward(self, *inputs, **kwargs):
-        return self._engine(*inputs, **kwargs)
-
-    def backward(self, loss, *args, **kwargs):
-        return self._engine.backward(loss, *args, **kwargs)
-
-    def step(self, *args, **kwargs):
-        return self._engine.step(*args, **kwargs)
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Launch ranks of the current generation's members, in global-rank order."""
+        return self.recovery.members
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def train_steps(self, num_steps: int) -> Iterator[int]:
@@ -153,7 +166,10 @@ class FaultTolerantEngine:
                 self._event("stop", done, signal=self._stop.signal)
                 break
             if done < num_steps:
-                self._take_joiners(done, num_steps)
+                try:
+                    self.take_joiners(done, num_steps)
+                except Exception as error:  # a failure at the boundary: recovered like one inside a step
+                    self.recover(error)
         wire.barrier()  # every rank is done with the steps' collectives before any stops watching its peers
 
     @contextlib.contextmanager
@@ -161,7 +177,6 @@ class FaultTolerantEngine:
         """Run one step's work; a failure of a peer (or of a collective) in it is recovered: the handle goes on with
         the recovered engine and `train_steps` yields the step to run next. This rank's own device error makes it
         leave the job; any other error is raised."""
-        from ntp_ds.control.faults import DeviceError
         from ntp_ds.recovery.manager import RecoveryImpossible
 
         if step is not None and step != self._engine.global_steps:
@@ -169,13 +184,10 @@ class FaultTolerantEngine:
                              "attempt the step train_steps yields")
         try:
             yield self
-        except DeviceError as error:
-            self._event("leave", self._engine.global_steps, reason=str(error))
-            self.recovery.leave(f"device error at step {self._engine.global_steps + 1}")
         except Exception as error:
-            if isinstance(error, RecoveryImpossible) or not wire.is_wire_failure(error):
+            if isinstance(error, RecoveryImpossible):
                 raise
-            self._recover(error)
+            self.recover(error)
 
     def micro_batches(self, dataset, seed: int = 0) -> Iterator[dict]:
         """This replica's micro-batches of the current step's global batch (DeepSpeed's `train_batch_size`), drawn
@@ -215,25 +227,48 @@ class FaultTolerantEngine:
         self.close()
 
     # -- recoveries and joins ------------------------------------------------------------------------------------
-    def _recover(self, error: BaseException) -> None:
+    def recover(self, error: BaseException) -> dict:
+        """Go on after `error` broke a step (what `attempt` does; `ntp-ds train`'s Trainer calls it directly).
+
+        This rank's own device error (`DeviceError`) makes it leave the job (`QuiescedExit`, exit status 0); a peer's
+        failure or a broken collective is recovered: the survivors agree on the dead, regroup and reshard in memory,
+        the handle goes on with the new engine and the `recovery` event's fields are returned (who died, the
+        degrees, each phase's seconds, the bytes moved, `detection_s` from the injected fault's firing where one
+        fired on this host); any other error is raised as is. `RecoveryImpossible` (no replica left, or some state
+        without a surviving copy) propagates."""
+        from ntp_ds.control.faults import DeviceError, detection_from_faults, fired_faults
+
         step = self._engine.global_steps
+        if isinstance(error, DeviceError):
+            log.warning("rank %d: %s; leaving the job (exit 0), the others go on without this rank",
+                        self.recovery.rank, error)
+            self._event("leave", step, reason=str(error))
+            self.recovery.leave(f"device error at step {step + 1}")
+        if not wire.is_wire_failure(error):
+            raise error  # the caller's own error: it ends this rank, and its peers recover without it
+        noticed = time.monotonic()
         log.info("step %d failed (%s); recovering", step + 1, str(error).splitlines()[0] if str(error) else error)
         self._engine = None  # the recovery releases the old engine: nothing of it may stay reachable from here
         outcome = self.recovery.recover(error)
         self._adopt(outcome.engine)
-        self._event("recovery", step, **outcome.event)
+        fields = dict(outcome.event)
+        fired = fired_faults(self.recovery.store, fields.get("dead", ()))
+        if fired:
+            fields["faults"] = [f"{f['kind']} on rank {f['rank']} at step {f['at_step']} ({f['phase']})"
+                                for f in fired]
+        fields["detection_s"] = detection_from_faults(fired, noticed, fields.get("detection_s", 0.0))
+        self._event("recovery", step, **fields)
+        return dict(fields)
 
-    def _take_joiners(self, completed: int, num_steps: int) -> None:
-        try:
-            outcome = self.recovery.at_boundary(completed, num_steps)
-        except Exception as error:
-            if not wire.is_wire_failure(error):
-                raise
-            self._recover(error)
-            return
-        if outcome is not None:
-            self._adopt(outcome.engine)
-            self._event("join", completed, **outcome.event)
+    def take_joiners(self, completed: int, num_steps: int | None = None) -> dict | None:
+        """At the boundary after step `completed`, take in the workers that join (a repaired GPU, a spare); return
+        the `join` event's fields, or None when nobody joins. A failure meanwhile is raised (give it to `recover`)."""
+        outcome = self.recovery.at_boundary(completed, num_steps)
+        if outcome is None:
+            return None
+        self._adopt(outcome.engine)
+        self._event("join", completed, **outcome.event)
+        return dict(outcome.event)
 
     def _adopt(self, engine) -> None:
         self._engine = engine

@@ -117,21 +117,21 @@ def open_records(cfg, run_dir: Path, store, resume: bool):
 
 
 def run_worker(cfg, started: float, stop) -> int:
-    """Be one rank: build the engine (or, as a joiner, receive it from the running job), run the Trainer with live
-    recovery, write the records and the final weights."""
+    """Be one rank: build the engine under live recovery (or, as a joiner, receive it from the running job), run the
+    Trainer, write the records and the final weights."""
     from tqdm import tqdm
 
     import ntp_ds
+    from ntp_ds import fault_tolerant
     from ntp_ds.comm import wire
-    from ntp_ds.control.heartbeat import mark_exited, outlive_peers
-    from ntp_ds.control.store import job_store
+    from ntp_ds.control.heartbeat import outlive_peers
+    from ntp_ds.control.joins import JOIN_ENV, JoinFailed, JoinRefused, JoinTimeout
     from ntp_ds.control.job import publish_job
+    from ntp_ds.control.store import job_store
     from ntp_ds.recovery.manager import QuiescedExit, RecoveryImpossible
-    from ntp_ds.run.records import CHECKPOINTS, RUN_CONFIG, RunRecorder
-    from ntp_ds.run.recovery import LiveRecovery
+    from ntp_ds.run.records import CHECKPOINTS, LAST_GOOD, RUN_CONFIG, RunRecorder
     from ntp_ds.run.rundir import run_dir_of
     from ntp_ds.run.trainer import Trainer, is_writer, seed_everything
-    from ntp_ds.control.joins import JOIN_ENV, JoinFailed, JoinRefused, JoinTimeout
 
     rank = int(os.environ["RANK"])
     console = setup_logging(rank, cfg.logging.level, cfg.logging.other_ranks_level)
@@ -140,32 +140,35 @@ def run_worker(cfg, started: float, stop) -> int:
     store, hosts_store = job_store(cfg.parallel.timeout_s)
     stop.store = store
     joining = bool(os.environ.get(JOIN_ENV))
+    build = dict(model=cfg.model.source(), config=cfg.ds_config(), seq_len=cfg.data.seq_len)
     if joining:  # a repaired or spare worker: the running job takes it in at a step boundary
         run_dir = Path(run_dir_of(cfg)).resolve()
         add_file_log(run_dir, rank, cfg.logging.level)
+    if store is None:
+        log.warning("no store to coordinate through: a failure ends the run")
+        engine = ntp_ds.initialize(ntp=cfg.parallel.ntp(), **build)
+    else:
         try:
-            live = LiveRecovery.join(cfg, store, rank, run_dir, not_before=int(os.environ.get("NTP_JOIN_STEP", "0")))
+            engine = fault_tolerant.start(ntp=cfg.parallel.ntp(live=True), store=store,
+                                          schedule=cfg.fault_schedule(), hosts_store=hosts_store,
+                                          stop_on_signals=False, **build)
         except (JoinRefused, JoinFailed, JoinTimeout) as why:
             log.error("rank %d cannot join: %s", rank, why)
             return 2
-        engine = live.recovery.engine
-    else:
-        engine = ntp_ds.initialize(model=cfg.model.source(), config=cfg.ds_config(), ntp=cfg.parallel.ntp(),
-                                   seq_len=cfg.data.seq_len, store=store)
+    if not joining:
         run_dir = agree_run_dir(run_dir_of(cfg))
         add_file_log(run_dir, rank, cfg.logging.level)
+    live = store is not None
+    if live:
+        engine.recovery.last_good_dir = run_dir / LAST_GOOD
     if cfg.existing_run == "resume" and not joining:
         engine.load_checkpoint(run_dir / CHECKPOINTS)  # checked before the workers started: same degrees
         engine.refresh_copies()  # the buddies' copies of the loaded optimizer state, as after every step
     g = engine.ntp_groups
-    members = live.recovery.members if joining else None  # launch ranks by global rank: who writes the records
+    members = engine.members if joining else None  # launch ranks by global rank: who writes the records
     console.setLevel(cfg.logging.level if is_writer(engine, members) else cfg.logging.other_ranks_level)
     log.info("replica %d, TP rank %d of %d (%s)", g.replica, g.tp_rank, len(g.tp_ranks),
              "anchor" if g.is_anchor else "contributor")
-    if not joining:
-        live = LiveRecovery.start(cfg, engine, rank, run_dir) if store is not None else None
-    if live is None:
-        log.warning("no store to coordinate through: a failure ends the run")
     recorder, progress = RunRecorder(None), None
     if joining and is_writer(engine, members):  # it took the writer's place: it goes on with the run's records
         recorder = open_records(cfg, run_dir, store, resume=True)
@@ -185,10 +188,9 @@ def run_worker(cfg, started: float, stop) -> int:
         console.setLevel(cfg.logging.level if writer else cfg.logging.other_ranks_level)
         return open_records(cfg, run_dir, store, resume=True) if writer else RunRecorder(None)
 
-    trainer = Trainer(cfg, engine, recorder, run_dir=run_dir, recovery=live,
-                      injector=live.injector if live else None, switch_writer=switch_writer, stop=stop,
+    trainer = Trainer(cfg, engine, recorder, run_dir=run_dir, switch_writer=switch_writer, stop=stop,
                       progress=progress, startup_s=time.perf_counter() - started, joined=joining)
-    del engine, g  # only the trainer may hold the engine: a recovery releases it, closing its connections
+    del g  # only the handle may hold the inner engine: a recovery releases it, closing its connections
     try:
         trainer.train()
     except QuiescedExit:
@@ -200,24 +202,19 @@ def run_worker(cfg, started: float, stop) -> int:
         log.error("training stops at step %d: %s", trainer.step + 1, " ".join(str(stop).split()))
         trainer.recorder.event("run_stopped", trainer.step, reason=str(stop))
         trainer.recorder.abort()
-        if live is not None:
-            live.close(finished=True)
+        if live:
+            engine.recovery.close(finished=True)
         return 1
     except BaseException:
         trainer.recorder.abort()
-        if live is not None:
-            live.close()
+        if live:
+            engine.recovery.close()
         raise
-    # Keep beating until every rank is done with the job's collectives: a rank silent while a peer still works
-    # would be declared dead by that peer.
-    wire.barrier()
-    if live is not None:
-        live.close(finished=True)
-    wire.teardown()
-    if store is not None:
-        mark_exited(store, rank, "finished", alarm=False)
-        if hosts_store:
-            outlive_peers(store, rank, cfg.world_size, cfg.parallel.heartbeat_timeout_s)
+    if live:  # meet the peers after the job's last collective, stop beating, record this rank's exit
+        engine.close()
+    else:
+        wire.barrier()
+        wire.teardown()
     return stop.exit_code if trainer.stopped_by is not None else 0
 
 

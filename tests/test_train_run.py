@@ -161,7 +161,7 @@ class FakeEngine:
     def backward(self, loss):
         if self.fail_at_step == self.global_steps + 1:
             self.fail_at_step = None
-            raise RuntimeError("Connection closed by peer")
+            raise ConnectionError("Connection closed by peer")
 
     def is_gradient_accumulation_boundary(self):
         return True
@@ -177,19 +177,32 @@ class FakeEngine:
 
 
 class FakeRecovery:
-    def __init__(self):
-        self.calls = []
+    """The live recovery a `FaultTolerantEngine` drives: each recovery goes on at TP degrees (2, 1)."""
 
-    def recover(self, trainer, step, error):
-        from ntp_ds.run.trainer import RecoveryReport
+    def __init__(self, engine):
+        import torch.distributed as dist
 
-        self.calls.append((step, str(error)))
+        self.engine, self.calls, self.store, self.rank = engine, [], dist.HashStore(), 0
+        self.members = None  # the writer is TP rank 0 of the first anchor replica
+        self.on_phase = None
+
+    def recover(self, error):
+        from types import SimpleNamespace
+
+        self.calls.append(str(error))
         engine = FakeEngine((2, 1))
-        engine.global_steps = trainer.engine.global_steps
-        return RecoveryReport(engine=engine, detection_s=0.05, recovery_s=0.2, fields={"lossless": True})
+        engine.global_steps, self.engine = self.engine.global_steps, engine
+        return SimpleNamespace(engine=engine, event={"dead": [3], "detection_s": 0.05, "lossless": True,
+                                                     "degrees_before": [9], "degrees_after": [9]})
+
+    def at_boundary(self, completed, num_steps=None):
+        return None
 
 
-def fake_trainer(tmp_path, recovery, faults=(), injector=None):
+def fake_trainer(tmp_path, recovery=FakeRecovery, faults=(), injector=None):
+    """A Trainer of 3 steps whose engine fails in step 2; under a `FaultTolerantEngine` driving `recovery` (a
+    FakeRecovery class), or, with `recovery=None`, on the plain engine."""
+    from ntp_ds.fault_tolerant import FaultTolerantEngine
     from ntp_ds.run.config import RunConfig
     from ntp_ds.run.records import RunRecorder
     from ntp_ds.run.trainer import Trainer
@@ -199,15 +212,16 @@ def fake_trainer(tmp_path, recovery, faults=(), injector=None):
                                "train": {"steps": 3, "global_batch": 4, "micro_batch": 2},
                                "data": {"seq_len": 8, "size": 64}, "fault": {"faults": list(faults)}})
     ticks = iter(range(10_000))
-    return Trainer(cfg, FakeEngine((2, 2), fail_at_step=2), RunRecorder(tmp_path), run_dir=tmp_path,
-                   recovery=recovery, injector=injector, clock=lambda: next(ticks) * 0.1)
+    engine = FakeEngine((2, 2), fail_at_step=2)
+    if recovery is not None:
+        engine = FaultTolerantEngine(engine, recovery(engine), injector=injector, stop_on_signals=False)
+    return Trainer(cfg, engine, RunRecorder(tmp_path), run_dir=tmp_path, clock=lambda: next(ticks) * 0.1)
 
 
 def test_recovery_seam_swaps_the_engine_accounts_the_time_and_records_the_event(tmp_path):
-    recovery = FakeRecovery()
-    trainer = fake_trainer(tmp_path, recovery)
+    trainer = fake_trainer(tmp_path)
     summary = trainer.train()
-    assert recovery.calls == [(2, "Connection closed by peer")]
+    assert trainer.engine.recovery.calls == ["Connection closed by peer"]
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert [m["tp_degree/replica_1"] for m in metrics] == [2, 1, 1]
@@ -230,8 +244,11 @@ def test_the_recovery_event_waits_for_the_rerun_step_and_the_injector_follows_th
         def check(self, step, phase):
             self.seen.append((step, phase))
 
+        def stretch(self, busy_s):
+            return 0.0
+
     injector = Injector()
-    trainer = fake_trainer(tmp_path, FakeRecovery(), injector=injector)
+    trainer = fake_trainer(tmp_path, injector=injector)
     trainer.train()
     assert trainer.engine.on_phase == injector.check, "the recovered engine reports its phases too"
     assert injector.seen and all(phase == "forward" for _, phase in injector.seen)
@@ -244,7 +261,7 @@ def test_the_recovery_event_waits_for_the_rerun_step_and_the_injector_follows_th
 
 def test_without_recovery_an_error_ends_the_run(tmp_path):
     trainer = fake_trainer(tmp_path, None, faults=[{"rank": 1, "step": 2, "phase": "forward", "kind": "crash"}])
-    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+    with pytest.raises(ConnectionError, match="Connection closed by peer"):
         trainer.train()
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events] == ["run_start"]
@@ -260,7 +277,7 @@ def test_a_rank_that_becomes_the_writer_takes_over_the_records(tmp_path):
         switches.append(writer)
         return RunRecorder(tmp_path, resume=True) if writer else RunRecorder(None)
 
-    trainer = fake_trainer(tmp_path, FakeRecovery())
+    trainer = fake_trainer(tmp_path)
     trainer.engine.ntp_groups.replica = 1  # starts in a replica that is not the first anchor: not the writer
     trainer.recorder = RunRecorder(None)
     trainer.switch_writer = switch_writer
@@ -283,12 +300,12 @@ def test_a_writer_that_loses_the_role_hands_its_records_over(tmp_path):
             super().hand_over()
 
     class Demoting(FakeRecovery):
-        def recover(self, trainer, step, error):
-            report = super().recover(trainer, step, error)
-            report.engine.ntp_groups.replica = 1
-            return report
+        def recover(self, error):
+            outcome = super().recover(error)
+            outcome.engine.ntp_groups.replica = 1
+            return outcome
 
-    trainer = fake_trainer(tmp_path, Demoting())
+    trainer = fake_trainer(tmp_path, Demoting)
     trainer.recorder = Recorder(tmp_path)
     trainer.switch_writer = lambda writer: RunRecorder(None)
     trainer.train()

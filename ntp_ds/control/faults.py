@@ -58,6 +58,21 @@ def fired_key(rank: int) -> str:
     return f"fault/fired/{rank}"
 
 
+def fired_faults(store, ranks) -> list[dict]:
+    """The injected faults that `ranks` fired, with when they fired (`fired_key`), for the ranks that fired one."""
+    keys = [fired_key(r) for r in ranks]
+    return [json.loads(store.get(k)) for k in keys if store.check([k])]
+
+
+def detection_from_faults(fired: list[dict], noticed: float, measured: float) -> float:
+    """Detection time of a failure: from the injected faults' instant when they fired on this host (a monotonic clock
+    this rank shares) to `noticed` (this rank's step failed, same clock); otherwise `measured`, the recovery's own
+    figure (each reporter's silence on its own clock): clocks of different hosts are never subtracted."""
+    if fired and all(f.get("clock") == clock_domain() for f in fired):
+        return max(0.0, noticed - min(f["monotonic"] for f in fired))
+    return measured
+
+
 def clock_domain() -> str:
     """What makes two processes' monotonic clocks comparable: the same boot of the same host (Linux's boot id;
     elsewhere the host name)."""

@@ -19,7 +19,8 @@ from typing import Any
 
 from ntp_ds.batch import POLICIES
 from ntp_ds.control.faults import FaultSchedule
-from ntp_ds.engine.config import ConfigError, NTPConfig, StragglerConfig, check_batch, load_deepspeed_config
+from ntp_ds.engine.config import (ConfigError, FaultToleranceConfig, NTPConfig, StragglerConfig, check_batch,
+                                  load_deepspeed_config)
 from ntp_ds.layout import LayoutError, Topology
 from ntp_ds.models import LlamaConfig
 from ntp_ds.schema import SchemaError, build, register
@@ -132,8 +133,15 @@ class ParallelConfig:
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     """Straggler-aware batch planning: `enabled`, `threshold`, `every_steps` (see `ntp_ds.engine.config`)."""
 
-    def ntp(self) -> NTPConfig:
+    def ntp(self, live: bool = False) -> NTPConfig:
+        """The engine's NTP settings; `live`: with `fault_tolerance` on, at this config's liveness bounds (the faults
+        are armed from `fault.faults` by whoever starts the rank)."""
         kw = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_NTP}
+        if live:
+            kw["fault_tolerance"] = FaultToleranceConfig(
+                enabled=True, heartbeat_interval_s=self.heartbeat_interval_s,
+                heartbeat_timeout_s=self.heartbeat_timeout_s, hang_timeout_s=self.hang_timeout_s,
+                join_timeout_s=self.join_timeout_s)
         return NTPConfig(**kw)
 
     @property

@@ -24,7 +24,7 @@ import traceback
 
 PRELOAD = ("torch", "torch._dynamo", "deepspeed", "deepspeed.runtime.zero.utils",
            "deepspeed.runtime.zero.muon.muon_optimizer", "ntp_ds", "ntp_ds.train", "ntp_ds.run.trainer",
-           "ntp_ds.run.recovery", "ntp_ds.recovery.manager", "ntp_ds.control.job", "ntp_ds.control.heartbeat",
+           "ntp_ds.fault_tolerant", "ntp_ds.recovery.manager", "ntp_ds.control.job", "ntp_ds.control.heartbeat",
            "ntp_ds.goodput.wandb_log", "tqdm")
 """What a worker imports before its first step; a module missing from this build is skipped."""
 

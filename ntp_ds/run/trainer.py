@@ -1,12 +1,13 @@
 """The training loop of one rank: data, steps, goodput accounting, records, the final weights.
 
-Everything the loop needs comes in through the constructor (engine, recorder, recovery, injector, clock), so tests
-can hand it fakes. The injector is attached to the engine's `on_phase` hook (forward, backward, grad_sync and
-optimizer boundaries), again on every engine a recovery returns. Recovery seam: when a step raises and a `recovery`
-is given, `_recover` calls `recovery.recover(trainer, step, error)`, which returns a `RecoveryReport` carrying the
-rebuilt engine and its timings; the trainer accounts them (detection, recovery, redone work), runs the interrupted
-step again and records a `recovery` event in events.jsonl and W&B once that step has completed (with the time from
-the failure to it). Without a recovery an error ends the run.
+Everything the loop needs comes in through the constructor (engine, recorder, clock), so tests can hand it fakes.
+Recovery seam: the engine is the `FaultTolerantEngine` a user's own loop gets (`ntp_ds.fault_tolerant`), whose
+injector sits on the engine's phase boundaries. When a step raises, `_recover` hands the error to
+`engine.recover(error)`, which goes on with the recovered engine (the handle stays the same) and returns the
+`recovery` event's fields; the trainer accounts the time (detection, recovery, redone work), runs the interrupted
+step again and records the event in events.jsonl and W&B once that step has completed (with the time from the
+failure to it). Joiners come in through `engine.take_joiners` after a completed step. On a plain `NTPEngine` (no
+job store to coordinate through) an error ends the run.
 
 With `parallel.straggler.enabled`, every rank measures its step work (forward and backward, without the gradient
 exchange's waits on other replicas) and, every `every_steps` completed steps, the ranks exchange those windows over
@@ -33,7 +34,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -52,34 +52,20 @@ from ntp_ds.run.stop import signal_name
 log = logging.getLogger("ntp_ds.train")
 
 
-@dataclass
-class RecoveryReport:
-    """What one recovery did: the engine to go on with and where the time went."""
-
-    engine: Any
-    """The engine of the new topology (the same object if it was rebuilt in place)."""
-    detection_s: float
-    """From the failure to its detection."""
-    recovery_s: float
-    """Agreement, regroup, reshard and re-plan, up to the point training can resume."""
-    fields: dict = field(default_factory=dict)
-    """Extra fields of the `recovery` event: degrees before/after, bytes moved, lossless, ..."""
+TRAINER_FIELDS = ("detection_s", "degrees_before", "degrees_after")
+"""Fields of a recovery's event that the trainer measures itself (on its own clock) and records."""
 
 
-class Recovery(Protocol):
-    """Live recovery, as the trainer calls it; `at_boundary` (optional) takes joiners in after a completed step and
-    returns the grown engine's report, or None."""
+class LiveEngine(Protocol):
+    """What the trainer uses of a `FaultTolerantEngine` beyond the DeepSpeed engine's API."""
 
-    def recover(self, trainer: Trainer, step: int, error: BaseException) -> RecoveryReport: ...
+    members: tuple[int, ...]
+    injector: Any
+    """Fault injection (`ntp_ds.control.FaultInjector`); its `stretch` slows a `slow` fault's rank."""
 
+    def recover(self, error: BaseException) -> dict: ...
 
-class Injector(Protocol):
-    """Fault injection at the engine's phase boundaries (`ntp_ds.control.FaultInjector`); step is 1-based."""
-
-    def check(self, step: int, phase: str) -> None: ...
-
-    def stretch(self, busy_s: float) -> float:
-        """Sleep as long as a slowed rank takes beyond `busy_s` of micro-batch work; return the seconds slept."""
+    def take_joiners(self, completed: int, num_steps: int | None = None) -> dict | None: ...
 
 
 class Stop(Protocol):
@@ -93,12 +79,13 @@ class Stop(Protocol):
 class Trainer:
     """Run `cfg.train.steps` steps of this rank's replica and account their goodput."""
 
-    def __init__(self, cfg: RunConfig, engine, recorder: RunRecorder, *, run_dir: Path,
-                 recovery: Recovery | None = None, injector: Injector | None = None,
+    def __init__(self, cfg: RunConfig, engine: LiveEngine | Any, recorder: RunRecorder, *, run_dir: Path,
                  switch_writer: Callable[[bool], RunRecorder] | None = None, stop: Stop | None = None,
                  clock: Callable[[], float] = time.perf_counter, progress=None, startup_s: float = 0.0,
                  joined: bool = False):
         self.cfg, self.engine, self.recorder, self.run_dir = cfg, engine, recorder, Path(run_dir)
+        self.live = callable(getattr(type(engine), "recover", None))
+        """The engine recovers from failures (a `FaultTolerantEngine`); on a plain engine an error ends the run."""
         self.joined = joined
         """This rank joined the running job (the members record the join; it starts no clock with them)."""
         self.startup_s = startup_s
@@ -106,7 +93,7 @@ class Trainer:
         """Asked after every completed step whether the job stops there (SIGINT/SIGTERM, `ntp_ds.run.stop`)."""
         self.stopped_by: int | None = None
         """Number of the signal the run stopped for, if it stopped before `train.steps`."""
-        self.recovery, self.injector, self.clock, self.progress = recovery, injector, clock, progress
+        self.clock, self.progress = clock, progress
         self.switch_writer = switch_writer
         """After a recovery, called with True when this rank becomes the writer (returns the resumed records) and
         with False when it stops being the writer (returns the recorder of a rank that writes nothing)."""
@@ -150,7 +137,7 @@ class Trainer:
 
     @property
     def writer(self) -> bool:
-        return is_writer(self.engine, getattr(self.recovery, "members", None))
+        return is_writer(self.engine, self.engine.members if self.live else None)
 
     # -- topology ----------------------------------------------------------------------------------------------
     @property
@@ -164,7 +151,6 @@ class Trainer:
         """Run every step, write the final weights and return the summary."""
         if not self.joined:
             self._announce()
-        self._attach_injector()
         if dist.is_initialized() and not self.joined:
             wire.barrier()  # start the clocks together, after rank 0's W&B and file set-up
         self._last_end = self.clock()
@@ -214,7 +200,7 @@ class Trainer:
         compute_s = comm_s = 0.0
         loss_sum, samples = 0.0, 0
         plan, replica = engine.batch_plan, engine.ntp_groups.replica
-        stretch = getattr(self.injector, "stretch", None)
+        stretch = self.engine.injector.stretch if self.live and self.engine.injector is not None else None
         micro: list[tuple[int, float]] = []
         for batch in replica_micro_batches(self.dataset, self.sampler, plan, replica, step - 1):
             t, waited = clock(), getattr(engine, "sync_wait_s", 0.0)
@@ -297,25 +283,26 @@ class Trainer:
     def _recover(self, step: int, error: BaseException) -> int:
         """Hand a failed step to live recovery, account its time; return the step to run next.
 
-        Without a recovery the error is raised again.
+        Without live recovery the error is raised again.
         """
-        if self.recovery is None:
+        if not self.live:
             raise error
         failed_at = self.clock()
         before = self.degrees
-        log.info("step %d failed (%s); recovering", step, _first_line(error))
-        report = self.recovery.recover(self, step, error)
-        self._adopt(report.engine)  # a failure while re-running a step: the previous recovery is recorded as it is
+        fields = self.engine.recover(error)  # leaves the job on this rank's own device error; raises a bug as is
+        self._adopted()  # a failure while re-running a step: the previous recovery is recorded as it is
         resumed_at = self.clock()
         lost_in_step = failed_at - self._last_end
-        detection, recovery, redone = split_failure_time(lost_in_step, resumed_at - failed_at, report.detection_s)
+        detection, recovery, redone = split_failure_time(lost_in_step, resumed_at - failed_at,
+                                                         fields.get("detection_s", 0.0))
+        fields = {k: v for k, v in fields.items() if k not in TRAINER_FIELDS}
         for bucket, seconds in (("detection", detection), ("recovery", recovery), ("redone", redone)):
             self.meter.record_lost(bucket, seconds, active_gpus=sum(self.degrees))
         self.recoveries += 1
         rerun = getattr(self.engine, "global_steps", step - 1) + 1
         event = {"detection_s": detection, "recovery_s": recovery, "redone_s": redone,
                  "degrees_before": list(before), "degrees_after": list(self.degrees), "error": _first_line(error),
-                 **report.fields}
+                 **fields}
         self._unfinished = {"step": step, "failed_at": failed_at - min(detection, lost_in_step), "event": event}
         if self.writer:
             log.warning(describe_recovery(step, event))
@@ -325,36 +312,33 @@ class Trainer:
         return rerun
 
     def _grow(self, step: int) -> int:
-        """Take in the workers that join at this boundary (if the recovery plans any); return the last completed
-        step (a failure at the boundary is recovered like a failed step, which re-runs nothing)."""
-        at_boundary = getattr(self.recovery, "at_boundary", None)
-        if at_boundary is None:
+        """Take in the workers that join at this boundary (if any do); return the last completed step (a failure at
+        the boundary is recovered like a failed step, which re-runs nothing)."""
+        if not self.live:
             return step
         started, before = self.clock(), self.degrees
         try:
-            report = at_boundary(self, step)
+            fields = self.engine.take_joiners(step, self.cfg.train.steps)
         except Exception as error:
             return self._recover(step + 1, error) - 1
-        if report is None:
+        if fields is None:
             return step
-        self._adopt(report.engine)
+        self._adopted()
         self.meter.record_lost("recovery", self.clock() - started, active_gpus=sum(self.degrees))
-        event = {"degrees_before": list(before), "degrees_after": list(self.degrees), "grow_s": report.recovery_s,
-                 **report.fields}
+        event = {**{k: v for k, v in fields.items() if k not in TRAINER_FIELDS},
+                 "degrees_before": list(before), "degrees_after": list(self.degrees)}
         self._unfinished = {"step": step, "failed_at": started, "event": event, "kind": "join"}
         if self.writer:
             log.warning(describe_join(step, event))
         self._last_end = self.clock()
         return step
 
-    def _adopt(self, engine) -> None:
-        """Go on with the engine of a new topology (after a recovery or a grow): a new batch plan to measure, the
-        records with whoever writes now, the pending recovery event recorded, the injector on the new engine."""
-        self.engine = engine
+    def _adopted(self) -> None:
+        """Go on in a new topology (after a recovery or a grow): a new batch plan to measure, the records with
+        whoever writes now, the pending recovery event recorded."""
         self._work_window, self._micro_window, self._micro_history, self._replan = [], [], [], None
         self._move_records()
         self._record_recovery(None)
-        self._attach_injector()
 
     def _move_records(self) -> None:
         """Hand the records over, or take them over, when a recovery moved the writer's role."""
@@ -387,18 +371,13 @@ class Trainer:
                 log.warning("step %d completed %.2f s after the failure", completed_step, event["failure_to_step_s"])
         self.recorder.event(kind, pending["step"], **event)
 
-    def _attach_injector(self) -> None:
-        """Let the engine report its phase boundaries to the injector (`engine.on_phase(step, phase)`)."""
-        if self.injector is not None:
-            self.engine.on_phase = self.injector.check
-
     def _announce(self) -> None:
         """Record the start of the run, or of a resumed segment of it (`run_resumed`, at the checkpoint's step)."""
         cfg = self.cfg
         faults = cfg.fault_schedule().faults
         self.recorder.event("run_resumed" if self.resumed_from else "run_start", self.step,
                             degrees=list(self.degrees), world_size=cfg.world_size,
-                            allocated_gpus=cfg.allocated_gpus, live_recovery=self.recovery is not None,
+                            allocated_gpus=cfg.allocated_gpus, live_recovery=self.live,
                             faults=[f.as_dict() for f in faults])
         if self.resumed_from and self.writer:
             log.info("resuming the run in %s from its checkpoint at step %d", self.run_dir, self.resumed_from)
@@ -436,7 +415,7 @@ class Trainer:
                    "degrees_end": list(self.degrees),
                    "world_size": self.cfg.world_size, "model": self.cfg.model.name, "recipe": self.cfg.recipe,
                    "startup_s": self.startup_s, "recoveries": self.recoveries,
-                   "live_recovery": self.recovery is not None,
+                   "live_recovery": self.live,
                    "faults_scheduled": len(self.cfg.fault_schedule().faults), "run_dir": str(self.run_dir),
                    "final_weights": str(self.run_dir / FINAL_WEIGHTS) if self.cfg.train.save_final else None,
                    "checkpoint": str(self.run_dir / CHECKPOINTS) if self.cfg.train.save_checkpoint else None}

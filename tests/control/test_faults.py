@@ -133,7 +133,7 @@ def test_sent_fault_is_polled_cheaply_and_fires_at_or_after_its_step():
 
 
 def test_detection_is_timed_from_a_fault_only_on_the_host_whose_clock_fired_it():
-    from ntp_ds.run.recovery import detection_from_faults
+    from ntp_ds.control.faults import detection_from_faults
 
     here = {"monotonic": 10.0, "clock": clock_domain(), "wall": 5.0}
     elsewhere = {"monotonic": 1.0, "clock": "another host", "wall": 4.0}
