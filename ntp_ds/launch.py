@@ -177,6 +177,11 @@ def set_cpu_accelerator(env=os.environ) -> None:
             env["DS_ACCELERATOR"] = "cpu"
 
 
+def shell_status(code: int) -> int:
+    """A child's return code as a shell reports it: a signal's death is 128 + the signal's number."""
+    return 128 - code if code < 0 else code
+
+
 def _describe_exit(code: int) -> str:
     if code < 0:
         try:
@@ -295,10 +300,7 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1, finish=None) -> int:
         return 0
     _say(f"{len(ok)} of {len(codes)} workers finished successfully; "
          + ", ".join(f"rank {r} {_describe_exit(c)}" for r, c in sorted(failed.items())))
-    if ok:
-        return 0
-    code = failed[min(failed)]
-    return 128 - code if code < 0 else code
+    return 0 if ok else shell_status(failed[min(failed)])
 
 
 def _job_world_size(store, timeout_s: float = 60.0) -> int:

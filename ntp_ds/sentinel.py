@@ -63,6 +63,7 @@ def _outlast(store, rank: int, world: int, codes: dict[int, int]) -> int:
     the store, also waits (bounded) until the other sentinels are done with it. Return 0 when some rank finished
     the job, else the status of this sentinel's first worker."""
     from ntp_ds.control.heartbeat import outlive_peers, read_exits
+    from ntp_ds.launch import shell_status
 
     failed = {r: c for r, c in codes.items() if c != 0}
     try:
@@ -77,7 +78,4 @@ def _outlast(store, rank: int, world: int, codes: dict[int, int]) -> int:
     except Exception as e:  # the store went with rank 0's sentinel: judge by this rank's own worker
         print(f"ntp-ds sentinel: rank {rank}: the job's store is gone ({e})", file=sys.stderr, flush=True)
         finished = not failed
-    if finished or not failed:
-        return 0
-    code = failed[min(failed)]
-    return 128 - code if code < 0 else code
+    return 0 if finished or not failed else shell_status(failed[min(failed)])

@@ -11,10 +11,14 @@ from tests.training import assert_equivalent
 STEPS, GLOBAL_BATCH, MICRO = 5, 12, 2
 
 
-def user_loop(rank, world_size, ntp: dict, stage: int, steps: int, faults: list, joins: dict | None = None):
+def user_loop(rank, world_size, ntp: dict, stage: int, steps: int, faults: list, joins: dict | None = None,
+              own_loss: bool = False):
     """A user's script: their model, DeepSpeed config and dataset; the loop reads like DeepSpeed's. `joins`: the
-    step from which each joiner (started with NTP_JOIN, as a launcher starts a repaired GPU's worker) trains."""
+    step from which each joiner (started with NTP_JOIN, as a launcher starts a repaired GPU's worker) trains;
+    `own_loss`: the script computes its own loss (a per-token mean cross-entropy) from `engine.logits(batch)`."""
     import os
+
+    import torch.nn.functional as F
 
     import ntp_ds
     from tests.training import _await_join_requests, dataset, deepspeed_config, full_model, host_shards, tiny_config
@@ -36,7 +40,12 @@ def user_loop(rank, world_size, ntp: dict, stage: int, steps: int, faults: list,
         attempts.append(step)
         with engine.attempt(step):
             for batch in engine.micro_batches(data, seed=1):
-                loss = engine(batch)
+                if own_loss:
+                    logits = engine.logits(batch)
+                    labels = batch["labels"].to(logits.device)
+                    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+                else:
+                    loss = engine(batch)
                 engine.backward(loss)
                 engine.step()
     result = {"replica": engine.ntp_groups.replica, "tp_rank": engine.ntp_groups.tp_rank,
@@ -60,10 +69,10 @@ def test_a_crash_in_the_users_loop_is_recovered_and_ends_equal_to_the_failure_fr
         assert res["engine_replaced"]  # the same handle, a new engine inside it
 
 
-def test_a_repaired_gpu_joins_the_users_loop_between_steps():
+def test_a_repaired_gpu_joins_the_users_loop_between_steps_with_the_users_own_loss_function():
     faults = [{"rank": 3, "step": 2, "phase": "forward", "kind": "crash"}]
-    results = run_ranks(user_loop, 4, {"tp": 2, "replicas": 2}, 1, STEPS, faults, {4: 4}, timeout=200, store=True,
-                        joiners=1)
+    results = run_ranks(user_loop, 4, {"tp": 2, "replicas": 2}, 1, STEPS, faults, {4: 4}, True, timeout=200,
+                        store=True, joiners=1)
     assert sorted(results) == [0, 1, 2, 4]
     assert_equivalent(results, GLOBAL_BATCH, STEPS)
     assert all(res["degrees"] == (2, 2) for res in results.values())

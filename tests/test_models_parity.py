@@ -69,7 +69,25 @@ def check_rank(ref: dict, layout, rank: int, group) -> dict:
         expected = shard_tensor(torch.from_numpy(ref["grads"][name]), spec, layout, rank)
         torch.testing.assert_close(p.grad, expected, msg=lambda m: f"{name} on rank {rank}: {m}")
     shared = {n: p.grad.numpy() for n, p in model.named_parameters() if specs[n][0].kind in ("kv", "replicated")}
+    check_own_loss(model, ref, ids, labels)
     return dict(logits=logits.detach().numpy(), shared=shared)
+
+
+def check_own_loss(model, ref: dict, ids, labels) -> None:
+    """A loss function of the caller's own, on the full-vocabulary logits every rank gets, gives HF's loss and this
+    rank's share of HF's gradients."""
+    import torch.nn.functional as F
+
+    model.zero_grad()
+    full = model(ids, full_logits=True)
+    torch.testing.assert_close(full, torch.from_numpy(ref["logits"]))
+    loss = F.cross_entropy(full[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    torch.testing.assert_close(loss, torch.tensor(ref["loss"]))
+    loss.backward()
+    specs = model.param_specs()
+    for name, p in model.named_parameters():
+        expected = shard_tensor(torch.from_numpy(ref["grads"][name]), specs[name][0], model.layout, model.tp_rank)
+        torch.testing.assert_close(p.grad, expected, msg=lambda m: f"own loss, {name} on rank {model.tp_rank}: {m}")
 
 
 def _parity_worker(rank, world_size, layout, refs):

@@ -177,10 +177,11 @@ class NTPEngine(DeepSpeedEngine):
 
     # -- forward / backward / step -----------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
-        """Run the model; a dict batch (as the loader yields) is unpacked and its loss weight recorded."""
+        """Run the model; a dict batch (as the loader yields) is unpacked and its loss weight recorded. With
+        `full_logits=True` it returns the batch's full-vocabulary logits instead of its loss (see `logits`)."""
         self._phase(self.global_steps + 1, "forward")
-        if len(inputs) == 1 and isinstance(inputs[0], dict) and not kwargs:
-            kwargs, inputs = dict(inputs[0]), ()
+        if len(inputs) == 1 and isinstance(inputs[0], dict):
+            kwargs, inputs = {**inputs[0], **kwargs}, ()
         global_tokens = kwargs.pop("global_tokens", None)
         kwargs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
         labels = kwargs.get("labels")
@@ -189,7 +190,19 @@ class NTPEngine(DeepSpeedEngine):
                 self._loss_weight = counted_tokens(labels) / int(global_tokens)
             else:
                 self._loss_weight = labels.shape[0] / self.batch_plan.global_samples
+        if kwargs.get("full_logits"):
+            kwargs.pop("labels", None)  # they weight the caller's loss; the caller computes it
         return super().forward(*inputs, **kwargs)
+
+    def logits(self, batch: dict) -> torch.Tensor:
+        """The full-vocabulary logits [batch, seq, vocab] of a micro-batch, for a loss function of the caller's own.
+
+        `batch` is one that `micro_batches` yields: its `labels` (and `global_tokens`) weight the loss handed to the
+        next `backward` exactly as they weight `engine(batch)`'s, so a per-token mean over the tokens the built-in
+        loss counts (labels shifted by one, -100 skipped) trains the same model. The logits are gathered over the TP
+        group, so every rank holds all of them (an unsharded model's activation memory for this tensor); each rank's
+        gradient flows back to its own vocabulary rows."""
+        return self.forward(batch, full_logits=True)
 
     def set_batch_plan(self, plan: BatchPlan) -> None:
         """Run the next steps with `plan` (same replicas; e.g. a straggler-aware re-plan); call at a step boundary on

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ntp_ds.layout.shard_layout import ParamSpec
-from ntp_ds.models.tp_layers import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from ntp_ds.models.tp_layers import VocabParallelEmbedding, gather_vocab, vocab_parallel_cross_entropy
 
 
 class CausalLMShard(nn.Module):
@@ -25,8 +25,14 @@ class CausalLMShard(nn.Module):
         """Return the vocab-parallel input embedding (its index table maps token ids to local rows)."""
         raise NotImplementedError
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Return the local vocab-shard logits, or with labels the mean next-token loss."""
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                full_logits: bool = False) -> torch.Tensor:
+        """Return the local vocab-shard logits, with `full_logits` the whole vocabulary's (gathered over the TP
+        group, for a loss function of the caller's own), or with labels the mean next-token loss."""
+        if full_logits:
+            if labels is not None:
+                raise ValueError("full_logits=True returns logits for the caller's own loss: pass no labels")
+            return gather_vocab(self.logits(input_ids), self.embedding().local_index, self.tp_group)
         if labels is None:
             return self.logits(input_ids)
         total, count = self.loss_sum(input_ids, labels)

@@ -204,6 +204,36 @@ class _VocabParallelCE(torch.autograd.Function):
         return g.to(ctx.dtype), None, None, None, None
 
 
+class _GatherVocab(torch.autograd.Function):
+    """Local vocab-shard logits -> the full vocabulary's on every rank of the group (each column is held by one rank:
+    the others add zeros, so the sum is exact); backward keeps the rank's own columns of the gradient, since the
+    caller's loss on the full logits is computed alike on every rank."""
+
+    @staticmethod
+    def forward(ctx, local, columns, vocab, group):
+        full = local.new_zeros(*local.shape[:-1], vocab)
+        full.index_copy_(-1, columns, local)
+        ctx.save_for_backward(columns)
+        return wire.all_reduce(full, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (columns,) = ctx.saved_tensors
+        return grad.index_select(-1, columns), None, None, None
+
+
+def gather_vocab(local_logits: torch.Tensor, table: torch.Tensor, group=None) -> torch.Tensor:
+    """Return the full-vocabulary logits [..., vocab] from the rank's vocab-shard ones [..., local_vocab] (held in
+    unit order; `table` is `index_table(layout, "vocab", tp_rank)`), identical on every rank of the TP group and
+    differentiable (each rank's gradient flows to its own columns): what a caller's own loss function reads."""
+    own = (table >= 0).nonzero().squeeze(-1)
+    columns = torch.empty_like(own)
+    columns[table[own]] = own
+    if not _active(group):
+        return local_logits.new_zeros(*local_logits.shape[:-1], table.numel()).index_copy(-1, columns, local_logits)
+    return _GatherVocab.apply(local_logits, columns, table.numel(), group)
+
+
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tensor, layout: ShardLayout,
                                  tp_rank: int, group=None, ignore_index: int = -100,
                                  table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
