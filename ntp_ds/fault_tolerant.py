@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from ntp_ds.batch.balancer import StepWork
 from ntp_ds.batch.loader import GlobalBatchSampler, replica_micro_batches
 from ntp_ds.comm import wire
 from ntp_ds.engine.config import ConfigError, NTPConfig, env_world_size
@@ -126,6 +127,8 @@ class FaultTolerantEngine:
 
             self._stop = StopSignals(recovery.store).install()
         self._closed = False
+        self.work = StepWork()
+        """This rank's micro-batch work per step (`work.last_step`) and the straggler-aware re-plans it feeds."""
         self._attach()
 
     # -- the engine's API ----------------------------------------------------------------------------------------
@@ -140,7 +143,32 @@ class FaultTolerantEngine:
         return getattr(self._engine, name)
 
     def __call__(self, *inputs, **kwargs):  # a call looks its method up on the class, not through __getattr__
+        self.work.forward(self._engine, _samples(inputs, kwargs))
         return self._engine(*inputs, **kwargs)
+
+    def logits(self, batch: dict):
+        """The micro-batch's full-vocabulary logits, for a loss function of the caller's own (`NTPEngine.logits`)."""
+        self.work.forward(self._engine, _samples((batch,), {}))
+        return self._engine.logits(batch)
+
+    def backward(self, loss, *args, **kwargs):
+        """DeepSpeed's backward; the micro-batch's work (from its forward, without waits on other replicas) is
+        measured for the straggler-aware plan."""
+        out = self._engine.backward(loss, *args, **kwargs)
+        self.work.backward_done(self._engine, self.injector.stretch if self.injector is not None else None)
+        return out
+
+    def finish_step(self, completed: int) -> dict | None:
+        """Account the step just completed (`train_steps` calls it; a loop of its own calls it after each step):
+        its measured work and, with `ntp.straggler` on, at the end of each window the re-plan, returned as the
+        `replan` event's fields (and reported to `on_event`), or None. A failure in its exchange is raised (give it
+        to `recover`)."""
+        fields = self.work.end_step(self._engine)
+        if fields is not None:
+            log.info("step %d: re-planned the batch: samples per replica %s -> %s", completed,
+                     fields["samples_before"], fields["samples_after"])
+            self._event("replan", completed, **fields)
+        return fields
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -157,10 +185,16 @@ class FaultTolerantEngine:
             raise ValueError(f"num_steps={num_steps!r} must be a non-negative integer")
         while self._engine.global_steps < num_steps:
             step = self._engine.global_steps
+            self.work.begin_step()
             yield step
             if self._engine.global_steps <= step:
                 continue  # the attempt failed and was recovered: run the step again
             done = self._engine.global_steps
+            try:
+                self.finish_step(done)
+            except Exception as error:  # a failure in the work exchange: recovered like one inside a step
+                self.recover(error)
+                continue
             if self._stop is not None and self._stop.should_stop(done) and done < num_steps:
                 self.stopped_by = self._stop.signal
                 self._event("stop", done, signal=self._stop.signal)
@@ -272,6 +306,7 @@ class FaultTolerantEngine:
 
     def _adopt(self, engine) -> None:
         self._engine = engine
+        self.work.new_topology()
         self._attach()
 
     def _attach(self) -> None:
@@ -283,3 +318,9 @@ class FaultTolerantEngine:
         if self.on_event is not None:
             self.on_event(kind, step, fields)
 
+
+def _samples(inputs: tuple, kwargs: dict) -> int:
+    """Samples of a forward's batch: a dict batch's, an `input_ids=` tensor's or the first positional tensor's."""
+    batch = inputs[0] if len(inputs) == 1 and isinstance(inputs[0], dict) else kwargs
+    ids = batch.get("input_ids", inputs[0] if inputs and not isinstance(inputs[0], dict) else None)
+    return int(ids.shape[0]) if hasattr(ids, "shape") and len(ids.shape) else 0

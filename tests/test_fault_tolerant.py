@@ -52,7 +52,8 @@ def user_loop(rank, world_size, ntp: dict, stage: int, steps: int, faults: list,
               "layout": engine.ntp_groups.layout, "shards": host_shards(engine.module),
               "full": engine.consolidated_state_dict(), "global_steps": engine.global_steps,
               "degrees": tuple(engine.ntp_groups.topology.degrees), "events": seen, "attempts": attempts,
-              "engine_replaced": engine.engine is not first_engine}
+              "engine_replaced": engine.engine is not first_engine,
+              "samples": [part.samples for part in engine.batch_plan.replicas]}
     engine.close()
     return result
 
@@ -79,6 +80,17 @@ def test_a_repaired_gpu_joins_the_users_loop_between_steps_with_the_users_own_lo
     for rank in (0, 1, 2):
         assert [kind for kind, _, _ in results[rank]["events"]] == ["recovery", "join"]
     assert results[4]["attempts"][0] == 3, "the joiner trains from the step it asked for (index 3: step 4)"
+
+
+def test_a_slow_replica_is_replanned_in_the_users_loop_and_the_replan_reaches_the_callback():
+    faults = [{"rank": 3, "step": 1, "phase": "forward", "kind": "slow", "factor": 4}]
+    ntp = {"tp": 2, "replicas": 2, "straggler": {"enabled": True, "every_steps": 2}}
+    results = run_ranks(user_loop, 4, ntp, 1, STEPS, faults, timeout=200, store=True)
+    assert_equivalent(results, GLOBAL_BATCH, STEPS)
+    for res in results.values():
+        replans = [step for kind, step, _ in res["events"] if kind == "replan"]
+        assert replans and replans[0] == 2, res["events"]  # decided after the first window of 2 steps
+        assert res["samples"][1] < res["samples"][0] and sum(res["samples"]) == GLOBAL_BATCH
 
 
 def test_fault_tolerance_settings_are_checked_before_any_process_group(monkeypatch):

@@ -152,6 +152,7 @@ class FakeEngine:
         self.ntp_groups = SimpleNamespace(topology=topology, replica=0, tp_rank=0, plan=SimpleNamespace(anchors=(0,)))
         self.batch_plan = plan_batch(tuple(2 / t for t in degrees), 4, 2, "preserve_global_batch")
         self.fail_at_step, self.global_steps, self.saved = fail_at_step, 0, None
+        self.job = SimpleNamespace(ntp=SimpleNamespace(straggler=SimpleNamespace(enabled=False)))
         self.on_phase = lambda step, phase: None
 
     def __call__(self, batch):

@@ -9,11 +9,10 @@ step again and records the event in events.jsonl and W&B once that step has comp
 failure to it). Joiners come in through `engine.take_joiners` after a completed step. On a plain `NTPEngine` (no
 job store to coordinate through) an error ends the run.
 
-With `parallel.straggler.enabled`, every rank measures its step work (forward and backward, without the gradient
-exchange's waits on other replicas) and, every `every_steps` completed steps, the ranks exchange those windows over
-the control group and each computes the same straggler-aware plan (`ntp_ds.batch.straggler`); a new plan is taken at
-that step boundary (`engine.set_batch_plan`) and recorded as a `replan` event. A `slow` fault stretches this rank's
-micro-batches (`injector.stretch`).
+With `parallel.straggler.enabled`, the handle measures each micro-batch's work and, every `every_steps` completed
+steps, re-plans the batch across replicas (`ntp_ds.batch.balancer`); `engine.finish_step(step)` returns that
+re-plan, which the trainer records as a `replan` event. A `slow` fault stretches this rank's micro-batches
+(`injector.stretch`, inside the handle's `backward`).
 
 Stop requests (SIGINT, SIGTERM) come in through `stop`: after every completed step the trainer asks whether the job
 stops there (every rank gets the same answer, `ntp_ds.run.stop`); a stopped run writes the weights and checkpoint
@@ -41,8 +40,6 @@ import torch
 import torch.distributed as dist
 
 from ntp_ds.batch.loader import GlobalBatchSampler, replica_micro_batches
-from ntp_ds.batch.straggler import (HISTORY, fit_costs, replica_micro_times, replica_step_times,
-                                    summarise_micro_batches)
 from ntp_ds.comm import wire
 from ntp_ds.goodput import GoodputMeter, StepTiming, split_failure_time
 from ntp_ds.run.config import RunConfig
@@ -112,23 +109,8 @@ class Trainer:
         """The latest recovery's event, recorded once the step it interrupted has completed."""
         self.step_samples: list[int] = []
         """Samples each replica ran in the last step (a re-plan at its end changes the next step's)."""
-        self._work_window: list[float] = []
-        """`work_s` of the steps completed under the current plan since the last straggler decision."""
-        self.micro_work: list[tuple[int, float]] = []
-        """(size, work seconds) of each micro-batch of the last step: its forward and backward, without waits on
-        other replicas' gradients."""
-        self._micro_window: list[tuple[int, float]] = []
-        """(size, work seconds) of each micro-batch this rank ran since the last straggler decision."""
-        self._micro_history: list[list[dict]] = []
-        """The replicas' micro-batch times (`ntp_ds.batch.straggler.MicroTimes`) in the last `HISTORY` windows of
-        this topology."""
         self._replan: dict | None = None
         """The `replan` event of the last step, recorded after its metrics."""
-
-    @property
-    def work_s(self) -> float:
-        """This rank's work in the last step: forward and backward, without waits on other replicas' gradients."""
-        return sum(seconds for _, seconds in self.micro_work)
 
     @property
     def rank(self) -> int:
@@ -200,25 +182,26 @@ class Trainer:
         compute_s = comm_s = 0.0
         loss_sum, samples = 0.0, 0
         plan, replica = engine.batch_plan, engine.ntp_groups.replica
-        stretch = self.engine.injector.stretch if self.live and self.engine.injector is not None else None
-        micro: list[tuple[int, float]] = []
         for batch in replica_micro_batches(self.dataset, self.sampler, plan, replica, step - 1):
-            t, waited = clock(), getattr(engine, "sync_wait_s", 0.0)
-            loss = engine(batch)
+            t = clock()
+            loss = engine(batch)  # the handle measures each micro-batch's work (and a `slow` fault stretches it)
             engine.backward(loss)
-            work = clock() - t - (getattr(engine, "sync_wait_s", 0.0) - waited)
-            if stretch is not None:
-                work += stretch(work)
-            n = int(batch["input_ids"].shape[0])
-            micro.append((n, work))
             t2 = clock()
             engine.step()
             end = clock()
+            n = int(batch["input_ids"].shape[0])
             compute_s, comm_s = compute_s + t2 - t, comm_s + end - t2
             loss_sum, samples = loss_sum + float(loss.detach()) * n, samples + n
         self.global_loss = self._global_loss(loss_sum, samples)
-        self.micro_work, self.step_samples = micro, [part.samples for part in plan.replicas]
-        self._balance(step)
+        self.step_samples = [part.samples for part in plan.replicas]
+        if self.live:
+            self._replan = self.engine.finish_step(step)
+            if self._replan is not None and self.writer:
+                r = self._replan
+                log.warning("step %d: re-planned the batch from measured work per step %s s: samples per replica %s "
+                            "-> %s (predicted step %.3f -> %.3f s)", step, _seconds(r["step_work_s"]),
+                            r["samples_before"], r["samples_after"], r["predicted_step_s_before"],
+                            r["predicted_step_s_after"])
         end = clock()
         timing = StepTiming(step=step, wall_s=max(end - self._last_end, compute_s + comm_s), compute_s=compute_s,
                             comm_wait_s=comm_s, tokens=plan.global_samples * self.cfg.data.seq_len,
@@ -238,46 +221,6 @@ class Trainer:
         degree = len(self.engine.ntp_groups.tp_ranks)
         total, count = wire.sum_counts([loss_sum / degree, samples / degree])
         return total / count if count > 0 else None
-
-    # -- straggler-aware batch plan ------------------------------------------------------------------------------
-    def _balance(self, step: int) -> None:
-        """Every `every_steps` steps under one plan, agree on the replicas' work per step and re-plan if it pays.
-
-        Every rank sends its own window (one small all-gather over the control group per window), so every rank
-        computes the same plan from the same numbers.
-        """
-        cfg = self.cfg.parallel.straggler
-        if not (cfg.enabled and dist.is_initialized() and wire.has_control()):
-            return
-        self._work_window.append(self.work_s)
-        self._micro_window += self.micro_work
-        if len(self._work_window) < cfg.every_steps:
-            return
-        window, self._work_window = self._work_window, []
-        points, self._micro_window = self._micro_window, []
-        engine = self.engine
-        plan, groups = engine.batch_plan, engine.ntp_groups
-        gathered = wire.all_gather_object((groups.replica, window, summarise_micro_batches(points)))
-        step_s = replica_step_times([(replica, busy) for replica, busy, _ in gathered], len(plan.replicas))
-        times = replica_micro_times([(replica, summary) for replica, _, summary in gathered], len(plan.replicas))
-        self._micro_history = (self._micro_history + [times])[-HISTORY:]
-        costs = fit_costs(self._micro_history, groups.topology.degrees)
-        replan = engine.job.rebalance(groups.topology, groups.plan.anchors, plan, costs)
-        if replan is None:
-            return
-        engine.set_batch_plan(replan.plan)
-        self._replan = {"samples_before": [p.samples for p in plan.replicas],
-                        "samples_after": [p.samples for p in replan.plan.replicas],
-                        "micro_batches_before": [p.micro_steps for p in plan.replicas],
-                        "micro_batches_after": [p.micro_steps for p in replan.plan.replicas],
-                        "step_work_s": list(step_s), "per_sample_s": [c.per_sample_s for c in replan.costs],
-                        "micro_batch_fixed_s": [c.fixed_s for c in replan.costs],
-                        "predicted_step_s_before": replan.before_s, "predicted_step_s_after": replan.after_s,
-                        "window_steps": len(window)}
-        if self.writer:
-            log.warning("step %d: re-planned the batch from measured work per step %s s: samples per replica %s -> "
-                        "%s (predicted step %.3f -> %.3f s)", step, _seconds(step_s), self._replan["samples_before"],
-                        self._replan["samples_after"], replan.before_s, replan.after_s)
 
     # -- failures ----------------------------------------------------------------------------------------------
     def _recover(self, step: int, error: BaseException) -> int:
@@ -334,9 +277,9 @@ class Trainer:
         return step
 
     def _adopted(self) -> None:
-        """Go on in a new topology (after a recovery or a grow): a new batch plan to measure, the records with
-        whoever writes now, the pending recovery event recorded."""
-        self._work_window, self._micro_window, self._micro_history, self._replan = [], [], [], None
+        """Go on in a new topology (after a recovery or a grow): the records with whoever writes now, the pending
+        recovery event recorded (the handle measures the new topology's work afresh)."""
+        self._replan = None
         self._move_records()
         self._record_recovery(None)
 
