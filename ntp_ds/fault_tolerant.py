@@ -1,4 +1,4 @@
-"""Fault tolerance in the caller's own training loop.
+"""Fault tolerance in the caller's own training loop, and the one recovery seam of `ntp-ds train`.
 
 `ntp_ds.initialize(model=..., config=..., ntp={..., "fault_tolerance": True})` returns a `FaultTolerantEngine`:
 the DeepSpeed engine API (`engine(batch)`, `backward`, `step`, checkpoints, every attribute of the current
@@ -7,15 +7,17 @@ the DeepSpeed engine API (`engine(batch)`, `backward`, `step`, checkpoints, ever
     for step in engine.train_steps(num_steps):          # yields again a step that a failure interrupted
         with engine.attempt(step):                        # a peer's failure in here is recovered, not raised
             for batch in engine.micro_batches(dataset):   # this replica's share of the step's global batch
-                loss = engine(batch)
+                loss = engine(batch)                      # or a loss of your own on engine.logits(batch)
                 engine.backward(loss)
                 engine.step()
 
 The handle stays valid across recoveries and joins: each of them builds a new `NTPEngine` for the new topology, and
 the handle goes on with it, so the caller's reference never goes stale (the inner engine, `engine.engine`, must not
-be kept across steps). Between steps it takes in workers that join (a repaired GPU), stops the job cleanly at one
-step every rank agrees on after SIGINT or SIGTERM, and reports every event to `on_event(kind, step, fields)`.
-A rank whose own device fails leaves the job (exit status 0); an error of the caller's own code is raised as is.
+be kept across steps). Between steps it takes in workers that join (a repaired GPU), re-plans the batch away from a
+slow replica (`ntp.straggler`), stops the job cleanly at one step every rank agrees on after SIGINT or SIGTERM, and
+reports every event to `on_event(kind, step, fields)`. A rank whose own device fails leaves the job (exit status
+0); an error of the caller's own code is raised as is. `recover`, `finish_step` and `take_joiners` are the pieces
+`train_steps` and `attempt` are made of, for a loop that calls them itself (`ntp_ds.run.trainer.Trainer` does).
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ starts the training process again (the same command line, with `NTP_SENTINEL=chi
 `ntp-ds launch` supervises its workers (`ntp_ds.launch.launch`, one worker per "node"): it records the worker's
 exit in the job's store, stops it when its peers declare it dead, starts a replacement that joins the job for a
 `repair`, and passes SIGINT and SIGTERM on. Rank 0's sentinel hosts the job's store (at MASTER_PORT + 1), so
-losing rank 0's worker loses neither the store nor the job. A sentinel exits only once the job is done (every
-other rank has finished, exited or gone silent), with status 0 when some rank finished the job, so the launcher
-never sees a failure it would act on.
+losing rank 0's worker loses neither the store nor the job. A sentinel exits only once the job is done, with status 0
+when some rank finished the job, so the launcher never sees a failure it would act on. Only rank 0's sentinel judges
+the job's end (every other rank finished, exited or gone silent) and publishes it (`JOB_OVER_KEY`); the others wait
+for that one key, so a sentinel's wait costs the store one request per poll whatever the world size.
 
 `NTP_SENTINEL=0` in the environment turns it off (the worker then trains in the launcher's process, and a crash
 ends the job as the launcher decides).
@@ -25,6 +26,10 @@ SENTINEL_ENV = "NTP_SENTINEL"
 """`0`: no sentinel; `child`: this process is the worker a sentinel started."""
 OUTLIVE_TIMEOUT_S = 3.0
 """How long a peer may be silent before a sentinel waiting for the job's end counts it gone."""
+JOB_OVER_KEY = "sentinel/job_over"
+"""Set by rank 0's sentinel once the job is over: `finished` when some rank finished it, else `failed`."""
+POLL_S = 1.0
+"""Pause between two checks of a sentinel waiting for the job's end."""
 DONE_KEY = "sentinel/done"
 """Store counter of the sentinels (other than rank 0's) done with the store."""
 DONE_WAIT_S = 30.0
@@ -58,22 +63,28 @@ def become_sentinel(repairs: Mapping[int, int] | None = None, env: Mapping[str, 
     return launch(spec, finish=lambda job_store, codes: _outlast(job_store, rank, world, codes))
 
 
-def _outlast(store, rank: int, world: int, codes: dict[int, int]) -> int:
-    """Wait for the job's end (every other launch rank finished, exited or silent); rank 0's sentinel, which hosts
-    the store, also waits (bounded) until the other sentinels are done with it. Return 0 when some rank finished
-    the job, else the status of this sentinel's first worker."""
+def _outlast(store, rank: int, world: int, codes: dict[int, int], poll_s: float = POLL_S) -> int:
+    """Wait for the job's end. Rank 0's sentinel, which hosts the store, judges it (every other launch rank finished,
+    exited or silent), publishes it and waits (bounded) until the other sentinels are done with the store; the others
+    wait for its verdict, bounded by the store's life (it ends with rank 0's sentinel, which ends once every worker
+    has finished, exited or gone silent). Return 0 when some rank finished the job, else the status of this
+    sentinel's first worker."""
     from ntp_ds.control.heartbeat import outlive_peers, read_exits
     from ntp_ds.launch import shell_status
 
     failed = {r: c for r, c in codes.items() if c != 0}
     try:
-        outlive_peers(store, rank, world, OUTLIVE_TIMEOUT_S)
-        finished = any(reason == "finished" for reason in read_exits(store).values())
         if rank == 0:
+            outlive_peers(store, rank, world, OUTLIVE_TIMEOUT_S)
+            finished = any(reason == "finished" for reason in read_exits(store).values())
+            store.set(JOB_OVER_KEY, "finished" if finished else "failed")
             deadline = time.monotonic() + DONE_WAIT_S
             while store.add(DONE_KEY, 0) < world - 1 and time.monotonic() < deadline:
                 time.sleep(0.1)
         else:
+            while not store.check([JOB_OVER_KEY]):
+                time.sleep(poll_s)
+            finished = store.get(JOB_OVER_KEY) == b"finished"
             store.add(DONE_KEY, 1)
     except Exception as e:  # the store went with rank 0's sentinel: judge by this rank's own worker
         print(f"ntp-ds sentinel: rank {rank}: the job's store is gone ({e})", file=sys.stderr, flush=True)
