@@ -21,7 +21,9 @@ plus the dead rank's parameter and optimizer bytes over the point-to-point bandw
 the job before training. `failure_cost_speedup` compares what each approach loses beyond the step it had to finish
 anyway: (restart_s - step) / (ntp_s - step), with the healthy median step. The last line reads
 `recovery_speedup=<restart / ntp> ntp_s=<x> restart_s=<y> ntp_lost_steps=<n> restart_lost_steps=<m> bound_s=<b>
-bound_ratio=<ntp / bound> failure_cost_speedup=<f>`.
+bound_ratio=<ntp / bound> failure_cost_speedup=<f> healthy_stall_s=<s> healthy_stall_ratio=<r>`: the healthy stall is
+the longest time a rank of the replica that lost nothing took from the crash to its completion of step K, and its
+ratio is over the detection floor plus a degraded step (the target is 1.2 or less).
 
     python benchmarks/recovery.py               # about 17M parameters (hidden 512, 5 layers)
     python benchmarks/recovery.py --size large  # about 100M: the restart reads that model's checkpoint
@@ -203,7 +205,9 @@ def measure_ntp(args) -> dict:
     bandwidth = max(s["bandwidth"] for s in survivors if s["bandwidth"])
     floor = min(s["noticed"] - fired for s in survivors if s["noticed"] is not None)
     degraded_step = degraded[len(degraded) // 2] if degraded else float("nan")
-    return {"seconds": first - fired, "lost_steps": lost, "event": event, "step_s": healthy[len(healthy) // 2],
+    # A replica that lost nothing: from the crash to its own completion of the step the failure interrupted.
+    stall = max(out[r]["done"][args.fail_step] - fired for r in out if r // TP != CRASH_RANK // TP)
+    return {"seconds": first - fired, "healthy_stall_s": stall, "lost_steps": lost, "event": event, "step_s": healthy[len(healthy) // 2],
             "detection_floor_s": floor, "degraded_step_s": degraded_step, "lost_bytes": lost_bytes,
             "bandwidth": bandwidth, "bound_s": floor + degraded_step + lost_bytes / bandwidth}
 
@@ -287,7 +291,8 @@ def main(argv=None) -> int:
     print(f"recovery_speedup={speedup:.1f} ntp_s={ntp['seconds']:.2f} restart_s={restart['seconds']:.2f} "
           f"ntp_lost_steps={ntp['lost_steps']} restart_lost_steps={restart['lost_steps']} "
           f"bound_s={ntp['bound_s']:.2f} bound_ratio={ntp['seconds'] / ntp['bound_s']:.2f} "
-          f"failure_cost_speedup={cost:.1f}")
+          f"failure_cost_speedup={cost:.1f} healthy_stall_s={ntp['healthy_stall_s']:.2f} "
+          f"healthy_stall_ratio={ntp['healthy_stall_s'] / (ntp['detection_floor_s'] + ntp['degraded_step_s']):.2f}")
     return 0
 
 

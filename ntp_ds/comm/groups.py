@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
-
-import os
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,32 @@ def skip_shm_comm_op() -> None:
     from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
     deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+
+
+_SEEN: weakref.WeakSet = weakref.WeakSet()
+"""The process groups that existed when `mark_communicators` was last called."""
+
+
+def _registered_groups() -> list:
+    """Every process group this process holds (torch's registry: no public call lists them)."""
+    from torch.distributed import distributed_c10d
+
+    return list(distributed_c10d._world.pg_map)
+
+
+def mark_communicators() -> None:
+    """Remember the process groups that exist now: a recovery or a grow calls it before it changes any."""
+    _SEEN.update(_registered_groups())
+
+
+def count_communicators() -> tuple[int, int]:
+    """(created, kept): the current generation's process groups whose lowest member is this rank (so a sum over the
+    ranks counts each group once), created since `mark_communicators` or kept from before it."""
+    me, created, kept = dist.get_rank(), 0, 0
+    for group in _registered_groups():
+        if min(dist.get_process_group_ranks(group)) == me:
+            kept, created = (kept + 1, created) if group in _SEEN else (kept, created + 1)
+    return created, kept
 
 
 def start_generation(timeout_s: float) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from ntp_ds.comm import wire
 from ntp_ds.comm.exchange import Side, UnitExchange
+from ntp_ds.comm.groups import count_communicators, mark_communicators
 from ntp_ds.control.heartbeat import (Heartbeat, LivenessMonitor, LivenessReader, mark_exited, poll_liveness,
                                       read_exits, request_fence)
 from ntp_ds.control.joins import (JoinFailed, JoinPlan, JoinRequest, JoinRequests, admit, await_decision,
@@ -173,6 +174,7 @@ class Recovery:
 
     def _recover(self, error: BaseException) -> RecoveryOutcome:
         failed_at = time.monotonic()
+        mark_communicators()  # what exists now and is still in use after the recovery was kept
         if wire.is_nccl():
             # Abort first: the snapshot and the engine's release synchronise with the device, which must not wait
             # on a kernel blocked on the dead peer. Transfers not confirmed by now are lost with the communicators.
@@ -313,6 +315,8 @@ class Recovery:
         engine = build_engine(self.job, new_topology,
                               lambda groups: self._reshard(groups, snapshot, moves, moved, rereplicated, rebalanced),
                               self.store)
+        engines_built = 1
+        created, kept = count_communicators()
         state = reslice(engine, snapshot, dead_owners, own=not snapshot.rolled_back)
         if snapshot.params_from_masters:
             params_from_masters(engine)
@@ -332,7 +336,7 @@ class Recovery:
         received = _received_by_kind(wire.traffic_since(traffic_before))
         totals = wire.sum_counts([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), state["bytes_received"],
                                   state["restored_bytes"], int(whole), moved.get("rebalanced", 0),
-                                  state["lost_bytes"]] + list(received.values()))
+                                  state["lost_bytes"], engines_built, created, kept] + list(received.values()))
         self.heartbeat.watch(self._peers(engine), set(new_members) - {self.rank})
         barrier(self.store, f"recovery/{generation}/done/{_digest(new_members)}", self.rank, new_members,
                 self.job.ntp.timeout_s)
@@ -344,7 +348,9 @@ class Recovery:
                  "rank_bytes_received": moved.get("bytes", 0), "optimizer_bytes_moved": int(totals[2]),
                  "optimizer_bytes_restored": int(totals[3]), "lost_optimizer_bytes": int(totals[6]),
                  "state_index": state["state_index"],
-                 "traffic_bytes": dict(zip(received, map(int, totals[7:]))), "rolled_back": snapshot.rolled_back,
+                 "engines_rebuilt": int(totals[7]), "communicators_created": int(totals[8]),
+                 "communicators_kept": int(totals[9]),
+                 "traffic_bytes": dict(zip(received, map(int, totals[10:]))), "rolled_back": snapshot.rolled_back,
                  "lossless": int(totals[4]) == len(new_members)}
         return engine, event
 
@@ -442,6 +448,7 @@ class Recovery:
         committed = self.membership.commit(change)
         if committed != change:  # a failure was reported first: recover from it (its joiners are planned again)
             raise RuntimeError(f"a failure was reported at the join boundary: {committed.reason}")
+        mark_communicators()
         snapshot, old_members = self.engine.snapshot(), self.members
         self.engine.release()
         self.engine = None

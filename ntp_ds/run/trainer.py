@@ -111,6 +111,8 @@ class Trainer:
         """Samples each replica ran in the last step (a re-plan at its end changes the next step's)."""
         self._replan: dict | None = None
         """The `replan` event of the last step, recorded after its metrics."""
+        self._stall: float | None = None
+        """`healthy_stall_s` of the recovery whose re-run step just completed (None: no such step)."""
 
     @property
     def rank(self) -> int:
@@ -193,6 +195,7 @@ class Trainer:
             compute_s, comm_s = compute_s + t2 - t, comm_s + end - t2
             loss_sum, samples = loss_sum + float(loss.detach()) * n, samples + n
         self.global_loss = self._global_loss(loss_sum, samples)
+        self._stall = self._healthy_stall()
         self.step_samples = [part.samples for part in plan.replicas]
         if self.live:
             self._replan = self.engine.finish_step(step)
@@ -222,6 +225,16 @@ class Trainer:
         total, count = wire.sum_counts([loss_sum / degree, samples / degree])
         return total / count if count > 0 else None
 
+    def _healthy_stall(self) -> float | None:
+        """At the end of a recovery's re-run step: the longest time a rank of a replica that lost nothing spent
+        outside training, from the failure to now (each rank's own clock; a max over the control group, once per
+        failure); None at any other step."""
+        pending = self._unfinished
+        if pending is None or pending.get("kind") == "join" or not (dist.is_initialized() and wire.has_control()):
+            return None
+        mine = self.clock() - pending["failed_at"] if pending["healthy"] else 0.0
+        return float(wire.all_reduce(torch.tensor([mine], dtype=torch.float64), wire.control_group(), op="max")[0])
+
     # -- failures ----------------------------------------------------------------------------------------------
     def _recover(self, step: int, error: BaseException) -> int:
         """Hand a failed step to live recovery, account its time; return the step to run next.
@@ -232,6 +245,8 @@ class Trainer:
             raise error
         failed_at = self.clock()
         before = self.degrees
+        members = self.engine.members
+        my_replica = {members[r] for r in self.engine.ntp_groups.tp_ranks} if members else None
         fields = self.engine.recover(error)  # leaves the job on this rank's own device error; raises a bug as is
         self._adopted()  # a failure while re-running a step: the previous recovery is recorded as it is
         resumed_at = self.clock()
@@ -246,7 +261,9 @@ class Trainer:
         event = {"detection_s": detection, "recovery_s": recovery, "redone_s": redone,
                  "degrees_before": list(before), "degrees_after": list(self.degrees), "error": _first_line(error),
                  **fields}
-        self._unfinished = {"step": step, "failed_at": failed_at - min(detection, lost_in_step), "event": event}
+        healthy = my_replica is not None and not my_replica & set(fields.get("dead", ()))
+        self._unfinished = {"step": step, "failed_at": failed_at - min(detection, lost_in_step), "event": event,
+                            "healthy": healthy}
         if self.writer:
             log.warning(describe_recovery(step, event))
         if rerun != step:
@@ -310,6 +327,8 @@ class Trainer:
                 event["request_to_step_s"] = time.time() - min(requested)
         elif completed_step is not None:
             event["failure_to_step_s"] = self.clock() - pending["failed_at"]
+            if self._stall is not None:
+                event["healthy_stall_s"] = self._stall
             if self.writer:
                 log.warning("step %d completed %.2f s after the failure", completed_step, event["failure_to_step_s"])
         self.recorder.event(kind, pending["step"], **event)
