@@ -155,13 +155,15 @@ def request_fence(store, ranks: Iterable[int], reason: str) -> None:
     """Ask the launchers to stop workers `ranks` for good: their peers declared them dead (a hung worker must never
     come back into the job, and stopping it closes its connections, which ends every wait on it).
 
-    Only the first request for a rank raises the alarm: every peer that sees a death, and then every survivor's
-    recovery, asks for its fence, and an alarm per request would cost the store survivors x watchers key writes.
+    Only the first request for a rank is logged and raises the alarm: every peer that sees a death, and then every
+    survivor's recovery, asks for its fence, and a line per request would grow the log (which every watcher reads) by
+    the world size at each failure, an alarm per request cost the store survivors x watchers key writes.
     """
     news = False
     for rank in ranks:
-        store.append(FENCE_KEY, f"{rank} {' '.join(reason.split())}\n")
-        news |= store.add(f"{FENCE_KEY}/{rank}", 1) == 1
+        if store.add(f"{FENCE_KEY}/{rank}", 1) == 1:
+            store.append(FENCE_KEY, f"{rank} {' '.join(reason.split())}\n")
+            news = True
     if news:
         raise_alarm(store)
 

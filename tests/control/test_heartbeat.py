@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ntp_ds.control.heartbeat import (
     ALARM_WAITERS_KEY,
+    FENCE_KEY,
     Beat,
     Heartbeat,
     LivenessMonitor,
@@ -302,9 +303,10 @@ def test_an_abnormal_exit_wakes_a_quiet_watcher_at_once_and_a_finished_worker_do
         assert watcher.alarms == 1 and 1 in frozenset().union(*seen)  # (the finished rank 2 is read as gone too)
 
 
-def test_only_the_first_fence_request_of_a_rank_raises_the_alarm():
-    # Every peer of a dead rank, then every survivor's recovery, asks for its fence: one alarm per death, not one
-    # per request (which would cost survivors x watchers key writes).
+def test_only_the_first_fence_request_of_a_rank_raises_the_alarm_and_is_logged():
+    # Every peer of a dead rank, then every survivor's recovery, asks for its fence: one alarm and one log line per
+    # death, not one per request (which would cost survivors x watchers key writes, and grow the log every watcher
+    # reads by the world size at each failure).
     store = dist.HashStore()
     store.set(ALARM_WAITERS_KEY, "7 8 ")
     request_fence(store, [3], "no heartbeat")
@@ -315,6 +317,9 @@ def test_only_the_first_fence_request_of_a_rank_raises_the_alarm():
     assert read_fences(store) == {3: "no heartbeat"}
     request_fence(store, [3, 4], "collective error")
     assert store.check([alarm_key(7)])
+    for _ in range(50):
+        request_fence(store, [3, 4], "declared dead by a peer")
+    assert store.get(FENCE_KEY).decode().splitlines() == ["3 no heartbeat", "4 collective error"]
 
 
 def test_heartbeat_survives_store_errors_and_keeps_the_error():
