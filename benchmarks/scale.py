@@ -23,8 +23,9 @@ dies) it measures:
   for alarms, the dead rank marked exited by its launcher (real `mark_exited`, which raises the alarm), the other
   survivors' failure reports (each survivor reports when detection beats the settle window, which the alarms make
   the case) and their arrivals at the three barriers. Only the sampled ranks' calls are counted per rank. The
-  sampled heartbeats run with `heartbeat_timeout_s` and the reader's `stale_s` at WATCH_BOUND_S: the pre-populated beats and
-  node keys do not move (no W workers beat here), and a shorter bound would declare every watched peer dead.
+  sampled heartbeats run with `heartbeat_timeout_s` and the reader's `stale_s` at WATCH_BOUND_S: the pre-populated
+  beats and node keys do not move (no W workers beat here), and a shorter bound would declare every watched peer
+  dead.
 - step control bytes: the payload bytes `NTPEngine.step`'s two `wire.vote`s and the Trainer's `wire.sum_counts` hand
   to the collective (measured by recording the real functions' calls to `wire.all_reduce`), and, derived by formula
   (labelled so), the bytes a ring all-reduce sends per rank for that payload: 2 (W - 1) / W x payload.
@@ -133,7 +134,7 @@ def plan_case(world: int, role: str) -> dict:
     """Plan rank `role`'s recovery from the loss of DEAD in a W-rank job; return its time, memory and plan sizes."""
     from ntp_ds.layout.zero import anchor_addresses
     from ntp_ds.recovery.placement import Placement
-    from ntp_ds.recovery.plan import plan_unit_moves, rebalanced_moves, rereplicated_moves
+    from ntp_ds.recovery.plan import old_ranks, plan_unit_moves, rebalanced_moves, rereplicated_moves
     from ntp_ds.recovery.reslice import StateIndex, count_lost_state, plan_incoming, plan_outgoing
     from ntp_ds.recovery.rollback import roll_back
 
@@ -162,8 +163,8 @@ def plan_case(world: int, role: str) -> dict:
     placement = placement.after_loss(plan.lost, drop)
     rolled_back = roll_back(job.buddies(old), shared, frozenset(old_members.index(g) for g in gone))
     t_membership = time.monotonic()
-    # `Recovery._install`'s map from new global rank to old global rank, as written there.
-    old_rank_of = {i: old_members.index(m) for i, m in enumerate(new_members) if m in old_members}
+    # `Recovery._install`'s map from new global rank to old global rank (the same function).
+    old_rank_of = old_ranks(old_members, new_members)
     t_rank_map = time.monotonic()
     moves = plan_unit_moves(old, new, old_rank_of, {})
     rereplicated = rereplicated_moves(old, new, old_rank_of, moves)
@@ -446,7 +447,8 @@ def main(argv=None) -> int:
         store = run_child(["--store-case", str(world), "--store-timeout-s", str(args.store_timeout_s)],
                           args.store_timeout_s + 120)
         if "per_rank" in store:
-            print(f"store (SAMPLE of {len(store['sample'])} ranks' real code paths; the other {world - 1 - len(store['sample'])} "
+            others = world - 1 - len(store["sample"])
+            print(f"store (SAMPLE of {len(store['sample'])} ranks' real code paths; the other {others} "
                   f"survivors' records pre-populated; setup {store['setup_s']:.1f}s; the dead rank's launcher: "
                   f"{store['launcher_ops']} ops, {store['launcher_bytes']} B)", flush=True)
             print(f"{'rank':>7} {'role':<9} {'peers':>6} {'ops':>5} {'bytes':>12} {'s':>6} {'fenced':>6}  ops by call",
@@ -458,9 +460,9 @@ def main(argv=None) -> int:
                       f"{mix}", flush=True)
             ops = max(r["ops"] for r in store["per_rank"].values())
             top = max(store["per_rank"].values(), key=lambda r: r["bytes"])
+            heaviest = sorted(top["bytes_by_op"].items(), key=lambda kv: -kv[1])[:3]
             print(f"store_ops_per_failure_per_rank (max over the sample)={ops}; most bytes: {top['bytes']} "
-                  f"({', '.join(f'{k}={v}' for k, v in sorted(top['bytes_by_op'].items(), key=lambda kv: -kv[1])[:3])})",
-                  flush=True)
+                  f"({', '.join(f'{k}={v}' for k, v in heaviest)})", flush=True)
         else:
             ops = None
             why = store.get("error") or f"exceeded the {store.get('exceeded_s')} s bound"

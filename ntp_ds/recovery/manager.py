@@ -34,7 +34,7 @@ from ntp_ds.layout import units as U
 from ntp_ds.layout.sharding import gather_units, packed_numel, scatter_units
 from ntp_ds.models import CausalLMShard, empty_shard
 from ntp_ds.recovery.placement import Placement
-from ntp_ds.recovery.plan import plan_last_good, plan_unit_moves, rebalanced_moves, rereplicated_moves
+from ntp_ds.recovery.plan import old_ranks, plan_last_good, plan_unit_moves, rebalanced_moves, rereplicated_moves
 from ntp_ds.recovery.reslice import reslice
 from ntp_ds.recovery.rollback import offered, roll_back
 
@@ -303,7 +303,7 @@ class Recovery:
                  traffic_before, event) -> tuple:
         """Build the new generation's engine: parameters from the units held plus the missing ones pulled from their
         holders, optimizer state re-sliced from live fragments and copies; measure what was installed."""
-        old_rank_of = {i: old_members.index(m) for i, m in enumerate(new_members) if m in old_members}
+        old_rank_of = old_ranks(old_members, new_members)
         try:
             moves = plan_unit_moves(snapshot.topology, new_topology, old_rank_of, snapshot.stale_by_rank)
         except LookupError as e:
@@ -536,7 +536,8 @@ class Recovery:
             return "no last_good_dir to write the last good state to"
         survivors = change.survivors
         me = survivors.index(self.rank)
-        holders = [self.members.index(r) for r in survivors]
+        position = {m: i for i, m in enumerate(self.members)}
+        holders = [position[r] for r in survivors]
         model = empty_shard(self.job.model_config, device="meta")
         specs = {n: s for n, (s, _) in model.param_specs().items()}
         shapes = {n: shape for n, (_, shape) in model.param_specs().items()}

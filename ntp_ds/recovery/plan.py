@@ -24,6 +24,14 @@ class UnitMove:
     units: U.Ranges
 
 
+def old_ranks(old_members, new_members) -> dict[int, int]:
+    """Map each new global rank whose worker was a member before to its old global rank (members: launch ranks in
+    global-rank order). Linear in the members: a lookup of each in the other list would be quadratic, minutes at
+    100K ranks."""
+    old_position = {m: i for i, m in enumerate(old_members)}
+    return {i: old_position[m] for i, m in enumerate(new_members) if m in old_position}
+
+
 def plan_unit_moves(old: Topology, new: Topology, old_rank_of: dict[int, int],
                     stale: dict[int, dict[str, U.Ranges]] | None = None) -> list[UnitMove]:
     """Units every new rank needs but did not hold before, each fetched once from a surviving holder.
