@@ -236,16 +236,22 @@ def _spread(costs: Sequence[StepCost], total: int, floors: list[int], caps: Sequ
 
     samples = list(floors)
     if sum(floors) < total:
-        low, high = 0.0, max(work(r, total if caps[r] is None else caps[r]) for r in replicas)
+        # Replicas alike in cost, lockstep count, micro-batch, floor and cap take alike: one of each kind is asked.
+        kinds: dict[tuple, list[int]] = {}
+        for r in replicas:
+            kinds.setdefault((costs[r], shared[r], micro[r], floors[r], caps[r]), []).append(r)
+        members = [(rs[0], len(rs)) for rs in kinds.values()]
+        low, high = 0.0, max(work(r, total if caps[r] is None else caps[r]) for r, _ in members)
         for _ in range(200):  # the level below which the batch is not yet full
             mid = (low + high) / 2
             if not low < mid < high:
                 break
-            if sum(most(r, mid) for r in replicas) < total:
+            if sum(most(r, mid) * n for r, n in members) < total:
                 low = mid
             else:
                 high = mid
-        samples = [most(r, low) for r in replicas]
+        taken = {r: most(r, low) for r, _ in members}
+        samples = [taken[kinds[(costs[r], shared[r], micro[r], floors[r], caps[r])][0]] for r in replicas]
     heap = [(work(r, samples[r] + 1), r) for r in replicas if caps[r] is None or samples[r] < caps[r]]
     heapq.heapify(heap)
     for _ in range(total - sum(samples)):

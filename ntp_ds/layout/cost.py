@@ -66,4 +66,6 @@ def replica_paces(layouts: Sequence["ShardLayout"], healthy_tp: int) -> tuple[fl
     balanced TP-`healthy_tp` layout of the same units (1.0 for a healthy replica)."""
     first = layouts[0]
     healthy = max_rank_work(type(first).balanced(first.units, healthy_tp))
-    return tuple(max_rank_work(lay) / healthy for lay in layouts)
+    work: dict = {}  # replicas of one layout (most of them, at scale) share its work
+    return tuple((work[lay] if lay in work else work.setdefault(lay, max_rank_work(lay))) / healthy
+                 for lay in layouts)

@@ -7,6 +7,7 @@ KV head can be replicated on several ranks.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -95,6 +96,7 @@ class ShardLayout:
         return len(self.heads)
 
     @classmethod
+    @functools.lru_cache(maxsize=64)  # frozen, so shared: a topology of R replicas builds R alike
     def balanced(cls, units: ModelUnits, tp: int) -> "ShardLayout":
         """Contiguous split of every kind, sizes differing by at most one (TP 3 over 8 heads: 3/3/2)."""
         if tp < 1:
