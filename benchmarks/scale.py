@@ -246,13 +246,14 @@ def populate(store, world: int, sample: set[int]) -> None:
 
 
 def others_after_crash(store, world: int, sample: set[int], digest: str, wall: float) -> None:
-    """What the survivors outside the sample leave in the store: their failure reports (each as
-    `Membership.report_failure` appends it) and their arrivals at the confirm, arrive and done barriers."""
+    """What the survivors outside the sample leave in the store: their failure reports (each an entry, as
+    `Membership.report_failure` files it) and their arrivals at the confirm, arrive and done barriers."""
     reason = f"rank {DEAD} exited (exit code -9)"
-    lines = "".join(FailureReport(r, frozenset({DEAD}), wall, reason, {DEAD: 0.05}).encode() + "\n"
-                    for r in range(world) if r not in sample and r != DEAD)
-    count = world - 1 - len(sample)
-    store.append("membership/0/reports", lines)
+    reports = [FailureReport(r, frozenset({DEAD}), wall, reason, {DEAD: 0.05}).encode()
+               for r in range(world) if r not in sample and r != DEAD]
+    count = len(reports)
+    store.multi_set([f"membership/0/reports/{i}" for i in range(1, count + 1)], reports)
+    store.add("membership/0/reports/count", count)
     store.add("membership/0/events", count)
     for name in ("membership/1/confirm", f"recovery/1/arrive/{digest}", f"recovery/1/done/{digest}"):
         store.add(f"{name}/count", count)

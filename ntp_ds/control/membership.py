@@ -1,7 +1,8 @@
 """Membership agreement: survivors report failures, one decision per generation is committed, all adopt it.
 
 Protocol (keys in the launcher's store; ranks are launch ranks, stable across generations):
-1. A rank that sees peers die appends a `FailureReport` to `membership/{g}/reports`, where g is its generation.
+1. A rank that sees peers die files a `FailureReport` as entry i of `membership/{g}/reports` (keys
+   `membership/{g}/reports/{i}`, i counted by `membership/{g}/reports/count`), where g is its generation.
 2. Every rank that learns of a failure (its own report, or `pending()`) calls `await_decision(g)`. Once reports have
    been visible to it for `settle_s`, or every member not reported dead has reported, it proposes the union of all
    reports with `compare_set` on `decision/{g}`:
@@ -13,7 +14,9 @@ A report or decision of an older generation is ignored; every wait is bounded an
 naming what it waited for.
 
 Waiting ranks watch, they do not re-read: every report and every commit bumps one counter,
-`membership/{g}/events`, and a waiter reads the reports and the decision only when that counter has moved. Polls of
+`membership/{g}/events`, and a waiter reads the decision and the reports it has not read yet only when that counter
+has moved (each report is an entry of its own, read once per rank: a rank's reads per failure grow with the number
+of reports, not with that number times the number of times the counter moved). Polls of
 the counter and of barriers back off from `poll_s` to `max_poll_s` while nothing changes, so thousands of waiting
 ranks cost the store one small request each per pause.
 """
@@ -187,6 +190,8 @@ class Membership:
         self.generation = generation
         self.settle_s, self.poll_s, self.max_poll_s = settle_s, poll_s, max(poll_s, max_poll_s)
         self._clock, self._sleep = clock, sleep
+        self._read: dict[int, list[FailureReport]] = {}
+        """Generation -> the reports read so far, in filing order (entries never change once written)."""
 
     @staticmethod
     def _reports_key(generation: int) -> str:
@@ -220,20 +225,33 @@ class Membership:
             return False
         seen = {r: float(t) for r, t in (silent_s or {}).items() if r in ranks and t is not None}
         report = FailureReport(self.rank, ranks, float(detected_at), reason, seen)
-        self.store.append(self._reports_key(generation), report.encode() + "\n")
+        key = self._reports_key(generation)
+        entry = self.store.add(f"{key}/count", 1)
+        self.store.set(f"{key}/{entry}", report.encode())
         self.store.add(self._events_key(generation), 1)
         return True
 
     def pending(self) -> bool:
         """Return whether some rank has reported a failure in the current generation (one store round trip)."""
-        return self.store.check([self._reports_key(self.generation)])
+        return self.store.check([f"{self._reports_key(self.generation)}/count"])
 
     def reports(self, generation: int) -> list[FailureReport]:
-        """Return the reports of `generation` visible in the store now."""
+        """Return the reports of `generation` visible in the store now. Only entries this rank has not read yet are
+        fetched (two requests when there are none): an entry counted but not written yet is read on a later call."""
         key = self._reports_key(generation)
-        if not self.store.check([key]):
-            return []
-        return [FailureReport.decode(line) for line in self.store.get(key).decode().splitlines() if line]
+        read = self._read.setdefault(generation, [])
+        if not self.store.check([f"{key}/count"]):
+            return list(read)
+        filed = self.store.add(f"{key}/count", 0)
+        keys = [f"{key}/{entry}" for entry in range(len(read) + 1, filed + 1)]
+        if keys and self.store.check(keys):  # the usual case: every counted entry written, two requests for all
+            read += [FailureReport.decode(raw) for raw in self.store.multi_get(keys)]
+        else:
+            for k in keys:
+                if not self.store.check([k]):
+                    break  # its reporter has counted it and not written it yet
+                read.append(FailureReport.decode(self.store.get(k)))
+        return list(read)
 
     def decision(self, generation: int) -> MembershipChange | None:
         """Return the change committed for `generation`, or None if none is committed yet (never waits)."""

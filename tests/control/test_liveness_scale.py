@@ -175,8 +175,9 @@ def test_waiting_ranks_read_reports_only_when_the_events_counter_moves():
     change = waiter.await_decision(0, timeout_s=30.0)
     assert change.dead == {3} and change.survivors == (0, 1, 2)
     assert sleeps[:6] == [0.02, 0.04, 0.08, 0.16, 0.16, 0.16]
-    # Six quiet polls cost one counter read each; the reports and decision were read once, after the report.
-    assert store.calls["get"] <= 2 and store.calls["add"] == 7 + 2  # 7 polls, the report's and the commit's bumps
+    # Six quiet polls cost one counter read each; the reports and decision were read once, after the report: 7 polls,
+    # the report's entry count and its events bump, the commit's bump, and one read of the entry count.
+    assert store.calls["get"] <= 2 and store.calls["add"] == 7 + 2 + 1 + 1
     assert reporter.await_decision(0, 1.0) == change
 
 

@@ -213,7 +213,7 @@ def test_stale_generation_is_ignored():
     assert run_threads(lambda i: (a, b)[i].confirm(change, 2.0), 2) == [True, True]
     assert a.generation == b.generation == 1
     assert a.report_failure(0, {1}, 2.0, "late") is False
-    assert not store.check(["membership/1/reports"])
+    assert not store.check(["membership/1/reports/count"])
     assert a.confirm(change, 1.0) is False  # an old decision changes nothing
     assert a.members == (0, 1)
     with pytest.raises(StaleGeneration):
@@ -290,3 +290,34 @@ def test_confirm_rejects_an_uncommitted_change():
         v.confirm(forged, 1.0)
     with pytest.raises(ValueError, match="skips"):
         v.confirm(MembershipChange(3, frozenset({2}), (0, 1), 0.0, "x"), 1.0)
+
+
+def test_a_waiter_reads_each_report_once_and_a_counted_entry_not_yet_written_later():
+    class Counting:
+        def __init__(self):
+            self.store, self.gets = dist.HashStore(), []
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+        def get(self, key):
+            self.gets.append(key)
+            return self.store.get(key)
+
+        def multi_get(self, keys):
+            self.gets += keys
+            return self.store.multi_get(keys)
+
+    store = Counting()
+    reporters = [Membership(store, r, range(8)) for r in range(4)]
+    watcher = Membership(store, 7, range(8))
+    for m in reporters[:3]:
+        m.report_failure(0, {5}, 1.0, "no heartbeat")
+    assert [r.reporter for r in watcher.reports(0)] == [0, 1, 2]
+    assert watcher.reports(0) == watcher.reports(0) and len(store.gets) == 3, "nothing new: nothing fetched again"
+    store.store.add("membership/0/reports/count", 1)  # a reporter between counting its entry and writing it
+    assert len(watcher.reports(0)) == 3
+    store.store.set("membership/0/reports/4", FailureReport(3, frozenset({5}), 1.0, "silent", {}).encode())
+    store.gets.clear()
+    assert [r.reporter for r in watcher.reports(0)] == [0, 1, 2, 3]
+    assert store.gets == ["membership/0/reports/4"], "only the new entry is fetched"
