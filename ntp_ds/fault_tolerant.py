@@ -213,16 +213,12 @@ class FaultTolerantEngine:
         """Run one step's work; a failure of a peer (or of a collective) in it is recovered: the handle goes on with
         the recovered engine and `train_steps` yields the step to run next. This rank's own device error makes it
         leave the job; any other error is raised."""
-        from ntp_ds.recovery.manager import RecoveryImpossible
-
         if step is not None and step != self._engine.global_steps:
             raise ValueError(f"attempt(step={step}) but the engine has completed {self._engine.global_steps} steps: "
                              "attempt the step train_steps yields")
         try:
             yield self
         except Exception as error:
-            if isinstance(error, RecoveryImpossible):
-                raise
             self.recover(error)
 
     def micro_batches(self, dataset, seed: int = 0) -> Iterator[dict]:
@@ -273,7 +269,10 @@ class FaultTolerantEngine:
         fired on this host); any other error is raised as is. `RecoveryImpossible` (no replica left, or some state
         without a surviving copy) propagates."""
         from ntp_ds.control.faults import DeviceError, detection_from_faults, fired_faults
+        from ntp_ds.recovery.manager import RecoveryImpossible
 
+        if isinstance(error, RecoveryImpossible):
+            raise error
         step = self._engine.global_steps
         if isinstance(error, DeviceError):
             log.warning("rank %d: %s; leaving the job (exit 0), the others go on without this rank",
