@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch.distributed as dist  # noqa: E402
 
 from ntp_ds.comm import wire  # noqa: E402
+from ntp_ds.comm.groups import ring_neighbours  # noqa: E402
 from ntp_ds.control.heartbeat import (Beat, Heartbeat, LivenessMonitor, LivenessReader, NodePublisher,  # noqa: E402
                                       ALARM_WAITERS_KEY, heartbeat_key, mark_exited, prepare_store, request_fence)
 from ntp_ds.control.membership import FailureReport, Membership, barrier, replica_membership  # noqa: E402
@@ -223,13 +224,15 @@ class MeteredStore:
 
 
 def peers(old: Topology, rank: int) -> list[int]:
-    """`NTPEngine.peers` of `rank` in a uniform topology: its TP group, its data-parallel group (every anchor
-    replica's rank at its TP index) and its buddies and owners (a uniform topology has no reshard partners)."""
+    """`NTPEngine.watched_peers` of `rank` in a uniform topology: its TP group, its two ring neighbours in its
+    data-parallel group (every anchor replica's rank at its TP index) and its buddies and owners (a uniform topology
+    has no reshard partners)."""
     sync = plan_gradient_sync(old)
     replica, tp = old.locate(rank)
     buddies = plan_buddies(old, sync, 1, 1)
     owners = [o for o, holders in buddies.items() if rank in holders]
-    out = set(old.ranks_of(replica)) | {old.ranks_of(a)[tp] for a in sync.anchors} | set(buddies.get(rank, ()))
+    dp = [old.ranks_of(a)[tp] for a in sync.anchors]
+    out = set(old.ranks_of(replica)) | ring_neighbours(dp, rank) | set(buddies.get(rank, ()))
     return sorted((out | set(owners)) - {rank})
 
 

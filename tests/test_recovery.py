@@ -177,6 +177,20 @@ def test_hung_worker_is_detected_within_heartbeat_timeout_plus_a_second():
         assert detected <= heartbeat_timeout_s + 1.0, f"rank {rank} saw the hang after {detected:.2f} s"
 
 
+def test_a_hung_rank_that_a_peer_does_not_watch_reaches_it_through_the_fence_within_the_same_bound():
+    # Four replicas at TP 1: one data-parallel group of four, in which each rank watches its two ring neighbours
+    # only. Rank 2 hangs; rank 0 does not watch it and learns of it from the fence its neighbours request.
+    heartbeat_timeout_s = 3.0
+    results = run_ranks(train_with_recovery, 4, {"tp": 1, "replicas": 4}, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS,
+                        [fault(2, 3, "grad_sync", "hang")], heartbeat_timeout_s, 1, None, 20.0, timeout=200,
+                        store=True)
+    assert set(results) == {0, 1, 3}
+    assert_equivalent(results)
+    for rank, res in results.items():
+        detected = res["noticed"][0] - res["fired"][2]
+        assert detected <= heartbeat_timeout_s + 1.0, f"rank {rank} saw the hang after {detected:.2f} s"
+
+
 def test_own_error_ends_that_rank_at_once_and_its_peers_recover_without_it():
     # Rank 3 runs out of memory in its backward: its own error, not the wire's. It ends at once (no recovery, which
     # would wait for a dead peer that does not exist), and its peers recover without it within the heartbeat timeout

@@ -54,6 +54,15 @@ def skip_shm_comm_op() -> None:
     deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
+def ring_neighbours(ranks: list[int], rank: int) -> set[int]:
+    """The ranks before and after `rank` in `ranks`, taken as a ring (none in a group of one): whom a member of a
+    large group watches, so that every member is watched by two whatever the group's size."""
+    if len(ranks) < 2:
+        return set()
+    i = ranks.index(rank)
+    return {ranks[i - 1], ranks[(i + 1) % len(ranks)]} - {rank}
+
+
 _SEEN: weakref.WeakSet = weakref.WeakSet()
 """The process groups that existed when `mark_communicators` was last called."""
 

@@ -28,7 +28,7 @@ from ntp_ds.batch import BatchPlan
 from ntp_ds.batch.loader import counted_tokens
 from ntp_ds.comm import wire
 from ntp_ds.comm.exchange import same_layout
-from ntp_ds.comm.groups import ReplicaGroups
+from ntp_ds.comm.groups import ReplicaGroups, ring_neighbours
 from ntp_ds.comm.streams import IncomingGradients, IncomingParameters, OutgoingGradients, OutgoingParameters
 from ntp_ds.engine import clipping
 from ntp_ds.engine import fragments as state
@@ -173,6 +173,15 @@ class NTPEngine(DeepSpeedEngine):
         """Global ranks this rank exchanges data with directly (its groups, sync partners and buddies)."""
         g = self.ntp_groups
         return (set(g.tp_ranks) | set(g.dp_ranks) | self._grads.peers() | self._params.peers()
+                | self.copies.peers()) - {g.rank}
+
+    def watched_peers(self) -> set[int]:
+        """The peers whose liveness this rank judges: as `peers`, but of its data-parallel group (every anchor
+        replica, thousands at scale) only its two ring neighbours. Every member is watched by those two; the death
+        or hang of another member of the group reaches this rank as the fence its watchers request (a watcher
+        reports a fence request for any member of the generation). A bounded set whatever the replica count."""
+        g = self.ntp_groups
+        return (set(g.tp_ranks) | ring_neighbours(g.dp_ranks, g.rank) | self._grads.peers() | self._params.peers()
                 | self.copies.peers()) - {g.rank}
 
     # -- forward / backward / step -----------------------------------------------------------------------------

@@ -139,8 +139,9 @@ class Recovery:
         self.heartbeat.stop()
 
     def _peers(self, engine) -> list[int]:
-        """Launch ranks of the workers this rank exchanges data with: the ones whose hang would block it."""
-        return sorted(self.members[r] for r in engine.peers())
+        """Launch ranks of the workers this rank watches (`NTPEngine.watched_peers`: those it exchanges data with,
+        of its data-parallel group its two ring neighbours)."""
+        return sorted(self.members[r] for r in engine.watched_peers())
 
     def _peers_dead(self, ranks: frozenset[int], wall: float) -> None:
         """From the heartbeat thread: a peer went silent or exited. Ask its launcher to stop it for good (its

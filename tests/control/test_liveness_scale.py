@@ -275,3 +275,16 @@ def test_launched_workers_read_their_peers_per_node(tmp_path):
     # Only the two event stamps were read by `get`: no per-rank key, no log; one multi_get per poll brought them.
     assert counts["get"] == "2"
     assert int(counts["multi_get"]) == int(counts["polls"])
+
+
+def test_a_data_parallel_group_of_any_size_has_each_member_watched_by_two_ring_neighbours():
+    from collections import Counter
+
+    from ntp_ds.comm.groups import ring_neighbours
+
+    for size in (1, 2, 3, 4, 7, 12_500):
+        ranks = list(range(3, 3 + 8 * size, 8))  # one TP index of every replica, as a DP group holds them
+        watched = Counter(p for r in ranks for p in ring_neighbours(ranks, r))
+        assert all(len(ring_neighbours(ranks, r)) == min(2, size - 1) for r in ranks[:50])
+        assert set(watched) == (set(ranks) if size > 1 else set())
+        assert set(watched.values()) <= {1, 2} and (size < 3 or set(watched.values()) == {2})
