@@ -169,17 +169,12 @@ class NTPEngine(DeepSpeedEngine):
             if own:
                 module.register_forward_pre_hook(lambda _m, _a, own=tuple(own): self._params_in.settle_for(own))
 
-    def peers(self) -> set[int]:
-        """Global ranks this rank exchanges data with directly (its groups, sync partners and buddies)."""
-        g = self.ntp_groups
-        return (set(g.tp_ranks) | set(g.dp_ranks) | self._grads.peers() | self._params.peers()
-                | self.copies.peers()) - {g.rank}
-
     def watched_peers(self) -> set[int]:
-        """The peers whose liveness this rank judges: as `peers`, but of its data-parallel group (every anchor
-        replica, thousands at scale) only its two ring neighbours. Every member is watched by those two; the death
-        or hang of another member of the group reaches this rank as the fence its watchers request (a watcher
-        reports a fence request for any member of the generation). A bounded set whatever the replica count."""
+        """The peers whose liveness this rank judges: the global ranks it exchanges data with directly (its TP group,
+        sync partners and buddies) but, of its data-parallel group (every anchor replica, thousands at scale), only
+        its two ring neighbours. Every member is watched by those two; the death or hang of another member of the
+        group reaches this rank as the fence its watchers request (a watcher reports a fence request for any member
+        of the generation). A bounded set whatever the replica count."""
         g = self.ntp_groups
         return (set(g.tp_ranks) | ring_neighbours(g.dp_ranks, g.rank) | self._grads.peers() | self._params.peers()
                 | self.copies.peers()) - {g.rank}
