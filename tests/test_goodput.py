@@ -84,6 +84,21 @@ def test_a_runs_ratio_takes_out_what_its_failures_cost():
     assert s["throughput_ratio"] == pytest.approx(5.5 / 9)
 
 
+def test_degraded_steps_that_ran_faster_earn_nothing():
+    # On a host whose cores the ranks share, a replica that lost a rank may run faster per token than a healthy one:
+    # the run's ratio still takes out its detection and recovery, and is below one.
+    meter = GoodputMeter(allocated_gpus=8, healthy_tp=4)
+    for s in range(1, 4):
+        meter.record_step(timing(s))
+    meter.record_lost("detection", 0.2, active_gpus=7)
+    meter.record_lost("recovery", 0.3, active_gpus=7)
+    for s in range(4, 10):
+        meter.record_step(timing(s, wall=0.5, compute=0.3, comm=0.1, degrees=(4, 3)))  # twice the failure-free rate
+    s = meter.summary()
+    assert s["failure_free_s"] == pytest.approx(s["wall_s"] - 0.5)
+    assert s["throughput_ratio"] == pytest.approx((s["wall_s"] - 0.5) / s["wall_s"]) and s["throughput_ratio"] < 1
+
+
 def test_lost_time_enters_the_wall_but_not_the_work():
     meter = GoodputMeter(allocated_gpus=8, healthy_tp=4)
     meter.record_step(timing(1))

@@ -13,7 +13,8 @@ Pure arithmetic over timings the trainer measures; nothing here reads a clock. D
   allocated/active GPUs. A step's `throughput_ratio` is its rate over that one.
 - A run's `throughput_ratio` (the summary's) is the time the same run would have taken without its failures over
   the time it took: its wall time less the time failures cost (detection, recovery, redone work) and less what its
-  degraded steps took beyond their tokens at the failure-free rate. A failure-free run reads 1.00, however slow its
+  degraded steps took beyond their tokens at the failure-free rate (never less than nothing: a run with a failure
+  reads below 1.00, even where its degraded steps happened to run faster). A failure-free run reads 1.00, however slow its
   first step or its checkpoints (a run without failures pays those too); start-up is not in the wall time at all.
 """
 
@@ -152,7 +153,9 @@ class GoodputMeter:
         """The run's wall time without what its failures cost: the detection, recovery and redone seconds, and the
         degraded steps' time beyond their tokens at the failure-free rate `baseline`."""
         lost = sum(self.seconds[b] for b in ("detection", "recovery", "redone"))
-        slower = self.degraded_wall_s - (self.degraded_tokens / baseline if baseline > 0 else 0.0)
+        # A degraded replica holds fewer GPUs, so it is never faster than the healthy one; where it seems so (ranks
+        # sharing a host's cores run faster when one of them is gone) it costs nothing, and earns nothing.
+        slower = max(0.0, self.degraded_wall_s - (self.degraded_tokens / baseline if baseline > 0 else 0.0))
         return self.wall_s - lost - slower
 
     def summary(self) -> dict:
