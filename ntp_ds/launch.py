@@ -44,6 +44,8 @@ from ntp_ds.run.stop import DUPLICATE_S, SIGNALS
 
 PROG = "ntp-ds launch"
 MASTER_PORT_KEY = "launch/master_port"
+MASTER_ADDR_KEY = "launch/master_addr"
+"""On an etcd store, where node 0 publishes the env:// master host (on a TCPStore it is the store's host)."""
 LAUNCH_RANKS_KEY = "launch/joined_ranks"
 """Counter of launch ranks given to joining workers (they number from the job's world size up)."""
 _VALUED = ("--nproc-per-node", "--nnodes", "--node-rank", "--store", "--run-dir", "--grace-s")
@@ -56,9 +58,12 @@ A worker that dies is reported (rank, exit code or signal); the others keep runn
 
   --nproc-per-node N   workers on this node (default: 1)
   --nnodes N           nodes in the job (default: 1); ranks are node_rank * N + local rank
-  --node-rank I        this node's index (default: 0); node 0 hosts the store
+  --node-rank I        this node's index (default: 0); node 0 hosts the store (not an etcd one)
   --store HOST:PORT    the job's store: node 0 listens on PORT, the others connect (required with --nnodes > 1;
                        default on one node: 127.0.0.1 and a free port)
+  --store etcd://HOST:PORT[,HOST:PORT...][/JOB]
+                       or an etcd v3 cluster that every node reaches (keys under /ntp_ds/JOB/, JOB defaults to
+                       `job` and must be unused): the job outlives any one etcd member and node 0 itself
   --join               start workers that join the job running on --store (a repaired or spare node); they are
                        taken in at a step boundary and receive their shards from the running workers' memory
   --run-dir DIR        passed to the workers as NTP_RUN_DIR
@@ -105,12 +110,13 @@ class LaunchSpec:
         if not 0 <= self.node_rank < self.nnodes:
             raise LaunchError(f"--node-rank={self.node_rank} must lie in 0..nnodes-1={self.nnodes - 1}")
         if self.nnodes > 1 and not self.store:
-            raise LaunchError(f"--store is required with --nnodes={self.nnodes}: give HOST:PORT of node 0")
+            raise LaunchError(f"--store is required with --nnodes={self.nnodes}: give HOST:PORT of node 0, or "
+                              f"etcd://HOST:PORT[,HOST:PORT...][/JOB] of an etcd cluster")
         if self.store:
-            from ntp_ds.control.store import parse_address
+            from ntp_ds.control.store import validate_address
 
             try:
-                parse_address(self.store)
+                validate_address(self.store)
             except ValueError as e:
                 raise LaunchError(f"--store: {e}") from None
 
@@ -197,8 +203,19 @@ def _say(text: str) -> None:
 
 def _rendezvous(spec: LaunchSpec):
     """Host (node 0) or reach the job's store; return it, its address and the env:// master address."""
-    from ntp_ds.control.store import connect_store, host_store, parse_address
+    from ntp_ds.control.store import connect_store, host_store, is_etcd_address, parse_address
 
+    if spec.store and is_etcd_address(spec.store):  # nobody hosts it: every node is a client of the cluster
+        store = connect_store(spec.store)
+        if spec.node_rank == 0 and not spec.join:
+            if held := store.num_keys():
+                raise LaunchError(f"--store {spec.store}: this job's path in etcd already holds {held} keys of an "
+                                  f"earlier job; give the job a path of its own (etcd://HOST:PORT,.../NAME)")
+            master = (socket.getfqdn() if spec.nnodes > 1 else "127.0.0.1", _free_port())
+            store.set(MASTER_ADDR_KEY, master[0])
+            store.set(MASTER_PORT_KEY, str(master[1]))
+            return store, spec.store, master
+        return store, spec.store, (store.get(MASTER_ADDR_KEY).decode(), int(store.get(MASTER_PORT_KEY).decode()))
     if spec.node_rank == 0 and not spec.join:
         host, port = parse_address(spec.store) if spec.store else ("127.0.0.1", 0)
         store, address = host_store(port, host)

@@ -280,6 +280,7 @@ COMMON = ("recipe=cpu_demo", "parallel.timeout_s=20", "train.steps=9", "data.seq
           "logging.progress=false", "train.save_checkpoint=false")
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("topology, slow_rank, slow_replica, base", [
     # 3 anchors at TP 1 under ZeRO 2: one shared micro-batch count.
     (("parallel.tp=1", "parallel.replicas=3", "train.global_batch=24", "parallel.zero_stage=2",

@@ -150,6 +150,7 @@ def test_the_tool_refuses_a_missing_input_in_one_line(tmp_path, capsys):
     assert capsys.readouterr().err == f"tokenize_text.py: error: --input {tmp_path / 'none.txt'}: no such file\n"
 
 
+@pytest.mark.long
 def test_a_crash_while_training_on_a_token_file_ends_with_the_failure_free_weights(token_file, tmp_path):
     path, _, _ = token_file
     common = ["recipe=cpu_demo", "data=tokens", f"data.path={path}", "data.seq_len=16", "train.steps=4",

@@ -66,6 +66,7 @@ def check_through_crash_and_repair(job, launcher: str):
     assert moved > 1e-3, "training must move the weights for the comparison to mean anything"
 
 
+@pytest.mark.launchers
 def test_under_ntp_ds_launch_a_crash_and_its_repair_end_at_the_failure_free_weights(job):
     check_through_crash_and_repair(job, "ntp-ds launch")
 

@@ -1,6 +1,7 @@
 """`ntp-ds train model=hf model.path=DIR`: transformers' Qwen2 from an HF directory, each rank reading its slices,
 trained through a crash to the failure-free run's weights; the Qwen2.5-7B recipe's dry run validates."""
 
+import pytest
 from safetensors.torch import load_file
 
 from tests.test_cli import ntp_ds
@@ -11,6 +12,7 @@ JOB = ("model=hf", "parallel.tp=2", "parallel.replicas=2", "parallel.timeout_s=2
        "logging.progress=false", "optim.grad_clip=1.0", "train.save_checkpoint=false")
 
 
+@pytest.mark.long
 def test_an_hf_model_from_its_directory_trains_through_a_crash_to_the_failure_free_weights(tmp_path):
     model_dir = tmp_path / "qwen2"
     tiny_qwen2().save_pretrained(model_dir)

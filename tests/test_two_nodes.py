@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from safetensors.torch import load_file
 
 from tests.test_cli import REPO, ntp_ds
@@ -59,6 +60,7 @@ def _steps_done(run_dir) -> int:
     return max(steps, default=0)
 
 
+@pytest.mark.long
 def test_two_nodes_survive_a_worker_and_the_whole_second_node_and_a_replacement_node_joins(tmp_path):
     clean = tmp_path / "clean"
     result = ntp_ds("train", *JOB, "fault=none", f"hydra.run.dir={clean}", timeout=240)

@@ -20,6 +20,8 @@ import time
 
 import torch.distributed as dist
 
+from ntp_ds.control.etcd_store import is_etcd_address, parse_etcd_address
+
 log = logging.getLogger(__name__)
 
 STORE_ENV = "NTP_STORE"
@@ -63,10 +65,13 @@ def _timedelta(timeout_s: float) -> datetime.timedelta:
 
 
 def connect_store(address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.Store:
-    """Connect a client to the store at `address`; every blocking call on it is bounded by `timeout_s`.
+    """Connect a client to the store at `address` (`HOST:PORT`, a TCPStore, or `etcd://HOST:PORT[,...][/JOB]`, an
+    etcd cluster: `control.etcd_store`); every blocking call on it is bounded by `timeout_s`.
 
     Raise ValueError for a malformed address and ConnectionError when nothing answers within `timeout_s`.
     """
+    if is_etcd_address(address):
+        return _connect_etcd(address, timeout_s)
     host, port = parse_address(address)
     deadline = time.monotonic() + timeout_s
     _await_listener(host, port, address, timeout_s)
@@ -90,6 +95,25 @@ def connect_store(address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.St
     if isinstance(outcome[0], BaseException):
         raise ConnectionError(f"cannot reach the store at {address} within {timeout_s}s: {outcome[0]}") from outcome[0]
     return outcome[0]
+
+
+def _connect_etcd(address: str, timeout_s: float) -> dist.Store:
+    from ntp_ds.control.etcd_store import EtcdStore
+
+    store = EtcdStore(address, timeout_s)
+    try:
+        store.check(["launch/ping"])  # one read through the cluster: some member answers, and it has a leader
+    except dist.DistStoreError as e:
+        raise ConnectionError(f"cannot reach the etcd cluster at {address} within {timeout_s}s: {e}") from None
+    return store
+
+
+def validate_address(address: str) -> None:
+    """Raise ValueError naming what is wrong with a store address, of either kind."""
+    if is_etcd_address(address):
+        parse_etcd_address(address)
+    else:
+        parse_address(address)
 
 
 def _await_listener(host: str, port: int, address: str, timeout_s: float) -> None:

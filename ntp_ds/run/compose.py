@@ -84,12 +84,20 @@ def _one_line(exc: Exception) -> str:
     return lines[0]
 
 
+def _quote_store(argv: list[str]) -> list[str]:
+    """`launcher.store=etcd://A:1,B:2/JOB` as written: quoted for Hydra, which reads an unquoted comma as a sweep."""
+    key = "launcher.store="
+    return [f"{key}'{a[len(key):]}'" if a.startswith(key) and "," in a and a[len(key):][:1] not in "'\"" else a
+            for a in argv]
+
+
 def compose_dict(argv: list[str]) -> dict:
     """The composed config as a plain dict (with `hydra.run.dir` resolved into `run_dir` when unset)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import open_dict
 
+    argv = _quote_store(argv)
     overrides = _parse(argv)
     _check_choices(overrides, "")
     extra: list[str] = []

@@ -259,7 +259,8 @@ class LauncherConfig:
     nproc_per_node: int | None = None
     """Workers per node; null: the world size (sum of the replicas' degrees) divided by nnodes."""
     store: str | None = None
-    """HOST:PORT of the store node 0 hosts; null on a single node: a free local port."""
+    """HOST:PORT of the store node 0 hosts; null on a single node: a free local port. Or
+    `etcd://HOST:PORT[,HOST:PORT...][/JOB]`: an etcd v3 cluster that no node hosts (`control.etcd_store`)."""
     grace_s: float = 60.0
     """Seconds workers get to stop cleanly (finish the step, write weights and summary) after SIGINT or SIGTERM."""
     fork: bool = True
@@ -445,7 +446,14 @@ class RunConfig:
                               f"{degrees}; set launcher.nproc_per_node")
         if launcher.nnodes > 1 and not launcher.store:
             raise ConfigError(f"launcher.store=null: with launcher.nnodes={launcher.nnodes}, give HOST:PORT of the "
-                              f"store node 0 hosts")
+                              f"store node 0 hosts, or etcd://HOST:PORT[,HOST:PORT...][/JOB] of an etcd cluster")
+        if launcher.store:
+            from ntp_ds.control.store import validate_address
+
+            try:
+                validate_address(str(launcher.store))
+            except ValueError as e:
+                raise ConfigError(f"launcher.store: {e}") from None
 
     def _check_faults(self) -> None:
         try:

@@ -126,7 +126,8 @@ class Trainer:
     # -- topology ----------------------------------------------------------------------------------------------
     @property
     def degrees(self) -> tuple[int, ...]:
-        """TP degree per configured replica; 0 for a replica no longer in the topology."""
+        """TP degree of each replica of the current topology (a dropped replica's successors move up), then a 0 for
+        each configured replica dropped."""
         live = tuple(self.engine.ntp_groups.topology.degrees)
         return live + (0,) * (self.cfg.parallel.replicas - len(live))
 

@@ -1,0 +1,224 @@
+"""The coordination store on an etcd v3 cluster: a job that outlives any one host, its launcher's included.
+
+`connect_store("etcd://HOST:PORT[,HOST:PORT...][/JOB]")` returns an `EtcdStore`: a `torch.distributed.Store` (so
+process groups rendezvous on it as on a TCPStore) whose keys live in etcd under `/ntp_ds/JOB/` (JOB defaults to
+`job`). It talks to etcd's v3 HTTP gateway through the `etcd3gw` client, one member at a time; when that member stops
+answering (or has no leader) it moves to the next and retries until the store's timeout. With three members the
+cluster keeps its quorum through the loss of any one.
+
+torch's store semantics, kept exactly:
+- `get` and `wait` block until the keys exist (bounded by the timeout); `check` does not.
+- `add` is an atomic counter kept as decimal text, `append` an atomic concatenation, `compare_set` a swap that
+  returns the value now held (creating the key when `expected` is empty and the key is absent).
+- `add`, `append` and `compare_set` each run as one etcd transaction guarded by the key's revision. A transaction
+  whose answer was lost with its member may or may not have been applied: `add` and `append` leave a receipt key in
+  the same transaction, so the retry returns the first attempt's result instead of applying it twice.
+
+Every rank opens its own clients; a thread that must not be delayed (the heartbeat) takes `clone()`.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import time
+import uuid
+
+import torch.distributed as dist
+
+SCHEME = "etcd://"
+ROOT = "/ntp_ds/"
+DEFAULT_JOB = "job"
+REQUEST_TIMEOUT_S = 2.0
+"""Bound on one HTTP request to one member before the client tries the next."""
+_POLL_S = (0.002, 0.05)
+"""A blocking `get`/`wait` re-reads its keys at this interval, doubling from the first to the second."""
+
+
+def is_etcd_address(address) -> bool:
+    return isinstance(address, str) and address.strip().startswith(SCHEME)
+
+
+def parse_etcd_address(address: str) -> tuple[list[tuple[str, int]], str]:
+    """Split `etcd://HOST:PORT[,HOST:PORT...][/JOB]` into its endpoints and job name; raise ValueError naming what is
+    wrong."""
+    from ntp_ds.control.store import parse_address
+
+    text = address.strip()
+    if not text.startswith(SCHEME):
+        raise ValueError(f"store address {address!r} must start with {SCHEME}")
+    hosts, _, job = text[len(SCHEME):].partition("/")
+    job = job.strip("/") or DEFAULT_JOB
+    if not all(c.isalnum() or c in "-_." for c in job):
+        raise ValueError(f"store address {address!r}: the job name {job!r} may hold letters, digits, '-', '_', '.'")
+    if not hosts:
+        raise ValueError(f"store address {address!r} names no etcd member; expected {SCHEME}HOST:PORT[,HOST:PORT...]")
+    endpoints = []
+    for part in hosts.split(","):
+        try:
+            endpoints.append(parse_address(part))
+        except ValueError as e:
+            raise ValueError(f"store address {address!r}: member {part!r}: {e}") from None
+    return endpoints, job
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _bytes(value) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, list):  # what torch hands a Python store from C++ callers
+        return bytes(value)
+    raise TypeError(f"store values are bytes or str, got {type(value).__name__}")
+
+
+class EtcdStore(dist.Store):
+    """A `torch.distributed.Store` kept in an etcd v3 cluster (see the module docstring)."""
+
+    def __init__(self, address: str, timeout_s: float = 60.0):
+        super().__init__()
+        from etcd3gw.client import Etcd3Client
+
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s} must be positive")
+        self.address = address
+        endpoints, job = parse_etcd_address(address)
+        self._prefix = f"{ROOT}{job}/".encode()
+        self._clients = [Etcd3Client(host=h, port=p, timeout=REQUEST_TIMEOUT_S, api_path="/v3/") for h, p in endpoints]
+        self._at = 0
+        self._timeout_s = timeout_s
+        self.set_timeout(datetime.timedelta(seconds=timeout_s))
+
+    # -- transport -------------------------------------------------------------------------------------------------
+    def _call(self, path: str, payload: dict) -> dict:
+        """POST `payload` to the v3 gateway's `path` on the current member, moving to the next one on a failure,
+        until the store's timeout."""
+        from etcd3gw import exceptions
+
+        deadline = time.monotonic() + self._timeout_s
+        pause = 0.05
+        while True:
+            client = self._clients[self._at]
+            try:
+                return client.post(client.get_url(path), json=payload)
+            except (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError,
+                    exceptions.InternalServerError, exceptions.Etcd3Exception) as err:
+                failure = err
+            if time.monotonic() + pause > deadline:
+                raise dist.DistStoreError(f"etcd store {self.address}: no member answered within {self._timeout_s}s "
+                                          f"(last: {type(failure).__name__}: {str(failure)[:200]})")
+            self._at = (self._at + 1) % len(self._clients)
+            if self._at == 0:  # every member tried once: the cluster may be electing a leader
+                time.sleep(pause)
+                pause = min(2 * pause, 0.5)
+
+    def _key(self, key) -> bytes:
+        return self._prefix + _bytes(key)
+
+    def _range(self, key: bytes) -> dict | None:
+        """The key's record (value, mod_revision) or None."""
+        kvs = self._call("/kv/range", {"key": _b64(key)}).get("kvs")
+        return kvs[0] if kvs else None
+
+    def _txn(self, compare: list, success: list) -> bool:
+        return bool(self._call("/kv/txn", {"compare": compare, "success": success, "failure": []}).get("succeeded"))
+
+    @staticmethod
+    def _put(key: bytes, value: bytes) -> dict:
+        return {"request_put": {"key": _b64(key), "value": _b64(value)}}
+
+    @staticmethod
+    def _unchanged(key: bytes, record: dict | None) -> dict:
+        """The transaction's guard: the key is as `record` found it (absent when None)."""
+        if record is None:
+            return {"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
+        return {"key": _b64(key), "result": "EQUAL", "target": "MOD", "mod_revision": record["mod_revision"]}
+
+    def _update(self, key, change) -> bytes:
+        """Apply `change(current bytes or None) -> new bytes` atomically and exactly once; return the new value."""
+        full = self._key(key)
+        receipt = self._prefix + b"__receipt/" + uuid.uuid4().hex.encode()
+        while True:
+            record = self._range(full)
+            current = base64.b64decode(record.get("value", "")) if record is not None else None
+            new = change(current)
+            if self._txn([self._unchanged(full, record)], [self._put(full, new), self._put(receipt, new)]):
+                break
+            done = self._range(receipt)  # an earlier attempt may have been applied though its answer was lost
+            if done is not None:
+                new = base64.b64decode(done.get("value", ""))
+                break
+        self._call("/kv/deleterange", {"key": _b64(receipt)})
+        return new
+
+    # -- torch.distributed.Store ------------------------------------------------------------------------------------
+    def set(self, key, value) -> None:
+        self._call("/kv/put", {"key": _b64(self._key(key)), "value": _b64(_bytes(value))})
+
+    def get(self, key) -> bytes:
+        self.wait([key])
+        record = self._range(self._key(key))
+        if record is None:  # deleted between the wait and the read
+            raise dist.DistStoreError(f"etcd store {self.address}: key {key!r} vanished")
+        return base64.b64decode(record.get("value", ""))
+
+    def add(self, key, amount: int) -> int:
+        return int(self._update(key, lambda cur: str(int(cur or b"0") + int(amount)).encode()))
+
+    def append(self, key, value) -> None:
+        tail = _bytes(value)
+        self._update(key, lambda cur: (cur or b"") + tail)
+
+    def compare_set(self, key, expected, desired) -> bytes:
+        full, expected, desired = self._key(key), _bytes(expected), _bytes(desired)
+        while True:
+            record = self._range(full)
+            if record is None and expected:
+                return expected  # torch's stores answer so for a key that does not exist
+            current = base64.b64decode(record.get("value", "")) if record is not None else b""
+            if record is not None and current != expected:
+                return current
+            if self._txn([self._unchanged(full, record)], [self._put(full, desired)]):
+                return desired
+            # changed since the read (or applied by an attempt whose answer was lost): read again
+
+    def check(self, keys) -> bool:
+        return all(self._range(self._key(k)) is not None for k in keys)
+
+    def wait(self, keys, timeout=None) -> None:
+        limit = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else self._timeout_s
+        deadline = time.monotonic() + limit
+        pending, pause = list(keys), _POLL_S[0]
+        while pending:
+            pending = [k for k in pending if self._range(self._key(k)) is None]
+            if not pending:
+                return
+            if time.monotonic() + pause > deadline:
+                raise dist.DistStoreError(f"etcd store {self.address}: timed out after {limit}s waiting for keys "
+                                          f"{[_bytes(k).decode(errors='replace') for k in pending][:4]}")
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_S[1])
+
+    def delete_key(self, key) -> bool:
+        return int(self._call("/kv/deleterange", {"key": _b64(self._key(key))}).get("deleted", 0)) > 0
+
+    def num_keys(self) -> int:
+        end = self._prefix[:-1] + bytes([self._prefix[-1] + 1])
+        answer = self._call("/kv/range", {"key": _b64(self._prefix), "range_end": _b64(end), "count_only": True})
+        return int(answer.get("count", 0))
+
+    def multi_get(self, keys) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
+    def multi_set(self, keys, values) -> None:
+        for k, v in zip(keys, values):
+            self.set(k, v)
+
+    def clone(self) -> "EtcdStore":
+        return EtcdStore(self.address, self._timeout_s)

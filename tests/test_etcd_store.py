@@ -1,0 +1,220 @@
+"""The etcd store: torch's store semantics on a 3-member etcd cluster, through the loss of a member; then jobs on it
+(marker etcd, a stage of .ci/run): one loses an etcd member and then a worker, a two-node job loses the node whose
+launcher started it. Both end with the failure-free run's weights.
+
+The etcd server comes from the system's package (Debian/Ubuntu: `etcd-server`, which .ci/run installs)."""
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from ntp_ds.control.etcd_store import EtcdStore, parse_etcd_address
+from ntp_ds.control.store import connect_store
+from ntp_ds.testing.etcd_cluster import EtcdCluster, etcd_binary
+from tests.test_cli import REPO, ntp_ds
+
+pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="no etcd server on PATH (apt-get install etcd-server)")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with EtcdCluster(3) as c:
+        yield c
+
+
+def test_store_semantics(cluster):
+    s = connect_store(cluster.address("semantics"), timeout_s=10)
+    s.set("a", b"x")
+    assert s.get("a") == b"x" and s.check(["a"]) and not s.check(["a", "b"])
+    assert s.add("n", 3) == 3 and s.add("n", -1) == 2 and s.get("n") == b"2"
+    s.append("log", b"ab")
+    s.append("log", "cd")
+    assert s.get("log") == b"abcd"
+    assert s.compare_set("c", "", "v1") == b"v1"  # absent and nothing expected: created
+    assert s.compare_set("c", "v0", "v2") == b"v1"  # not what was expected: the value held
+    assert s.compare_set("c", "v1", "v2") == b"v2"
+    assert s.compare_set("absent", "q", "r") == b"q" and not s.check(["absent"])  # as torch's stores answer
+    assert s.multi_get(["a", "n"]) == [b"x", b"2"]
+    assert s.num_keys() == 4
+    assert s.delete_key("a") and not s.delete_key("a") and not s.check(["a"])
+    prefixed = dist.PrefixStore("gen/1", s)  # what a generation's process groups rendezvous on
+    prefixed.set("k", "1")
+    assert prefixed.get("k") == b"1" and s.check(["gen/1/k"])
+    start = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match="timed out"):
+        s.wait(["never"], datetime.timedelta(seconds=0.3))
+    assert time.monotonic() - start < 5
+    waiter = threading.Thread(target=lambda: s.clone().wait(["late"]))
+    waiter.start()
+    s.set("late", "1")
+    waiter.join(10)
+    assert not waiter.is_alive()
+
+
+def test_counters_stay_exact_under_contention_and_through_a_lost_member(cluster):
+    address = cluster.address("contention")
+    stores = [EtcdStore(address, timeout_s=20) for _ in range(4)]
+    seen: list[int] = []
+
+    def count(store):
+        for _ in range(25):
+            seen.append(store.add("n", 1))
+            store.append("log", b".")
+
+    threads = [threading.Thread(target=count, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    with EtcdCluster(3) as spare:  # the member the clients talk to is lost mid-count; a cluster of our own
+        address = spare.address("lost")
+        survivors = [EtcdStore(address, timeout_s=20) for _ in range(3)]
+        for s in survivors:
+            s.add("n", 1)
+        spare.kill(0)  # every client reached member 0 first
+        for i, s in enumerate(survivors):
+            assert s.add("n", 1) == 4 + i
+            s.append("log", str(i))
+        assert survivors[0].get("log") == b"012" and survivors[1].get("n") == b"6"
+    for t in threads:
+        t.join(60)
+    assert sorted(seen) == list(range(1, 101))  # each add once, each answer distinct
+    assert stores[0].get("log") == b"." * 100
+
+
+def test_bad_addresses_name_what_is_wrong(tmp_path):
+    for address, words in [("etcd://", "names no etcd member"), ("etcd://h", "has no port"),
+                           ("etcd://h:1,h:x", "member 'h:x'"), ("etcd://h:1/a b", "job name")]:
+        with pytest.raises(ValueError, match=words):
+            parse_etcd_address(address)
+    assert parse_etcd_address("etcd://a:1,b:2/run7") == ([("a", 1), ("b", 2)], "run7")
+    result = ntp_ds("train", "recipe=cpu_demo", "launcher.store=etcd://h:1,h:x", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2 and "launcher.store" in result.stderr and "member 'h:x'" in result.stderr
+
+
+def test_a_used_job_path_is_refused(cluster, tmp_path):
+    address = cluster.address("used")
+    connect_store(address, 10).set("leftover", "1")
+    result = ntp_ds("launch", "--store", address, "-m", "json.tool", "--help", timeout=60)
+    assert result.returncode != 0 and "already holds 1 keys of an earlier job" in result.stderr
+
+
+# -- jobs on etcd ----------------------------------------------------------------------------------------------------
+STEPS = 12
+JOB = ["parallel.tp=2", "parallel.replicas=2", "parallel.timeout_s=20", f"train.steps={STEPS}",
+       "train.global_batch=8", "train.micro_batch=2", "data.seq_len=16", "logging.progress=false",
+       "logging.wandb.mode=disabled"]
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("etcd") / "clean"
+    result = ntp_ds("train", *JOB, "fault=none", f"hydra.run.dir={run_dir}", timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+def _env() -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "WANDB_MODE": "disabled"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NTP_RUN_DIR", "NTP_STORE"):
+        env.pop(key, None)
+    return env
+
+
+def _steps_done(run_dir) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    return max((json.loads(x).get("step", 0) for x in path.read_text().splitlines() if x.strip()), default=0)
+
+
+def _events(run_dir, kind: str) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [e for e in map(json.loads, filter(None, lines)) if e["event"] == kind]
+
+
+def _wait_for_step(run_dir, step: int, procs, deadline: float, log) -> None:
+    while _steps_done(run_dir) < step and time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        time.sleep(0.1)
+    assert _steps_done(run_dir) >= step, log.read_text()[-4000:]
+
+
+def _same_weights(run_dir, clean) -> None:
+    want = load_file(str(clean / "final" / "model.safetensors"))
+    got = load_file(str(run_dir / "final" / "model.safetensors"))
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        diff = (got[name] - tensor).abs().max().item()
+        assert diff <= 1e-5, f"{name}: max abs difference {diff:.3g}"
+
+
+def _stop(*procs) -> None:
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.etcd
+def test_a_job_loses_an_etcd_member_then_a_worker(clean, tmp_path):
+    """Member 0 (the one every client reaches first) is killed after step 3; rank 3 crashes at step 6, so the
+    recovery runs on the two members left."""
+    run_dir, log_path = tmp_path / "faulted", tmp_path / "job.log"
+    with EtcdCluster(3) as etcd, open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ntp_ds.cli", "train", *JOB, f"launcher.store={etcd.address('lose-member')}",
+             "fault.faults=[{rank:3,step:6,phase:backward,kind:crash}]", f"hydra.run.dir={run_dir}"],
+            stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 240
+            _wait_for_step(run_dir, 3, [proc], deadline, log_path)
+            etcd.kill(0)
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            _stop(proc)
+    assert proc.returncode == 0, log_path.read_text()[-4000:]
+    recoveries = _events(run_dir, "recovery")
+    assert [e["degrees_after"] for e in recoveries] == [[2, 1]] and recoveries[0]["lossless"], recoveries
+    assert _steps_done(run_dir) == STEPS
+    _same_weights(run_dir, clean)
+
+
+@pytest.mark.etcd
+def test_a_two_node_job_on_etcd_loses_the_node_that_started_it(clean, tmp_path):
+    """Node 0 (ranks 0 and 1, replica 0, and the launcher that started the job) is lost whole after step 4; node 1's
+    replica finishes the job alone and writes the records and the weights."""
+    run_dir = tmp_path / "faulted"
+    logs = [tmp_path / f"node{n}.log" for n in (0, 1)]
+    with EtcdCluster(3) as etcd:
+        address = etcd.address("two-nodes")
+        procs = []
+        for node, path in enumerate(logs):
+            with open(path, "w") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "ntp_ds.cli", "launch", "--nnodes", "2", "--node-rank", str(node),
+                     "--store", address, "--nproc-per-node", "2", "--grace-s", "5", "-m", "ntp_ds.train", *JOB,
+                     f"run_dir={run_dir}"],
+                    stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, start_new_session=True))
+        try:
+            deadline = time.monotonic() + 240
+            _wait_for_step(run_dir, 4, procs, deadline, logs[0])
+            os.killpg(procs[0].pid, signal.SIGKILL)  # the whole node: its launcher and both workers
+            procs[1].wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            _stop(*procs)
+    assert procs[1].returncode == 0, logs[1].read_text()[-4000:]
+    recoveries = _events(run_dir, "recovery")
+    assert [e["degrees_after"] for e in recoveries] == [[2, 0]] and recoveries[0]["lossless"], recoveries
+    assert recoveries[0]["dead"] == [0, 1]  # replica 0 dropped: replica 1 is listed first now
+    assert _steps_done(run_dir) == STEPS
+    _same_weights(run_dir, clean)
