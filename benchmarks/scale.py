@@ -249,15 +249,19 @@ def populate(store, world: int, sample: set[int]) -> None:
 
 
 def others_after_crash(store, world: int, sample: set[int], digest: str, wall: float) -> None:
-    """What the survivors outside the sample leave in the store: their failure reports (each an entry, as
-    `Membership.report_failure` files it) and their arrivals at the confirm, arrive and done barriers."""
+    """What the survivors outside the sample leave in the store, as `Membership.report_failure` files it: the first
+    of them claimed the death and filed the one report, every one of them acknowledged; and their arrivals at the
+    confirm, arrive and done barriers."""
     reason = f"rank {DEAD} exited (exit code -9)"
-    reports = [FailureReport(r, frozenset({DEAD}), wall, reason, {DEAD: 0.05}).encode()
-               for r in range(world) if r not in sample and r != DEAD]
-    count = len(reports)
-    store.multi_set([f"membership/0/reports/{i}" for i in range(1, count + 1)], reports)
-    store.add("membership/0/reports/count", count)
-    store.add("membership/0/events", count)
+    others = [r for r in range(world) if r not in sample and r != DEAD]
+    count = len(others)
+    store.add(f"membership/0/dead/{DEAD}", 1)
+    first = FailureReport(others[0], frozenset({DEAD}), wall, reason, {DEAD: 0.05})
+    store.set("membership/0/reports/1", first.encode())
+    store.add("membership/0/reports/count", 1)
+    store.add("membership/0/events", 1)
+    store.multi_set([f"membership/0/acks/{r}" for r in others], ["1"] * count)
+    store.add("membership/0/acks", count)
     for name in ("membership/1/confirm", f"recovery/1/arrive/{digest}", f"recovery/1/done/{digest}"):
         store.add(f"{name}/count", count)
 
@@ -285,16 +289,17 @@ def sampled_rank(rank: int, store, world: int, watched: list[int], out: dict, ti
     start = time.monotonic()
     recovery = types.SimpleNamespace(
         store=store, rank=rank, members=members, declared={}, heartbeat_timeout_s=WATCH_BOUND_S,
+        first_beat_timeout_s=WATCH_BOUND_S, watched=set(watched),
         heartbeat_interval_s=0.5, job=types.SimpleNamespace(ntp=types.SimpleNamespace(timeout_s=timeout_s)),
-        monitor=LivenessMonitor(members, WATCH_BOUND_S),
+        monitor=LivenessMonitor((), WATCH_BOUND_S),
         reader=LivenessReader(store, TP, stale_s=WATCH_BOUND_S),
         membership=Membership(store, rank, members, 0, settle_s=0.3))
+    recovery._poll_dead = types.MethodType(Recovery._poll_dead, recovery)
     dead, reason = Recovery._detect(recovery, RuntimeError("Connection closed by peer"))
     request_fence(store, dead, reason)
     recovery.membership.report_failure(0, dead, time.time(), reason, {r: 0.05 for r in dead})
     change = recovery.membership.await_decision(0, timeout_s)
     recovery.membership.confirm(change, timeout_s)
-    recovery.monitor = LivenessMonitor(survivors, WATCH_BOUND_S)
     Recovery._arrive(recovery, change.generation, survivors)
     barrier(store, f"recovery/{change.generation}/done/{_digest(survivors)}", rank, survivors, timeout_s)
     out["seconds"] = time.monotonic() - start

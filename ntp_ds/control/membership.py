@@ -1,11 +1,14 @@
 """Membership agreement: survivors report failures, one decision per generation is committed, all adopt it.
 
 Protocol (keys in the launcher's store; ranks are launch ranks, stable across generations):
-1. A rank that sees peers die files a `FailureReport` as entry i of `membership/{g}/reports` (keys
-   `membership/{g}/reports/{i}`, i counted by `membership/{g}/reports/count`), where g is its generation.
+1. A rank that sees peers die claims each death once (`membership/{g}/dead/{r}`, a counter: the first claimant
+   wins) and files a `FailureReport` of the deaths it claimed, if any, as entry i of `membership/{g}/reports` (keys
+   `membership/{g}/reports/{i}`, i counted by `membership/{g}/reports/count`), where g is its generation. Then it
+   acknowledges (`membership/{g}/acks`, once per rank). So a failure seen by every survivor costs each of them a few
+   counter updates, and the reports every rank reads number the deaths, not the survivors.
 2. Every rank that learns of a failure (its own report, or `pending()`) calls `await_decision(g)`. Once reports have
-   been visible to it for `settle_s`, or every member not reported dead has reported, it proposes the union of all
-   reports with `compare_set` on `decision/{g}`:
+   been visible to it for `settle_s`, or every member not reported dead has acknowledged, it proposes the union of
+   all reports with `compare_set` on `decision/{g}`:
    the first writer wins, every later proposer reads back the winner's bytes, so all ranks hold the same
    `MembershipChange` to generation g + 1.
 3. Each survivor `confirm`s: it adopts the change, then meets the other survivors at a barrier that names only
@@ -78,15 +81,29 @@ class MembershipChange:
         return self.survivors.index(rank)
 
     def encode(self) -> str:
-        return json.dumps({"generation": self.generation, "dead": sorted(self.dead), "survivors": self.survivors,
-                           "detection_s": self.detection_s, "reason": self.reason,
-                           "detected_at": self.detected_at}, sort_keys=True)
+        """JSON; the survivors as runs of consecutive ranks, so the decision every rank reads grows with the number
+        of deaths and joins, not with the world."""
+        return json.dumps({"generation": self.generation, "dead": sorted(self.dead),
+                           "survivor_runs": _runs(self.survivors), "detection_s": self.detection_s,
+                           "reason": self.reason, "detected_at": self.detected_at}, sort_keys=True)
 
     @classmethod
     def decode(cls, raw: bytes | str) -> MembershipChange:
         d = json.loads(raw)
-        return cls(d["generation"], frozenset(d["dead"]), tuple(d["survivors"]), d["detection_s"], d["reason"],
+        survivors = tuple(r for first, last in d["survivor_runs"] for r in range(first, last + 1))
+        return cls(d["generation"], frozenset(d["dead"]), survivors, d["detection_s"], d["reason"],
                    tuple((int(r), float(t)) for r, t in d["detected_at"]))
+
+
+def _runs(ranks: Sequence[int]) -> list[list[int]]:
+    """Sorted ranks as [first, last] runs of consecutive ones: (0, 1, 2, 4, 5) -> [[0, 2], [4, 5]]."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return runs
 
 
 @dataclass(frozen=True)
@@ -202,6 +219,10 @@ class Membership:
         return f"membership/{generation}/events"
 
     @staticmethod
+    def _acks_key(generation: int) -> str:
+        return f"membership/{generation}/acks"
+
+    @staticmethod
     def _decision_key(generation: int) -> str:
         return decision_key(generation)
 
@@ -223,12 +244,17 @@ class Membership:
         ranks = frozenset(ranks) & set(self.members)
         if not ranks or self.store.check([self._decision_key(generation)]):
             return False
-        seen = {r: float(t) for r, t in (silent_s or {}).items() if r in ranks and t is not None}
-        report = FailureReport(self.rank, ranks, float(detected_at), reason, seen)
-        key = self._reports_key(generation)
-        entry = self.store.add(f"{key}/count", 1)
-        self.store.set(f"{key}/{entry}", report.encode())
-        self.store.add(self._events_key(generation), 1)
+        claimed = frozenset(r for r in sorted(ranks) if self.store.add(f"membership/{generation}/dead/{r}", 1) == 1)
+        if claimed:  # deaths somebody else reported already add nothing to the union
+            seen = {r: float(t) for r, t in (silent_s or {}).items() if r in claimed and t is not None}
+            report = FailureReport(self.rank, claimed, float(detected_at), reason, seen)
+            key = self._reports_key(generation)
+            entry = self.store.add(f"{key}/count", 1)
+            self.store.set(f"{key}/{entry}", report.encode())
+            self.store.add(self._events_key(generation), 1)
+        acks = self._acks_key(generation)
+        if self.store.add(f"{acks}/{self.rank}", 1) == 1:  # after its report: an ack counts a complete view
+            self.store.add(acks, 1)
         return True
 
     def pending(self) -> bool:
@@ -329,7 +355,10 @@ class DecisionWait:
         self.membership, self.generation, self.timeout_s = membership, generation, timeout_s
         self.deadline = membership._clock() + timeout_s
         self._first_seen: float | None = None
-        self._seen, self._reports, self._pause = 0, [], membership.poll_s
+        self._seen, self._acks, self._reports, self._pause = 0, 0, [], membership.poll_s
+        self._counters = [membership._events_key(generation), membership._acks_key(generation)]
+        for key in self._counters:  # both exist from here on, so one read fetches the two
+            membership.store.add(key, 0)
 
     def poll(self) -> MembershipChange | float:
         """Poll once: return the committed change, or the seconds to pause before the next poll.
@@ -337,7 +366,7 @@ class DecisionWait:
         Raise MembershipTimeout if no report has appeared by the deadline.
         """
         m, g = self.membership, self.generation
-        events = m.store.add(m._events_key(g), 0)  # one request while nothing happens
+        events, self._acks = (int(v) for v in m.store.multi_get(self._counters))  # one request while nothing happens
         if events != self._seen:
             self._seen, self._pause = events, m.poll_s
             change = m.decision(g)
@@ -359,10 +388,11 @@ class DecisionWait:
         return pause
 
     def _everyone_reported(self) -> bool:
-        """Whether every member not reported dead has reported: no one is left to add a death to the union, so the
-        settle window need not run out (a death nobody has seen yet is left for the next generation either way)."""
+        """Whether every member not reported dead has acknowledged: no one is left to add a death to the union, so
+        the settle window need not run out (a death nobody has seen yet is left for the next generation either
+        way; a rank that acknowledged and then died counts, and its death too is left for the next)."""
         dead = set().union(*(r.ranks for r in self._reports))
-        return {r.reporter for r in self._reports} >= set(self.membership.members) - dead
+        return self._acks >= len(set(self.membership.members) - dead)
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ import torch
 
 from ntp_ds.comm import wire
 from ntp_ds.comm.exchange import Side, UnitExchange
-from ntp_ds.comm.groups import count_communicators, mark_communicators
-from ntp_ds.control.heartbeat import (Heartbeat, LivenessMonitor, LivenessReader, mark_exited, poll_liveness,
+from ntp_ds.comm.groups import count_communicators, mark_communicators, ring_neighbours
+from ntp_ds.control.heartbeat import (Heartbeat, LivenessMonitor, LivenessReader, mark_exited,
                                       read_exits, request_fence)
 from ntp_ds.control.joins import (JoinFailed, JoinPlan, JoinRequest, JoinRequests, admit, await_decision,
                                   await_verdict, fingerprint, propose_join, read_join_plan, refuse, request_join)
@@ -93,8 +93,10 @@ class Recovery:
         # silence. A peer still connecting when this rank starts watching has not beaten yet: it gets the job's
         # collective bound on top of the heartbeat timeout for its first beat (CI saw rank 0 declared dead at start).
         self.first_beat_timeout_s = heartbeat_timeout_s + self.job.ntp.timeout_s
-        self.monitor = LivenessMonitor(self.members, heartbeat_timeout_s,
-                                       first_beat_timeout_s=self.first_beat_timeout_s)
+        self.watched: set[int] = set()
+        """The peers whose beats this rank judges (a bounded set: `_peers`, or its ring neighbours among the members
+        until it has an engine); every other member's death reaches it through the exit and fence logs."""
+        self.monitor = LivenessMonitor((), heartbeat_timeout_s)
         self.reader = LivenessReader.from_env(store)
         with wire.waiting():
             beat_store = store.clone()
@@ -105,7 +107,7 @@ class Recovery:
                                        on_dead=self._peers_dead, reader=LivenessReader.from_env(beat_store),
                                        progress=wire.progress)
             if engine is not None:
-                self.heartbeat.watch(self._peers(engine), set(self.members) - {rank})
+                self._watch(self._peers(engine))
             self.heartbeat.start()
         self.events: list[dict] = []
         self.failed_attempts: list[float] = []
@@ -137,6 +139,12 @@ class Recovery:
             except Exception as e:  # the store may be gone with the job: the joiners' own bound ends their wait
                 log.warning("could not answer the joiners still waiting: %s", e)
         self.heartbeat.stop()
+
+    def _watch(self, peers) -> None:
+        """Watch `peers`' beats from now on (the heartbeat's thread, and `_detect` after a failure); of every other
+        member, a fence request."""
+        self.watched = set(peers) - {self.rank}
+        self.heartbeat.watch(sorted(self.watched), set(self.members) - {self.rank})
 
     def _peers(self, engine) -> list[int]:
         """Launch ranks of the workers this rank watches (`NTPEngine.watched_peers`: those it exchanges data with,
@@ -262,11 +270,10 @@ class Recovery:
         self.members = members  # first: a late verdict on the old generation's dead must not break the new one
         self.declared = {}
         join_world(self.job.ntp, self.store, generation, members.index(self.rank), len(members))
-        self.monitor = LivenessMonitor(members, self.heartbeat_timeout_s, first_beat_timeout_s=self.first_beat_timeout_s)
         # Until the new engine is built (and its peers are known), a death must still end this rank's waits: on
-        # NCCL nothing else does (no error, no timeout), so watch every member meanwhile.
-        others = set(members) - {self.rank}
-        self.heartbeat.watch(others, others)
+        # NCCL nothing else does (no error, no timeout). Its ring neighbours among the members watch each member
+        # meanwhile, and a death they see reaches every other member as a fence request.
+        self._watch(ring_neighbours(list(members), self.rank))
 
     def _share_context(self, snapshot, dead: frozenset = frozenset()):
         """Every member's stale units, and what a joiner lacks (the old topology, steps, learning-rate state) from
@@ -338,7 +345,7 @@ class Recovery:
         totals = wire.sum_counts([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), state["bytes_received"],
                                   state["restored_bytes"], int(whole), moved.get("rebalanced", 0),
                                   state["lost_bytes"], engines_built, created, kept] + list(received.values()))
-        self.heartbeat.watch(self._peers(engine), set(new_members) - {self.rank})
+        self._watch(self._peers(engine))
         barrier(self.store, f"recovery/{generation}/done/{_digest(new_members)}", self.rank, new_members,
                 self.job.ntp.timeout_s)
         self.engine, self.placement = engine, placement
@@ -576,27 +583,44 @@ class Recovery:
         that dies or hangs on the way is found within the heartbeat timeout and this attempt fails (the recovery
         then starts again without it), where the process group's own rendezvous would wait for its store timeout."""
         others = set(members) - {self.rank}
+        self.monitor = LivenessMonitor(ring_neighbours(list(members), self.rank), self.heartbeat_timeout_s,
+                                       first_beat_timeout_s=self.first_beat_timeout_s)
         wait = BarrierWait(self.store, f"recovery/{generation}/arrive/{_digest(members)}", self.rank, members,
                            self.job.ntp.timeout_s)
         while (pause := wait.poll()) is not None:
-            dead = poll_liveness(self.store, self.monitor, self.reader) & others
+            dead, reasons = self._poll_dead(others)
             if dead:
+                self.declared.update(reasons)  # the next attempt's detection starts from them
                 raise RuntimeError(f"rank(s) {sorted(dead)} died before generation {generation}'s rendezvous: "
-                                   + "; ".join(self.monitor.reason(r) for r in sorted(dead)))
+                                   + "; ".join(reasons[r] for r in sorted(dead)))
             time.sleep(pause)
+
+    def _poll_dead(self, among) -> tuple[frozenset[int], dict[int, str]]:
+        """One read of the store (the watched peers' beats, the exit and fence logs): which of `among` are dead, and
+        why. Beats are judged for the monitor's ranks only (bounded); an exit or a fence request counts for anyone."""
+        view = self.reader.read(self.monitor.ranks, fences=True)
+        self.monitor.observe(view.beats, view.exited)
+        reasons = {r: f"rank {r} declared dead by a peer ({why})" for r, why in view.fences.items()}
+        reasons.update((r, f"rank {r} exited ({why})") for r, why in view.exited.items())
+        reasons.update((r, self.monitor.reason(r)) for r in self.monitor.dead())
+        dead = frozenset(reasons) & frozenset(among)
+        return dead, {r: reasons[r] for r in dead}
 
     # -- detection ----------------------------------------------------------------------------------------------
     def _detect(self, error: BaseException) -> tuple[frozenset[int], str]:
         """Find the dead members: marked exited, silent past the heartbeat timeout, or reported by a peer."""
         deadline = time.monotonic() + 2 * self.heartbeat_timeout_s + self.job.ntp.timeout_s
         pause = 0.05
+        members = set(self.members)
+        self.monitor = LivenessMonitor(self.watched & members, self.heartbeat_timeout_s,
+                                       first_beat_timeout_s=self.first_beat_timeout_s)
         while time.monotonic() < deadline:
-            dead = poll_liveness(self.store, self.monitor, self.reader) & set(self.members)
+            dead, reasons = self._poll_dead(members)
             reported = {r for rep in self.membership.reports(self.membership.generation) for r in rep.ranks}
-            dead |= (reported | set(self.declared)) & set(self.members)
+            dead |= (reported | set(self.declared)) & members
             if dead:
-                return frozenset(dead), "; ".join(self.declared.get(r) or self.monitor.reason(r)
-                                                  for r in sorted(dead)) or str(error)
+                return frozenset(dead), "; ".join(self.declared.get(r) or reasons.get(r)
+                                                  or f"rank {r} reported dead by a peer" for r in sorted(dead))
             time.sleep(pause)  # backs off to a beat interval: every survivor polls here at once
             pause = min(2 * pause, max(0.05, self.heartbeat_interval_s))
         raise error

@@ -175,9 +175,12 @@ def test_waiting_ranks_read_reports_only_when_the_events_counter_moves():
     change = waiter.await_decision(0, timeout_s=30.0)
     assert change.dead == {3} and change.survivors == (0, 1, 2)
     assert sleeps[:6] == [0.02, 0.04, 0.08, 0.16, 0.16, 0.16]
-    # Six quiet polls cost one counter read each; the reports and decision were read once, after the report: 7 polls,
-    # the report's entry count and its events bump, the commit's bump, and one read of the entry count.
-    assert store.calls["get"] <= 2 and store.calls["add"] == 7 + 2 + 1 + 1
+    # Six quiet polls cost one read of the two counters each (events and acknowledgements, created once by the
+    # waiter); the reports and decision were read once, after the report: 7 polls and the entry's fetch. Adds: the
+    # waiter's 2 counter creations, the reporter's claim, entry count, events bump and acknowledgement (2), the
+    # commit's bump and one read of the entry count.
+    assert store.calls["get"] <= 2 and store.calls["multi_get"] == 7 + 1
+    assert store.calls["add"] == 2 + 5 + 1 + 1
     assert reporter.await_decision(0, 1.0) == change
 
 

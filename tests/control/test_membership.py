@@ -179,6 +179,27 @@ def test_the_decision_does_not_wait_out_the_settle_window_once_every_live_member
     assert time.monotonic() - t0 >= 0.3
 
 
+def test_a_death_every_survivor_sees_is_reported_once_and_acknowledged_by_all():
+    # 16 survivors all see rank 16 die: one report entry (the first claimant's), 16 acknowledgements; the decision
+    # needs no settle window, and each rank read one report, not sixteen.
+    store = dist.HashStore()
+    views = [Membership(store, r, range(17), settle_s=30.0, poll_s=0.002) for r in range(16)]
+    start = time.monotonic()
+    changes = run_threads(lambda i: (views[i].report_failure(0, {16}, 1.0 + i, f"seen by {i}", {16: 0.1 * i}),
+                                     views[i].await_decision(0, timeout_s=20.0))[1], 16)
+    assert time.monotonic() - start < 10.0
+    assert len(set(changes)) == 1 and changes[0].dead == {16} and changes[0].survivors == tuple(range(16))
+    assert store.add("membership/0/reports/count", 0) == 1 and store.add("membership/0/acks", 0) == 16
+    assert all(len(v.reports(0)) == 1 for v in views)
+    # a second report of a death already claimed adds no entry, and acknowledges once
+    store = dist.HashStore()
+    a, b = (Membership(store, r, range(4), settle_s=0.0) for r in (0, 1))
+    assert a.report_failure(0, {3}, 1.0, "x") and b.report_failure(0, {3}, 1.0, "y")
+    assert a.report_failure(0, {3}, 2.0, "x")
+    assert store.add("membership/0/reports/count", 0) == 1 and store.add("membership/0/acks", 0) == 2
+    assert b.report_failure(0, {2, 3}, 3.0, "z") and [sorted(r.ranks) for r in b.reports(0)] == [[3], [2]]
+
+
 def _propose_in_process(address, rank, n, results):
     store = connect_store(address, 10.0)
     view = Membership(store, rank, range(n), settle_s=0.0, poll_s=0.002)
@@ -311,8 +332,8 @@ def test_a_waiter_reads_each_report_once_and_a_counted_entry_not_yet_written_lat
     store = Counting()
     reporters = [Membership(store, r, range(8)) for r in range(4)]
     watcher = Membership(store, 7, range(8))
-    for m in reporters[:3]:
-        m.report_failure(0, {5}, 1.0, "no heartbeat")
+    for m, dead in zip(reporters[:3], (5, 6, 4)):
+        m.report_failure(0, {dead}, 1.0, "no heartbeat")
     assert [r.reporter for r in watcher.reports(0)] == [0, 1, 2]
     assert watcher.reports(0) == watcher.reports(0) and len(store.gets) == 3, "nothing new: nothing fetched again"
     store.store.add("membership/0/reports/count", 1)  # a reporter between counting its entry and writing it
