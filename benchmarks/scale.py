@@ -289,12 +289,13 @@ def sampled_rank(rank: int, store, world: int, watched: list[int], out: dict, ti
     start = time.monotonic()
     recovery = types.SimpleNamespace(
         store=store, rank=rank, members=members, declared={}, heartbeat_timeout_s=WATCH_BOUND_S,
-        first_beat_timeout_s=WATCH_BOUND_S, watched=set(watched),
+        first_beat_timeout_s=WATCH_BOUND_S,
         heartbeat_interval_s=0.5, job=types.SimpleNamespace(ntp=types.SimpleNamespace(timeout_s=timeout_s)),
         monitor=LivenessMonitor((), WATCH_BOUND_S),
         reader=LivenessReader(store, TP, stale_s=WATCH_BOUND_S),
         membership=Membership(store, rank, members, 0, settle_s=0.3))
     recovery._poll_dead = types.MethodType(Recovery._poll_dead, recovery)
+    recovery.monitor = heartbeat.watch([])  # as `Recovery._attempt` does: the detection judges the watched peers
     dead, reason = Recovery._detect(recovery, RuntimeError("Connection closed by peer"))
     request_fence(store, dead, reason)
     recovery.membership.report_failure(0, dead, time.time(), reason, {r: 0.05 for r in dead})

@@ -593,16 +593,19 @@ class Heartbeat:
         with self._lock:
             return {r: self.monitor.silent_for(r) for r in self.monitor.ranks} if self.monitor is not None else {}
 
-    def watch(self, ranks: Iterable[int], members: Iterable[int] = ()) -> None:
+    def watch(self, ranks: Iterable[int], members: Iterable[int] = ()) -> LivenessMonitor:
         """Watch exactly `ranks` from now on, each counted alive as of now (a new generation's peers), and report any
-        of `members` (the rest of the generation) once a peer of theirs has asked for it to be fenced."""
+        of `members` (the rest of the generation) once a peer of theirs has asked for it to be fenced. Return the
+        monitor of the peers watched until now, with what it has seen of them (this thread no longer touches it)."""
         if self.monitor is None:
             raise RuntimeError("this heartbeat watches no peers (it has no monitor)")
         with self._lock:
+            previous = self.monitor
             self.monitor = LivenessMonitor(ranks, self.monitor.heartbeat_timeout_s, self.monitor._clock,
                                            self.monitor.hang_timeout_s, self.monitor.first_beat_timeout_s)
             self._members = set(members)
             self._reported = set()
+        return previous
 
     def retain(self, ranks: Iterable[int]) -> None:
         """Watch only `ranks` from now on (call after adopting a membership change)."""

@@ -93,10 +93,9 @@ class Recovery:
         # silence. A peer still connecting when this rank starts watching has not beaten yet: it gets the job's
         # collective bound on top of the heartbeat timeout for its first beat (CI saw rank 0 declared dead at start).
         self.first_beat_timeout_s = heartbeat_timeout_s + self.job.ntp.timeout_s
-        self.watched: set[int] = set()
-        """The peers whose beats this rank judges (a bounded set: `_peers`, or its ring neighbours among the members
-        until it has an engine); every other member's death reaches it through the exit and fence logs."""
         self.monitor = LivenessMonitor((), heartbeat_timeout_s)
+        """What this rank saw of the peers whose beats it judges during a recovery (a bounded set: those its heartbeat
+        watched); every other member's death reaches it through the exit and fence logs and the reports."""
         self.reader = LivenessReader.from_env(store)
         with wire.waiting():
             beat_store = store.clone()
@@ -143,8 +142,7 @@ class Recovery:
     def _watch(self, peers) -> None:
         """Watch `peers`' beats from now on (the heartbeat's thread, and `_detect` after a failure); of every other
         member, a fence request."""
-        self.watched = set(peers) - {self.rank}
-        self.heartbeat.watch(sorted(self.watched), set(self.members) - {self.rank})
+        self.heartbeat.watch(sorted(set(peers) - {self.rank}), set(self.members) - {self.rank})
 
     def _peers(self, engine) -> list[int]:
         """Launch ranks of the workers this rank watches (`NTPEngine.watched_peers`: those it exchanges data with,
@@ -216,7 +214,11 @@ class Recovery:
         t0 = time.monotonic()
         traffic_before = wire.traffic()
         silent = self.heartbeat.silences()  # how long each watched peer has shown no sign of life, on this host's clock
-        self.heartbeat.watch([])  # the old generation's peers are judged by the detection below, not the watcher
+        # The old generation's peers are judged by the detection below, not the watcher, from what it saw of them
+        # (a retry finds the watcher idle, and keeps the monitor of the attempt before).
+        seen = self.heartbeat.watch([])
+        if seen.ranks:
+            self.monitor = seen
         # Closing our connections fails every collective a live peer still waits on with us, so it joins the
         # recovery at once instead of at its process-group timeout (gloo closes them once unreferenced; NCCL
         # communicators are aborted first).
@@ -229,7 +231,7 @@ class Recovery:
         # A survivor blocked in a collective with a hung peer arrives only after its process-group timeout.
         bound = 2 * self.job.ntp.timeout_s + self.heartbeat_timeout_s
         change = self.membership.await_decision(generation, bound)
-        self.membership.confirm(change, bound)
+        self._confirm(change, bound)
         t_agreed = time.monotonic()
 
         self._phase(snapshot.global_steps + 1, "recovery")
@@ -607,22 +609,47 @@ class Recovery:
         return dead, {r: reasons[r] for r in dead}
 
     # -- detection ----------------------------------------------------------------------------------------------
+    def _confirm(self, change, bound: float) -> None:
+        """`Membership.confirm`, watching the survivors meanwhile: one that is found dead (the decision missed its
+        death: nobody had reported it yet) ends this attempt at once, not at the barrier's bound."""
+        wait = self.membership.confirm_wait(change, bound)
+        if wait is None:  # a stale change: the membership has moved past it
+            return
+        others = set(change.survivors) - {self.rank}
+        while (pause := wait.poll()) is not None:
+            dead, reasons = self._poll_dead(others)
+            if dead:
+                self.declared.update(reasons)  # the next attempt reports them in the generation just adopted
+                raise RuntimeError(f"rank(s) {sorted(dead)} died before the survivors confirmed generation "
+                                   f"{change.generation}: " + "; ".join(reasons[r] for r in sorted(dead)))
+            time.sleep(pause)
+
     def _detect(self, error: BaseException) -> tuple[frozenset[int], str]:
-        """Find the dead members: marked exited, silent past the heartbeat timeout, or reported by a peer."""
+        """Find the dead members of the membership's generation: marked exited, fenced or reported by a peer, or,
+        of the peers this rank watches (`self.monitor`: what its heartbeat saw of them), silent past the heartbeat
+        timeout.
+
+        A watched peer silent for half the timeout is judged before the answer is given (dead, or beating again):
+        peers that died together (a node) are then reported together, not one generation after another."""
         deadline = time.monotonic() + 2 * self.heartbeat_timeout_s + self.job.ntp.timeout_s
         pause = 0.05
-        members = set(self.members)
-        self.monitor = LivenessMonitor(self.watched & members, self.heartbeat_timeout_s,
-                                       first_beat_timeout_s=self.first_beat_timeout_s)
+        members = set(self.membership.members)  # after a failed confirm, the generation it adopted
+        seen = self.monitor
+        seen.retain(members - {self.rank})
+        dead: set[int] = set()
         while time.monotonic() < deadline:
             dead, reasons = self._poll_dead(members)
             reported = {r for rep in self.membership.reports(self.membership.generation) for r in rep.ranks}
             dead |= (reported | set(self.declared)) & members
-            if dead:
+            suspects = [r for r in seen.ranks if r not in dead and seen.silent_for(r) > self.heartbeat_timeout_s / 2]
+            if dead and not suspects:
                 return frozenset(dead), "; ".join(self.declared.get(r) or reasons.get(r)
                                                   or f"rank {r} reported dead by a peer" for r in sorted(dead))
-            time.sleep(pause)  # backs off to a beat interval: every survivor polls here at once
-            pause = min(2 * pause, max(0.05, self.heartbeat_interval_s))
+            time.sleep(pause)  # backs off to a beat interval (not while a suspect waits): every survivor polls here
+            pause = 0.05 if suspects else min(2 * pause, max(0.05, self.heartbeat_interval_s))
+        if dead:
+            return frozenset(dead), "; ".join(self.declared.get(r) or f"rank {r} reported dead by a peer"
+                                              for r in sorted(dead))
         raise error
 
     # -- parameters ---------------------------------------------------------------------------------------------
