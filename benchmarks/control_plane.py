@@ -17,7 +17,7 @@ another): when `worst_beat_lag_s` or `worst_watch_lag_s` grows, the harness, not
 silent, so not counted as false deaths).
 
     python benchmarks/control_plane.py [--nodes 512 1024] [--workers-per-node 8] [--interval-s 1.0]
-                                       [--timeout-s 3] [--duration-s 15] [--threads 4] [--processes 2] [--per-rank]
+                                       [--timeout-s 3] [--duration-s 40] [--threads 4] [--processes 2] [--per-rank]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     parser.add_argument("--workers-per-node", type=int, default=8)
     parser.add_argument("--interval-s", type=float, default=1.0)
     parser.add_argument("--timeout-s", type=float, default=3.0)
-    parser.add_argument("--duration-s", type=float, default=15.0)
+    parser.add_argument("--duration-s", type=float, default=40.0)
     parser.add_argument("--threads", type=int, default=4, help="shares of the nodes, each with two threads")
     parser.add_argument("--processes", type=int, default=2, help="processes the shares are spread over")
     parser.add_argument("--per-rank", action="store_true", help="watchers read one key per peer")
