@@ -15,12 +15,12 @@ import time
 
 import pytest
 import torch.distributed as dist
-from safetensors.torch import load_file
 
 from ntp_ds.control.etcd_store import EtcdStore, parse_etcd_address
 from ntp_ds.control.store import connect_store
 from ntp_ds.testing.etcd_cluster import EtcdCluster, etcd_binary
 from tests.test_cli import REPO, ntp_ds
+from tests.training import assert_same_final_weights
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="no etcd server on PATH (apt-get install etcd-server)")
 
@@ -149,15 +149,6 @@ def _wait_for_step(run_dir, step: int, procs, deadline: float, log) -> None:
     assert _steps_done(run_dir) >= step, log.read_text()[-4000:]
 
 
-def _same_weights(run_dir, clean) -> None:
-    want = load_file(str(clean / "final" / "model.safetensors"))
-    got = load_file(str(run_dir / "final" / "model.safetensors"))
-    assert set(got) == set(want)
-    for name, tensor in want.items():
-        diff = (got[name] - tensor).abs().max().item()
-        assert diff <= 1e-5, f"{name}: max abs difference {diff:.3g}"
-
-
 def _stop(*procs) -> None:
     for proc in procs:
         if proc is not None and proc.poll() is None:
@@ -186,7 +177,7 @@ def test_a_job_loses_an_etcd_member_then_a_worker(clean, tmp_path):
     recoveries = _events(run_dir, "recovery")
     assert [e["degrees_after"] for e in recoveries] == [[2, 1]] and recoveries[0]["lossless"], recoveries
     assert _steps_done(run_dir) == STEPS
-    _same_weights(run_dir, clean)
+    assert_same_final_weights(run_dir, clean)
 
 
 @pytest.mark.etcd
@@ -217,4 +208,4 @@ def test_a_two_node_job_on_etcd_loses_the_node_that_started_it(clean, tmp_path):
     assert [e["degrees_after"] for e in recoveries] == [[2, 0]] and recoveries[0]["lossless"], recoveries
     assert recoveries[0]["dead"] == [0, 1]  # replica 0 dropped: replica 1 is listed first now
     assert _steps_done(run_dir) == STEPS
-    _same_weights(run_dir, clean)
+    assert_same_final_weights(run_dir, clean)

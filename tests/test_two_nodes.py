@@ -16,9 +16,9 @@ import sys
 import time
 
 import pytest
-from safetensors.torch import load_file
 
 from tests.test_cli import REPO, ntp_ds
+from tests.training import assert_same_final_weights
 
 STEPS = 14
 JOB = ["parallel.tp=2", "parallel.replicas=2", "parallel.timeout_s=20", f"train.steps={STEPS}",
@@ -99,9 +99,4 @@ def test_two_nodes_survive_a_worker_and_the_whole_second_node_and_a_replacement_
     joins = _events(run_dir, "join")  # the two workers are taken in together, or at two boundaries
     assert sorted(r for e in joins for r in e["joined"]) == [4, 5] and joins[-1]["degrees_after"] == [2, 2]
     assert all(e["lossless"] and e["bytes_moved"] == e["joiner_shard_bytes"] > 0 for e in joins)
-    want = load_file(str(clean / "final" / "model.safetensors"))
-    got = load_file(str(run_dir / "final" / "model.safetensors"))
-    assert set(got) == set(want)
-    for name, tensor in want.items():
-        diff = (got[name] - tensor).abs().max().item()
-        assert diff <= 1e-5, f"{name}: max abs difference {diff:.3g}"
+    assert_same_final_weights(run_dir, clean)

@@ -289,3 +289,12 @@ def final_weights(run_dir) -> dict:
         tensors.update(load_file(f))
     assert tensors, f"no weights in {run_dir / 'final'}"
     return tensors
+
+
+def assert_same_final_weights(run_dir, reference_dir, atol: float = 1e-5) -> None:
+    """Every tensor of RUN_DIR/final within `atol` of the reference run's, and the same names."""
+    want, got = final_weights(reference_dir), final_weights(run_dir)
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        diff = (got[name] - tensor).abs().max().item()
+        assert diff <= atol, f"{name}: max abs difference {diff:.3g}"
