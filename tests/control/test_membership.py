@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import threading
 import time
@@ -177,6 +178,18 @@ def test_the_decision_does_not_wait_out_the_settle_window_once_every_live_member
     views[0].report_failure(0, {3}, 1.0, "collective error")
     assert views[0].await_decision(0, timeout_s=5.0).dead == {3}
     assert time.monotonic() - t0 >= 0.3
+
+
+@given(st.sets(st.integers(0, 300), min_size=1, max_size=120), st.sets(st.integers(0, 300), max_size=8))
+@settings(max_examples=60, deadline=None)
+def test_a_decision_survives_its_encoding_and_grows_with_the_gaps_not_the_members(survivors, dead):
+    survivors = tuple(sorted(survivors - dead))
+    if not survivors:
+        return
+    change = MembershipChange(3, frozenset(dead), survivors, 0.5, "why", tuple((r, 1.0) for r in sorted(dead)))
+    assert MembershipChange.decode(change.encode()) == change
+    gaps = sum(1 for a, b in zip(survivors, survivors[1:]) if b != a + 1)
+    assert len(json.loads(change.encode())["survivor_runs"]) == gaps + 1  # whatever the number of ranks
 
 
 def test_a_death_every_survivor_sees_is_reported_once_and_acknowledged_by_all():
