@@ -7,7 +7,9 @@ answering (or has no leader) it moves to the next and retries until the store's 
 cluster keeps its quorum through the loss of any one.
 
 torch's store semantics, kept exactly:
-- `get` and `wait` block until the keys exist (bounded by the timeout); `check` does not.
+- `get` and `wait` block until the keys exist (bounded by the timeout); `check` does not. A wait reads the key, and
+  if it is absent watches it (etcd's watch stream, from the revision it read), so a waiting rank costs the cluster
+  one open stream and one read every `RECHECK_S`, not a poll every few milliseconds.
 - `add` is an atomic counter kept as decimal text, `append` an atomic concatenation, `compare_set` a swap that
   returns the value now held (creating the key when `expected` is empty and the key is absent).
 - `add`, `append` and `compare_set` each run as one etcd transaction guarded by the key's revision. A transaction
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import json
 import time
 import uuid
 
@@ -31,8 +34,9 @@ ROOT = "/ntp_ds/"
 DEFAULT_JOB = "job"
 REQUEST_TIMEOUT_S = 2.0
 """Bound on one HTTP request to one member before the client tries the next."""
-_POLL_S = (0.002, 0.05)
-"""A blocking `get`/`wait` re-reads its keys at this interval, doubling from the first to the second."""
+RECHECK_S = 5.0
+"""A wait's watch stream is given up and the key read again after this long without news (a member that hangs, or
+a stream lost with its member, costs no more than this)."""
 
 
 def is_etcd_address(address) -> bool:
@@ -194,16 +198,36 @@ class EtcdStore(dist.Store):
     def wait(self, keys, timeout=None) -> None:
         limit = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else self._timeout_s
         deadline = time.monotonic() + limit
-        pending, pause = list(keys), _POLL_S[0]
-        while pending:
-            pending = [k for k in pending if self._range(self._key(k)) is None]
-            if not pending:
-                return
-            if time.monotonic() + pause > deadline:
-                raise dist.DistStoreError(f"etcd store {self.address}: timed out after {limit}s waiting for keys "
-                                          f"{[_bytes(k).decode(errors='replace') for k in pending][:4]}")
-            time.sleep(pause)
-            pause = min(2 * pause, _POLL_S[1])
+        for key in keys:
+            full = self._key(key)
+            while True:
+                answer = self._call("/kv/range", {"key": _b64(full)})
+                if answer.get("kvs"):
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise dist.DistStoreError(f"etcd store {self.address}: timed out after {limit}s waiting for "
+                                              f"key {_bytes(key).decode(errors='replace')!r}")
+                self._watch_put(full, int(answer["header"]["revision"]) + 1, min(left, RECHECK_S))
+
+    def _watch_put(self, key: bytes, revision: int, seconds: float) -> None:
+        """Block until `key` is put at `revision` or later, or `seconds` pass without news, or the stream fails; the
+        caller reads the key again in every case."""
+        import requests
+
+        client = self._clients[self._at]
+        request = {"create_request": {"key": _b64(key), "start_revision": str(revision), "filters": ["NODELETE"]}}
+        try:
+            with client.session.post(client.get_url("/watch"), json=request, stream=True,
+                                     timeout=(REQUEST_TIMEOUT_S, max(0.05, seconds))) as response:
+                if response.status_code != 200:
+                    time.sleep(min(seconds, 0.05))  # the caller's read moves on to another member if need be
+                    return
+                for line in response.iter_lines():
+                    if line and json.loads(line).get("result", {}).get("events"):
+                        return
+        except (requests.exceptions.RequestException, ValueError):
+            time.sleep(min(seconds, 0.05))  # a stream lost with its member, or no news within `seconds`
 
     def delete_key(self, key) -> bool:
         return int(self._call("/kv/deleterange", {"key": _b64(self._key(key))}).get("deleted", 0)) > 0
