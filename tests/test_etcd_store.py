@@ -16,7 +16,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from ntp_ds.control.etcd_store import EtcdStore, parse_etcd_address
+from ntp_ds.control.address import parse_etcd_address
+from ntp_ds.control.etcd_store import EtcdStore
 from ntp_ds.control.store import connect_store
 from ntp_ds.testing.etcd_cluster import EtcdCluster, etcd_binary
 from tests.test_cli import REPO, ntp_ds

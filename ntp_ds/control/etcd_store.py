@@ -29,41 +29,14 @@ import uuid
 
 import torch.distributed as dist
 
-SCHEME = "etcd://"
+from ntp_ds.control.address import parse_etcd_address
+
 ROOT = "/ntp_ds/"
-DEFAULT_JOB = "job"
 REQUEST_TIMEOUT_S = 2.0
 """Bound on one HTTP request to one member before the client tries the next."""
 RECHECK_S = 5.0
 """A wait's watch stream is given up and the key read again after this long without news (a member that hangs, or
 a stream lost with its member, costs no more than this)."""
-
-
-def is_etcd_address(address) -> bool:
-    return isinstance(address, str) and address.strip().startswith(SCHEME)
-
-
-def parse_etcd_address(address: str) -> tuple[list[tuple[str, int]], str]:
-    """Split `etcd://HOST:PORT[,HOST:PORT...][/JOB]` into its endpoints and job name; raise ValueError naming what is
-    wrong."""
-    from ntp_ds.control.store import parse_address
-
-    text = address.strip()
-    if not text.startswith(SCHEME):
-        raise ValueError(f"store address {address!r} must start with {SCHEME}")
-    hosts, _, job = text[len(SCHEME):].partition("/")
-    job = job.strip("/") or DEFAULT_JOB
-    if not all(c.isalnum() or c in "-_." for c in job):
-        raise ValueError(f"store address {address!r}: the job name {job!r} may hold letters, digits, '-', '_', '.'")
-    if not hosts:
-        raise ValueError(f"store address {address!r} names no etcd member; expected {SCHEME}HOST:PORT[,HOST:PORT...]")
-    endpoints = []
-    for part in hosts.split(","):
-        try:
-            endpoints.append(parse_address(part))
-        except ValueError as e:
-            raise ValueError(f"store address {address!r}: member {part!r}: {e}") from None
-    return endpoints, job
 
 
 def _b64(data: bytes) -> str:

@@ -20,7 +20,7 @@ import time
 
 import torch.distributed as dist
 
-from ntp_ds.control.etcd_store import is_etcd_address, parse_etcd_address
+from ntp_ds.control.address import format_address, is_etcd_address, parse_address, parse_etcd_address
 
 log = logging.getLogger(__name__)
 
@@ -28,34 +28,6 @@ STORE_ENV = "NTP_STORE"
 """Environment variable through which the launcher passes the store's HOST:PORT to workers."""
 DEFAULT_TIMEOUT_S = 60.0
 """Default bound on connecting and on any blocking store call."""
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """Split `HOST:PORT` (or `[IPv6]:PORT`) into host and port; raise ValueError naming what is wrong."""
-    if not isinstance(address, str) or not address.strip():
-        raise ValueError(f"store address {address!r} is empty; expected HOST:PORT, e.g. 127.0.0.1:29400")
-    text = address.strip()
-    if text.startswith("["):
-        host, sep, rest = text[1:].partition("]")
-        if not sep or not rest.startswith(":"):
-            raise ValueError(f"store address {address!r}: an IPv6 host must look like [::1]:29400")
-        port_text = rest[1:]
-    else:
-        host, sep, port_text = text.rpartition(":")
-        if not sep:
-            raise ValueError(f"store address {address!r} has no port; expected HOST:PORT, e.g. 127.0.0.1:29400")
-        if ":" in host:
-            raise ValueError(f"store address {address!r}: write an IPv6 host in brackets, e.g. [::1]:29400")
-    if not host:
-        raise ValueError(f"store address {address!r} has no host; expected HOST:PORT, e.g. 127.0.0.1:29400")
-    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-        raise ValueError(f"store address {address!r}: port {port_text!r} must be an integer in 1..65535")
-    return host, int(port_text)
-
-
-def format_address(host: str, port: int) -> str:
-    """Join host and port into the HOST:PORT form that `parse_address` reads."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _timedelta(timeout_s: float) -> datetime.timedelta:
