@@ -113,7 +113,7 @@ class LaunchSpec:
             raise LaunchError(f"--store is required with --nnodes={self.nnodes}: give HOST:PORT of node 0, or "
                               f"etcd://HOST:PORT[,HOST:PORT...][/JOB] of an etcd cluster")
         if self.store:
-            from ntp_ds.control.store import validate_address
+            from ntp_ds.control.address import validate_address
 
             try:
                 validate_address(self.store)

@@ -35,6 +35,14 @@ def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def validate_address(address: str) -> None:
+    """Raise ValueError naming what is wrong with a store address, of either kind."""
+    if is_etcd_address(address):
+        parse_etcd_address(address)
+    else:
+        parse_address(address)
+
+
 def is_etcd_address(address) -> bool:
     return isinstance(address, str) and address.strip().startswith(SCHEME)
 

@@ -84,8 +84,7 @@ class EtcdStore(dist.Store):
             client = self._clients[self._at]
             try:
                 return client.post(client.get_url(path), json=payload)
-            except (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError,
-                    exceptions.InternalServerError, exceptions.Etcd3Exception) as err:
+            except exceptions.Etcd3Exception as err:  # refused, timed out, no leader, or any other answer but 200
                 failure = err
             if time.monotonic() + pause > deadline:
                 raise dist.DistStoreError(f"etcd store {self.address}: no member answered within {self._timeout_s}s "
@@ -139,8 +138,10 @@ class EtcdStore(dist.Store):
         self._call("/kv/put", {"key": _b64(self._key(key)), "value": _b64(_bytes(value))})
 
     def get(self, key) -> bytes:
-        self.wait([key])
         record = self._range(self._key(key))
+        if record is None:  # not there yet: wait for it, then read it
+            self.wait([key])
+            record = self._range(self._key(key))
         if record is None:  # deleted between the wait and the read
             raise dist.DistStoreError(f"etcd store {self.address}: key {key!r} vanished")
         return base64.b64decode(record.get("value", ""))

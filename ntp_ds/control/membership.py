@@ -357,6 +357,7 @@ class DecisionWait:
         self._first_seen: float | None = None
         self._seen, self._acks, self._reports, self._pause = 0, 0, [], membership.poll_s
         self._counters = [membership._events_key(generation), membership._acks_key(generation)]
+        self._members = frozenset(membership.members)  # once: a poll then costs the deaths, not the members
         for key in self._counters:  # both exist from here on, so one read fetches the two
             membership.store.add(key, 0)
 
@@ -392,7 +393,7 @@ class DecisionWait:
         the settle window need not run out (a death nobody has seen yet is left for the next generation either
         way; a rank that acknowledged and then died counts, and its death too is left for the next)."""
         dead = set().union(*(r.ranks for r in self._reports))
-        return self._acks >= len(set(self.membership.members) - dead)
+        return self._acks >= len(self._members) - len(dead & self._members)
 
 
 @dataclass(frozen=True)

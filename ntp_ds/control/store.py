@@ -20,7 +20,7 @@ import time
 
 import torch.distributed as dist
 
-from ntp_ds.control.address import format_address, is_etcd_address, parse_address, parse_etcd_address
+from ntp_ds.control.address import format_address, is_etcd_address, parse_address
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +78,6 @@ def _connect_etcd(address: str, timeout_s: float) -> dist.Store:
     except dist.DistStoreError as e:
         raise ConnectionError(f"cannot reach the etcd cluster at {address} within {timeout_s}s: {e}") from None
     return store
-
-
-def validate_address(address: str) -> None:
-    """Raise ValueError naming what is wrong with a store address, of either kind."""
-    if is_etcd_address(address):
-        parse_etcd_address(address)
-    else:
-        parse_address(address)
 
 
 def _await_listener(host: str, port: int, address: str, timeout_s: float) -> None:

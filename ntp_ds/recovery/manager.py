@@ -636,21 +636,20 @@ class Recovery:
         members = set(self.membership.members)  # after a failed confirm, the generation it adopted
         seen = self.monitor
         seen.retain(members - {self.rank})
-        dead: set[int] = set()
+        dead, reasons = frozenset(), {}
         while time.monotonic() < deadline:
             dead, reasons = self._poll_dead(members)
             reported = {r for rep in self.membership.reports(self.membership.generation) for r in rep.ranks}
             dead |= (reported | set(self.declared)) & members
             suspects = [r for r in seen.ranks if r not in dead and seen.silent_for(r) > self.heartbeat_timeout_s / 2]
             if dead and not suspects:
-                return frozenset(dead), "; ".join(self.declared.get(r) or reasons.get(r)
-                                                  or f"rank {r} reported dead by a peer" for r in sorted(dead))
+                break
             time.sleep(pause)  # backs off to a beat interval (not while a suspect waits): every survivor polls here
             pause = 0.05 if suspects else min(2 * pause, max(0.05, self.heartbeat_interval_s))
-        if dead:
-            return frozenset(dead), "; ".join(self.declared.get(r) or f"rank {r} reported dead by a peer"
-                                              for r in sorted(dead))
-        raise error
+        if not dead:
+            raise error
+        return dead, "; ".join(self.declared.get(r) or reasons.get(r) or f"rank {r} reported dead by a peer"
+                               for r in sorted(dead))
 
     # -- parameters ---------------------------------------------------------------------------------------------
     def _reshard(self, groups, snapshot, moves, moved: dict, rereplicated=(), rebalanced=()) -> CausalLMShard:

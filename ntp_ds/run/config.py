@@ -448,7 +448,7 @@ class RunConfig:
             raise ConfigError(f"launcher.store=null: with launcher.nnodes={launcher.nnodes}, give HOST:PORT of the "
                               f"store node 0 hosts, or etcd://HOST:PORT[,HOST:PORT...][/JOB] of an etcd cluster")
         if launcher.store:
-            from ntp_ds.control.store import validate_address
+            from ntp_ds.control.address import validate_address
 
             try:
                 validate_address(str(launcher.store))
