@@ -133,11 +133,8 @@ def context_offers(old: Topology, gathered: list[dict]) -> list[dict]:
 
 def plan_case(world: int, role: str) -> dict:
     """Plan rank `role`'s recovery from the loss of DEAD in a W-rank job; return its time, memory and plan sizes."""
-    from ntp_ds.layout.zero import anchor_addresses
     from ntp_ds.recovery.placement import Placement
-    from ntp_ds.recovery.plan import old_ranks, plan_unit_moves, rebalanced_moves, rereplicated_moves
-    from ntp_ds.recovery.reslice import StateIndex, count_lost_state, plan_incoming, plan_outgoing
-    from ntp_ds.recovery.rollback import roll_back
+    from ntp_ds.recovery.plan import collector_paused
 
     config = llama_70b()
     specs, shapes = shape_specs(config)
@@ -154,6 +151,18 @@ def plan_case(world: int, role: str) -> dict:
     gathered = offered_steps(old, new_for_offers, identity)
     shared = context_offers(old, gathered)
     setup_rss = peak_rss_mb()
+
+    with collector_paused():  # as `Recovery.recover` holds it for the whole recovery
+        return _timed_plan(world, role, config, specs, shapes, order, old, me_launch, job, old_members, placement,
+                           gathered, shared, setup_rss)
+
+
+def _timed_plan(world, role, config, specs, shapes, order, old, me_launch, job, old_members, placement, gathered,
+                shared, setup_rss) -> dict:
+    from ntp_ds.layout.zero import anchor_addresses
+    from ntp_ds.recovery.plan import old_ranks, plan_unit_moves, rebalanced_moves, rereplicated_moves
+    from ntp_ds.recovery.reslice import StateIndex, count_lost_state, plan_incoming, plan_outgoing
+    from ntp_ds.recovery.rollback import roll_back
 
     start = time.monotonic()
     gone = {DEAD}

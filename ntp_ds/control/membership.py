@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -442,15 +443,21 @@ def replica_membership(topology: Topology, dead: Iterable[int],
     unknown = sorted(dead - set(members))
     if unknown:
         raise ValueError(f"dead ranks {unknown} are not members {list(members)}")
+    hit: dict[int, set[int]] = defaultdict(set)  # replica -> the TP indices it lost
+    for g in (g for g, m in enumerate(members) if m in dead):
+        replica, tp_rank = topology.locate(g)
+        hit[replica].add(tp_rank)
+    starts = topology._starts
     lost, gone, layouts, kept = {}, [], {}, {}
     for replica, layout in enumerate(topology.layouts):
-        ranks = [members[g] for g in topology.ranks_of(replica)]
-        tp_lost = frozenset(i for i, m in enumerate(ranks) if m in dead)
-        if tp_lost:
-            lost[replica] = tp_lost
+        ranks = members[starts[replica]:starts[replica + 1]]
+        if replica not in hit:  # most replicas: kept whole, no per-rank work
+            layouts[replica], kept[replica] = layout, ranks
+            continue
+        tp_lost = lost[replica] = frozenset(hit[replica])
         if len(tp_lost) == layout.tp:
             gone.append(replica)
             continue
-        layouts[replica] = layout.without_ranks(tp_lost) if tp_lost else layout
+        layouts[replica] = layout.without_ranks(tp_lost)
         kept[replica] = tuple(m for m in ranks if m not in dead)
     return ReplicaMembership(lost, tuple(gone), layouts, kept)

@@ -24,7 +24,8 @@ class Topology:
     def __post_init__(self):
         if not self.layouts:
             raise LayoutError("replicas=0: a topology needs at least one replica")
-        if len({lay.units for lay in self.layouts}) != 1:
+        first = self.layouts[0].units
+        if any(lay.units is not first and lay.units != first for lay in self.layouts):
             raise LayoutError("all replicas must shard the same model (their ModelUnits differ)")
 
     @classmethod

@@ -91,6 +91,14 @@ class ShardLayout:
             if not U.covers_exactly(per_rank, self.units.count(kind)):
                 raise LayoutError(f"{kind} units must be owned exactly once over units 0..{self.units.count(kind) - 1}")
 
+    def __hash__(self) -> int:
+        """Hashed once (plans over R replicas key their dicts by layout; the fields are ints, so the value is the same
+        in every process)."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = self.__dict__["_hash"] = hash((self.units, self.heads, self.ffn, self.vocab))
+        return cached
+
     @property
     def tp(self) -> int:
         return len(self.heads)

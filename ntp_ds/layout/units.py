@@ -23,8 +23,15 @@ def normalize(ranges: Iterable[tuple[int, int]]) -> Ranges:
 
 
 def from_units(units: Iterable[int]) -> Ranges:
-    """Build ranges from individual unit indices."""
-    return normalize((u, u + 1) for u in units)
+    """Build ranges from individual unit indices (one sort of the indices and one pass: a vocabulary's 128K rows
+    take milliseconds)."""
+    out: list[list[int]] = []
+    for u in sorted(map(int, units)):
+        if out and u <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], u + 1)
+        else:
+            out.append([u, u + 1])
+    return tuple((a, b) for a, b in out)
 
 
 def count(ranges: Ranges) -> int:

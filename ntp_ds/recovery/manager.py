@@ -34,7 +34,8 @@ from ntp_ds.layout import units as U
 from ntp_ds.layout.sharding import gather_units, packed_numel, scatter_units
 from ntp_ds.models import CausalLMShard, empty_shard
 from ntp_ds.recovery.placement import Placement
-from ntp_ds.recovery.plan import old_ranks, plan_last_good, plan_unit_moves, rebalanced_moves, rereplicated_moves
+from ntp_ds.recovery.plan import (collector_paused, old_ranks, plan_last_good, plan_unit_moves, rebalanced_moves,
+                                  rereplicated_moves)
 from ntp_ds.recovery.reslice import reslice
 from ntp_ds.recovery.rollback import offered, roll_back
 
@@ -176,7 +177,7 @@ class Recovery:
     # -- the whole recovery -------------------------------------------------------------------------------------
     def recover(self, error: BaseException) -> RecoveryOutcome:
         """Recover from `error` (a failed collective or peer); retried if a rank fails during recovery itself."""
-        with wire.waiting():
+        with wire.waiting(), collector_paused():
             return self._recover(error)
 
     def _recover(self, error: BaseException) -> RecoveryOutcome:
@@ -447,7 +448,7 @@ class Recovery:
         """Take `plan.joiners` in at this boundary: commit the grown membership, hand the joiners their units and
         optimizer state from memory, and return the new engine. A failure on the way (a joiner dies) falls back to
         a recovery from the state held at the boundary."""
-        with wire.waiting():
+        with wire.waiting(), collector_paused():
             return self._grow_from_boundary(plan)
 
     def _grow_from_boundary(self, plan: JoinPlan) -> RecoveryOutcome:
