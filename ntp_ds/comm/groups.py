@@ -89,11 +89,55 @@ def count_communicators() -> tuple[int, int]:
     return created, kept
 
 
-def start_generation(timeout_s: float) -> None:
-    """After the default group of a generation exists: build its gloo control group and arm the wire."""
+CONTROL_FANOUT = 32
+"""Members of one group of the control tree (`ntp.control_fanout`)."""
+
+
+def control_tree(rank: int, world: int, fanout: int) -> list[tuple[tuple[int, ...], bool]]:
+    """The groups of the generation's control tree that `rank` belongs to, lowest level first: (members, leader
+    first; whether it is the top group). Pure.
+
+    Level 0 cuts the ranks into blocks of `fanout`; each block's first rank, its leader, takes part in level 1, whose
+    groups are blocks of `fanout` such leaders, and so on up to the one group that holds rank 0 and every other
+    leader left. A rank belongs to one group per level it leads below, plus one: at most ceil(log_fanout(world)),
+    4 at 100,000 ranks with 32. A leader at the end of the ranks may lead a group of one at some levels (it carries
+    nothing, but is listed: see `start_generation`)."""
+    if fanout < 2:
+        raise ValueError(f"control_fanout={fanout} must be at least 2")
+    out, span = [], 1
+    while span < world and rank % span == 0:
+        block = span * fanout
+        start = rank - rank % block
+        out.append((tuple(range(start, min(start + block, world), span)), block >= world))
+        span = block
+    return out
+
+
+def start_generation(timeout_s: float, fanout: int = CONTROL_FANOUT) -> None:
+    """After the default group of a generation exists: build its gloo control group and control tree, and arm the
+    wire.
+
+    Every rank builds its tree groups lowest level first, and only their members meet: a group's members have built
+    every lower group they belong to before it, so no two ranks wait on each other in opposite orders. Torch names a
+    group built with `use_local_synchronization` after its ranks and the number of groups the process already holds,
+    so its members must hold equally many when they build it: each has built one group per level below (the groups
+    of one included, which is why they are built at all), on top of the same groups of the generation. And every
+    rank ends with as many as rank 0 (groups of one make up the difference), so that the groups built after the
+    tree (TP, data-parallel) are named alike on all their members too."""
     timeout = timedelta(seconds=timeout_s)
     control = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-    wire.configure(timeout_s, control)
+    world = dist.get_world_size()
+
+    def group_of(members: tuple[int, ...]):
+        if len(members) == world:  # a world of at most `fanout` ranks: the tree is the control group itself
+            return control
+        return dist.new_group(list(members), timeout=timeout, backend="gloo", use_local_synchronization=True)
+
+    me = dist.get_rank()
+    tree = [wire.TreeGroup(group_of(members), members[0], top) for members, top in control_tree(me, world, fanout)]
+    for _ in range(len(control_tree(0, world, fanout)) - len(tree)):  # as many as rank 0: for the groups after
+        group_of((me,))
+    wire.configure(timeout_s, control, [level for level in tree if dist.get_world_size(level.group) > 1])
     if wire.is_nccl():
         # NCCL requires a group's first call to be a collective of all its ranks before any batched P2P on it.
         wire.all_reduce(torch.zeros(1, device=wire.device_of()), None)

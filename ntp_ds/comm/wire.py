@@ -77,6 +77,8 @@ class _State:
     reason: str = ""
     control: object = None
     generation: int = 0
+    tree: tuple | None = None
+    """This rank's groups of the generation's control tree, lowest level first (`TreeGroup`)."""
     recorders: list = field(default_factory=list)
     traffic: Counter = field(default_factory=Counter)
     backend: str = ""
@@ -90,10 +92,22 @@ _state = _State()
 
 
 # -- configuration and liveness --------------------------------------------------------------------------------
-def configure(timeout_s: float, control_group=None) -> None:
-    """Set the bound on every wait and the control group of this generation; clear any earlier failure."""
+@dataclass(frozen=True)
+class TreeGroup:
+    """One group of the generation's control tree that this rank belongs to (`ntp_ds.comm.groups.control_tree`)."""
+
+    group: object
+    leader: int
+    """Its first member (global rank): the one that carries its reduction up and the result back down."""
+    top: bool
+
+
+def configure(timeout_s: float, control_group=None, tree=None) -> None:
+    """Set the bound on every wait, the control group and the control tree (`TreeGroup`s, lowest level first; None:
+    control reductions run on the control group) of this generation; clear any earlier failure."""
     _state.timeout_s = float(timeout_s)
     _state.control = control_group
+    _state.tree = None if tree is None else tuple(tree)
     _state.backend = dist.get_backend() if dist.is_initialized() else ""
     _state.backends = weakref.WeakKeyDictionary()
     _state.aborted = False
@@ -191,7 +205,7 @@ def _teardown() -> None:
         raise RuntimeError("this DeepSpeed version cannot release its cached process groups; live recovery needs "
                            "deepspeed>=0.19.8")
     release(group=None)
-    _state.control = None
+    _state.control = _state.tree = None
     if any(g() is not None for g in groups):
         gc.collect()
         log.debug("process groups held in reference cycles were collected")
@@ -406,6 +420,37 @@ def all_reduce(tensor: torch.Tensor, group, op: str = "sum", name: str = "all_re
     return tensor
 
 
+def broadcast(tensor: torch.Tensor, src: int, group, name: str = "broadcast") -> torch.Tensor:
+    """Broadcast `tensor` in place from global rank `src` over `group` and return it."""
+    if group is not None and dist.get_world_size(group) == 1:
+        return tensor
+    _check(name, group, [tensor])
+    mine = _nbytes([tensor])
+    _count(name, mine if dist.get_rank() == src else 0, 0 if dist.get_rank() == src else mine)
+    wait(dist.broadcast(tensor, src=src, group=group, async_op=True), group, name)
+    return tensor
+
+
+def control_all_reduce(tensor: torch.Tensor, op: str = "sum", name: str = "all_reduce") -> torch.Tensor:
+    """All-reduce a small host tensor over the whole generation along its control tree and return it.
+
+    Up: each group the rank belongs to, lowest first, reduces (the top group's members then hold the result). Down:
+    a rank that is not in the top group receives the result from the leader of its highest group, and passes it on to
+    each group it leads, highest first. O(fanout x log_fanout W) hops from leaf to leaf, against 2(W - 1) for a ring
+    over the world; every rank ends with the same value (the top group's reduction, broadcast). Without a tree (a
+    caller-built world, or none configured): one all-reduce over the control group."""
+    tree = _state.tree
+    if tree is None:
+        return all_reduce(tensor, control_group(), op, name)
+    for level in tree:
+        all_reduce(tensor, level.group, op, name)
+    if tree and not tree[-1].top:
+        broadcast(tensor, tree[-1].leader, tree[-1].group, name)
+    for level in reversed(tree[:-1]):
+        broadcast(tensor, level.leader, level.group, name)
+    return tensor
+
+
 class Exchange:
     """Pending pairwise transfers posted together; `wait()` completes them within the bound.
 
@@ -475,7 +520,9 @@ def vote(ready: bool, group=None, name: str = "vote") -> bool:
     """Whether every rank of the group (default: the generation) is ready; synchronous, over gloo. `name` labels
     the call in records."""
     flag = torch.tensor([1 if ready else 0], dtype=torch.int32)
-    return bool(all_reduce(flag, group or control_group(), "min", name).item())
+    if group is None:
+        return bool(control_all_reduce(flag, "min", name).item())
+    return bool(all_reduce(flag, group, "min", name).item())
 
 
 def barrier(group=None) -> None:
@@ -486,9 +533,11 @@ def barrier(group=None) -> None:
 
 
 def sum_counts(values: list[float], group=None) -> list[float]:
-    """Sum a few host numbers over the group (default: the generation), over gloo."""
-    return all_reduce(torch.tensor(values, dtype=torch.float64), group or control_group(), "sum",
-                      "sum_counts").tolist()
+    """Sum a few host numbers over the group (default: the generation, along the control tree), over gloo."""
+    values = torch.tensor(values, dtype=torch.float64)
+    if group is None:
+        return control_all_reduce(values, "sum", "sum_counts").tolist()
+    return all_reduce(values, group, "sum", "sum_counts").tolist()
 
 
 def all_gather_object(obj, group=None) -> list:

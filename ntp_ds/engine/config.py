@@ -128,6 +128,9 @@ class NTPConfig:
     bucket_size: int = 500_000_000
     """Elements per message of the gradient and parameter exchange between replicas (as DeepSpeed's
     `reduce_bucket_size`): bounds the exchange buffers, and smaller buckets start streaming sooner in backward."""
+    control_fanout: int = 32
+    """Members of one group of the control tree that carries the per-step votes and sums over the whole job: a
+    reduction crosses about fanout x log_fanout(world) hops, instead of a ring's 2 x world."""
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     """Give a replica slower than its peers a smaller share of the global batch (a mapping of its fields also works)."""
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
@@ -171,6 +174,8 @@ class NTPConfig:
             raise ConfigError(f"ntp.bucket_size={self.bucket_size} must be a positive number of elements")
         if self.zero_redundancy < 0:
             raise ConfigError(f"ntp.zero_redundancy={self.zero_redundancy} must be 0 or more")
+        if self.control_fanout < 2:
+            raise ConfigError(f"ntp.control_fanout={self.control_fanout} must be at least 2")
         self.straggler.validate()
         self.fault_tolerance.validate()
         degrees = self.replica_degrees

@@ -176,7 +176,7 @@ def join_world(ntp: NTPConfig, store=None, generation: int = 0, rank: int | None
     timeout = timedelta(seconds=ntp.timeout_s)
     if store is None:
         deepspeed.init_distributed(dist_backend=backend_for_device(), timeout=timeout)
-        start_generation(ntp.timeout_s)
+        start_generation(ntp.timeout_s, ntp.control_fanout)
         return
     from ntp_ds.control.store import generation_store
 
@@ -185,7 +185,7 @@ def join_world(ntp: NTPConfig, store=None, generation: int = 0, rank: int | None
     dist.init_process_group(backend_for_device(), store=generation_store(store, generation), rank=rank,
                             world_size=world_size, timeout=timeout)
     deepspeed.init_distributed(dist_backend=backend_for_device(), timeout=timeout)
-    start_generation(ntp.timeout_s)
+    start_generation(ntp.timeout_s, ntp.control_fanout)
 
 
 def build_engine(spec: JobSpec, topology: Topology, module_for: Callable[[ReplicaGroups], CausalLMShard],
@@ -229,6 +229,6 @@ def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_l
         check_error_handling()
         prepare_backend()
         deepspeed.init_distributed(dist_backend=dist.get_backend(), timeout=timedelta(seconds=spec.ntp.timeout_s))
-        start_generation(spec.ntp.timeout_s)
+        start_generation(spec.ntp.timeout_s, spec.ntp.control_fanout)
     return build_engine(spec, topology, lambda groups: shard_module(model, spec.model_config, groups), store)
 

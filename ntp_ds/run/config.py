@@ -120,6 +120,8 @@ class ParallelConfig:
     """Bound on every wait for a peer (collectives, the transfers of a recovery), in seconds."""
     bucket_size: int = 500_000_000
     """Elements per message of the gradient and parameter exchange between replicas (like reduce_bucket_size)."""
+    control_fanout: int = 32
+    """Members of one group of the control tree carrying the per-step votes and sums (log-depth in the world size)."""
     heartbeat_interval_s: float = 0.5
     """Seconds between two liveness beats of a worker to the job's store."""
     heartbeat_timeout_s: float = 3.0

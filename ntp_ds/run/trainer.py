@@ -234,7 +234,7 @@ class Trainer:
         if pending is None or pending.get("kind") == "join" or not (dist.is_initialized() and wire.has_control()):
             return None
         mine = self.clock() - pending["failed_at"] if pending["healthy"] else 0.0
-        return float(wire.all_reduce(torch.tensor([mine], dtype=torch.float64), wire.control_group(), op="max")[0])
+        return float(wire.control_all_reduce(torch.tensor([mine], dtype=torch.float64), "max", "healthy_stall")[0])
 
     # -- failures ----------------------------------------------------------------------------------------------
     def _recover(self, step: int, error: BaseException) -> int:

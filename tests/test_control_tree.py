@@ -1,0 +1,110 @@
+"""The generation's control tree: the per-step votes and sums cross groups of at most `control_fanout` ranks, as many
+levels as log_fanout(world), and give every rank the world's reduction, through a death between the votes too."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ntp_ds.comm.groups import control_tree
+from ntp_ds.testing.spawn import run_ranks
+from tests.test_recovery import assert_equivalent, assert_lossless_and_minimal, events_of, fault, run
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _reduce_along(world: int, fanout: int, values: list[float]) -> list[float]:
+    """What each rank holds after `wire.control_all_reduce` (a sum), groups taken as the ranks list them: each group
+    reduces once all its members hold their own subtree's sum, then each group below the top hands its leader's
+    result to its members."""
+    trees = {r: control_tree(r, world, fanout) for r in range(world)}
+    groups = {}  # (level, members) -> top
+    for r, tree in trees.items():
+        for level, (members, top) in enumerate(tree):
+            assert r in members
+            assert groups.setdefault((level, members), top) == top, "members disagree on whether it is the top"
+    held = list(values)
+    for level, members in sorted(groups):  # lowest level first
+        total = sum(held[m] for m in members)
+        for m in members:
+            held[m] = total
+    for level, members in sorted(groups, reverse=True):  # highest first
+        if not groups[(level, members)]:
+            for m in members:
+                held[m] = held[members[0]]
+    return held
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 8, 9, 31, 64, 100, 1000])
+@pytest.mark.parametrize("fanout", [2, 3, 8, 32])
+def test_every_rank_ends_with_the_world_sum_through_small_groups(world, fanout):
+    values = [float(2 ** (r % 20)) for r in range(world)]
+    assert _reduce_along(world, fanout, values) == [sum(values)] * world
+    levels = math.ceil(math.log(world, fanout) - 1e-9) if world > 1 else 0
+    for r in range(world):
+        tree = control_tree(r, world, fanout)
+        assert len(tree) <= levels
+        assert all(1 <= len(members) <= fanout for members, _ in tree)
+        assert all(members[0] == r for members, _ in tree[:-1]), "a rank leads every group below its highest"
+        for level, (members, _) in enumerate(tree):  # every member builds as many groups before this one
+            assert all(control_tree(m, world, fanout)[level][0] == members for m in members)
+    if world > 1:
+        assert len(control_tree(0, world, fanout)) == levels and control_tree(0, world, fanout)[-1][1]
+
+
+def test_at_100k_ranks_a_rank_belongs_to_at_most_four_groups_of_32():
+    world = 100_000
+    assert max(len(control_tree(r, world, 32)) for r in range(0, world, 7)) == 4
+    assert len(control_tree(0, world, 32)) == 4
+    assert len(control_tree(99_999, world, 32)) == 1
+    with pytest.raises(ValueError, match="control_fanout=1"):
+        control_tree(0, 4, 1)
+
+
+def tree_reductions(rank, world, backend, fanout):
+    import os
+
+    from ntp_ds.comm import groups, wire
+
+    if backend == "nccl_model":
+        import ntp_ds.testing.nccl_model  # noqa: F401  (registers the backend)
+    os.environ["MASTER_ADDR"] = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        groups.start_generation(30.0, fanout)
+        with wire.recording() as calls:
+            sums = wire.sum_counts([float(rank), 1.0])
+            everyone = wire.vote(True)
+            one_says_no = wire.vote(rank != world - 1)
+            highest = wire.control_all_reduce(torch.tensor([float(rank)]), "max", "max").item()
+        return {"sums": sums, "everyone": everyone, "one_says_no": one_says_no, "highest": highest,
+                "group_sizes": sorted({len(c.group_ranks) for c in calls}), "calls": len(calls)}
+    finally:
+        from ntp_ds.comm import wire
+
+        wire.teardown()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl_model"])
+def test_votes_and_sums_over_a_three_level_tree_agree_on_every_rank(backend):
+    world = 7  # fanout 2: groups {0,1} {2,3} {4,5}, {0,2} {4,6}, {0,4} on top
+    results = run_ranks(tree_reductions, world, backend, 2, timeout=120)
+    for rank, res in enumerate(results):
+        assert res["sums"] == [float(sum(range(world))), float(world)]
+        assert res["everyone"] is True and res["one_says_no"] is False
+        assert res["highest"] == world - 1
+        assert res["group_sizes"] == [2], "a control reduction ran on a group larger than the fanout"
+    # Rank 0 reduces and passes the result down at each of its three levels; rank 6 only takes part in {4, 6}.
+    assert results[0]["calls"] > results[6]["calls"] > 0
+
+
+def test_the_tree_root_dying_between_the_votes_is_recovered_equal_to_the_failure_free_run():
+    # Fanout 2 over 6 ranks: three levels, rank 0 at the top of each. It dies inside DeepSpeed's optimizer step of
+    # step 3, between the ready and commit votes, so every survivor's commit vote is abandoned mid-tree; the step is
+    # rolled back and run again, and the new generation (5 ranks) votes over a tree of its own.
+    results = run((2, 2, 2), 1, [fault(0, 3, "in_optimizer")], redundancy=2, control_fanout=2)
+    assert 0 not in results
+    assert_equivalent(results)
+    assert_lossless_and_minimal(results, (1, 2, 2))
+    assert all(e["rolled_back"] for copies in events_of(results) for e in copies)
