@@ -74,6 +74,7 @@ def test_unknown_command_and_missing_module(capsys, monkeypatch):
     (["fault=one_crash", "parallel.replicas=1"], None, "fault.faults[0].rank=3"),
     (["parallel.heartbeat_interval_s=5"], None, "parallel.heartbeat_interval_s=5.0 must be smaller"),
     (["parallel.timeout_s=0"], None, "parallel.timeout_s=0.0 must be positive"),
+    (["parallel.control_fanout=1"], None, "parallel.control_fanout=1 must be at least 2"),
     (["train.precision=bf16", "parallel.zero_stage=0"], None, "parallel.zero_stage=0 with train.precision=bf16"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, env, field):
@@ -86,7 +87,7 @@ def test_bad_input_is_one_line_and_exit_2(args, env, field):
 
 @pytest.mark.parametrize("command, arg, expect", [
     ("train", "train.steps=many", "train.steps='many' must be an integer"),
-    ("train", "parallel.tpp=2", "parallel.tpp is not a known setting; valid: batch_policy, bucket_size, degrees"),
+    ("train", "parallel.tpp=2", "parallel.tpp is not a known setting; valid: batch_policy, bucket_size, control_fanout, degrees"),
     ("train", "parallel.tp=???", "parallel.tp is missing (???): give it a value, e.g. parallel.tp=VALUE"),
     ("simulate", "sim.cluster.tp=abc", "sim.cluster.tp='abc' must be an integer"),
     ("simulate", "sim.cluster.tpp=8", "sim.cluster.tpp is not a known setting; valid: domain_size, hot_spares"),
