@@ -78,7 +78,11 @@ def tree_reductions(rank, world, backend, fanout):
             everyone = wire.vote(True)
             one_says_no = wire.vote(rank != world - 1)
             highest = wire.control_all_reduce(torch.tensor([float(rank)]), "max", "max").item()
+            gathered = wire.all_gather_object({"rank": rank, "payload": "x" * rank})
+            told = wire.broadcast_object(f"from {rank}" if rank == world - 2 else None, world - 2)
+            wire.barrier()
         return {"sums": sums, "everyone": everyone, "one_says_no": one_says_no, "highest": highest,
+                "gathered": gathered, "told": told,
                 "group_sizes": sorted({len(c.group_ranks) for c in calls}), "calls": len(calls)}
     finally:
         from ntp_ds.comm import wire
@@ -87,14 +91,16 @@ def tree_reductions(rank, world, backend, fanout):
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl_model"])
-def test_votes_and_sums_over_a_three_level_tree_agree_on_every_rank(backend):
+def test_votes_sums_gathers_and_barriers_over_a_three_level_tree_agree_on_every_rank(backend):
     world = 7  # fanout 2: groups {0,1} {2,3} {4,5}, {0,2} {4,6}, {0,4} on top
     results = run_ranks(tree_reductions, world, backend, 2, timeout=120)
     for rank, res in enumerate(results):
         assert res["sums"] == [float(sum(range(world))), float(world)]
         assert res["everyone"] is True and res["one_says_no"] is False
         assert res["highest"] == world - 1
-        assert res["group_sizes"] == [2], "a control reduction ran on a group larger than the fanout"
+        assert res["gathered"] == [{"rank": r, "payload": "x" * r} for r in range(world)]
+        assert res["told"] == f"from {world - 2}"
+        assert res["group_sizes"] == [2], "a control collective ran on a group larger than the fanout"
     # Rank 0 reduces and passes the result down at each of its three levels; rank 6 only takes part in {4, 6}.
     assert results[0]["calls"] > results[6]["calls"] > 0
 

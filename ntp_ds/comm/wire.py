@@ -526,7 +526,11 @@ def vote(ready: bool, group=None, name: str = "vote") -> bool:
 
 
 def barrier(group=None) -> None:
-    """Every rank of the group (default: the generation) reaches this point; over gloo, bounded."""
+    """Every rank of the group (default: the generation, along the control tree) reaches this point; over gloo,
+    bounded."""
+    if group is None and _state.tree is not None:
+        control_all_reduce(torch.zeros(1, dtype=torch.int32), "sum", "barrier")
+        return
     group = group or control_group()
     _check("barrier", group, [])
     wait(dist.barrier(group=group, async_op=True), group, "barrier")
@@ -540,8 +544,29 @@ def sum_counts(values: list[float], group=None) -> list[float]:
     return all_reduce(values, group, "sum", "sum_counts").tolist()
 
 
+def _tree_collect(mine: dict) -> dict:
+    """Merge every rank's `mine` ({global rank: object}) along the control tree and return the merge on every rank.
+
+    Up: each group a rank belongs to, lowest first, gathers its members' merges on its leader (a rank that does not
+    lead the group has sent its part and goes no higher). Down: each group, highest first, broadcasts the whole
+    from its leader. The same two calls per group as `control_all_reduce`'s, in the same order on every member."""
+    tree, me = _state.tree, dist.get_rank()
+    held = dict(mine)
+    for level in tree:
+        parts = gather_object(held, level.leader, level.group)
+        if me != level.leader:
+            break
+        held = {r: o for part in parts for r, o in part.items()}
+    for level in reversed(tree):
+        held = broadcast_object(held if me == level.leader else None, level.leader, level.group)
+    return held
+
+
 def all_gather_object(obj, group=None) -> list:
-    """Every rank's `obj`, in group rank order, over gloo."""
+    """Every rank's `obj`, in group rank order (default: the generation's, along the control tree), over gloo."""
+    if group is None and _state.tree is not None:
+        merged = _tree_collect({dist.get_rank(): obj})
+        return [merged[r] for r in range(dist.get_world_size())]
     group = group or control_group()
     _check("all_gather_object", group, [])
     out = [None] * dist.get_world_size(group)
@@ -566,7 +591,10 @@ def gather_object(obj, dst: int, group=None) -> list | None:
 
 
 def broadcast_object(obj, src: int, group=None):
-    """`obj` of global rank `src`, on every rank of the group, over gloo."""
+    """`obj` of global rank `src`, on every rank of the group (default: the generation, along the control tree), over
+    gloo."""
+    if group is None and _state.tree is not None:
+        return _tree_collect({src: obj} if dist.get_rank() == src else {})[src]
     group = group or control_group()
     _check("broadcast_object", group, [])
     box = [obj]

@@ -746,9 +746,10 @@ def parameter_dtype(ds_config: dict) -> torch.dtype:
 
 
 def job_fingerprint(job: JobSpec) -> str:
-    """What a joiner must share with the job: the model, the DeepSpeed config and the parallel config."""
+    """What a joiner must share with the job: the model, the DeepSpeed config and the parallel config (the control
+    tree's fanout included: every member of a generation must build the same tree)."""
     return fingerprint(job.model_config, job.ds_config, job.ntp.replica_degrees, job.ntp.min_tp,
-                       job.ntp.zero_redundancy, job.ntp.batch_policy)
+                       job.ntp.zero_redundancy, job.ntp.batch_policy, job.ntp.control_fanout)
 
 
 def restore_learning_rate(engine, lr_state) -> None:
