@@ -114,8 +114,7 @@ def control_tree(rank: int, world: int, fanout: int) -> list[tuple[tuple[int, ..
 
 
 def start_generation(timeout_s: float, fanout: int = CONTROL_FANOUT) -> None:
-    """After the default group of a generation exists: build its gloo control group and control tree, and arm the
-    wire.
+    """After the default group of a generation exists: build its gloo control tree and arm the wire.
 
     Every rank builds its tree groups lowest level first, and only their members meet: a group's members have built
     every lower group they belong to before it, so no two ranks wait on each other in opposite orders. Torch names a
@@ -125,11 +124,13 @@ def start_generation(timeout_s: float, fanout: int = CONTROL_FANOUT) -> None:
     rank ends with as many as rank 0 (groups of one make up the difference), so that the groups built after the
     tree (TP, data-parallel) are named alike on all their members too."""
     timeout = timedelta(seconds=timeout_s)
-    control = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    # Under gloo the default group is the control group, and a world of at most `fanout` ranks uses it as its tree.
+    # Under NCCL no world-sized gloo group is built: control traffic goes along the tree alone.
+    control = dist.group.WORLD if dist.get_backend() == "gloo" else None
     world = dist.get_world_size()
 
     def group_of(members: tuple[int, ...]):
-        if len(members) == world:  # a world of at most `fanout` ranks: the tree is the control group itself
+        if len(members) == world and control is not None:
             return control
         return dist.new_group(list(members), timeout=timeout, backend="gloo", use_local_synchronization=True)
 

@@ -310,13 +310,15 @@ def settle_device() -> None:
 
 
 def has_control() -> bool:
-    return _state.control is not None
+    """Whether this process has joined a generation's control (a tree, or a control group)."""
+    return _state.control is not None or _state.tree is not None
 
 
 def control_group():
-    """The gloo group for host-side control traffic of the whole generation."""
+    """The gloo group of the whole generation that carries control traffic where no control tree is configured (the
+    default group under gloo; under NCCL there is none: the tree carries it all)."""
     if _state.control is None:
-        raise RuntimeError("no control group: join a generation first (ntp_ds.comm.groups.join)")
+        raise RuntimeError("no control group: join a generation first (ntp_ds.comm.groups.start_generation)")
     return _state.control
 
 

@@ -3,7 +3,7 @@
 After every optimizer step the owner posts, to each buddy, its step count and the flat tensors that hold its state
 (`fragments.flat_sources`: the live ZeRO partitions, sent without a staging copy; they do not change before the
 next optimizer step, which waits for the transfer). The buddy receives straight into the buffers of the copy it
-keeps (sizes and fragment addresses are exchanged once per engine, over the control group), so a copy costs its
+keeps (sizes and fragment addresses are exchanged once per engine, as the copies travel), so a copy costs its
 own bytes and nothing more. While a transfer is in flight the copy is marked incomplete; `finish` (before the next
 optimizer step, or at a failure) completes it. A copy whose transfer failed is dropped: its owner's state of the
 last step survives nowhere else, and recovery says so (`lossless: false`).
@@ -70,7 +70,7 @@ class StateCopies:
             outgoing = [torch.tensor(_encode_step(step), dtype=torch.float32, device=device)]
             outgoing += [t.detach().reshape(-1).to(device) for t in tensors]
         if self._layouts is None:
-            self._exchange_layouts(keys, sources)
+            self._exchange_layouts(keys, sources, device)
         for o, lay in self._layouts.items():
             if o not in self._buffers:
                 numels = [_STEP_WIDTH] + lay[2:2 + int(lay[1])].tolist()
@@ -171,20 +171,24 @@ class StateCopies:
         for o, bufs in self._buffers.items():
             self.held[o] = self._view(o, bufs)
 
-    def _exchange_layouts(self, keys, sources) -> None:
-        """Tell each buddy, once per engine, the sizes of this rank's sources and where each fragment lies."""
+    def _exchange_layouts(self, keys, sources, device) -> None:
+        """Tell each buddy, once per engine, the sizes of this rank's sources and where each fragment lies: int64
+        headers on the data device, over the group the copies travel on (the buffers stay referenced until the
+        exchange completes), read back to the host."""
         layout = None
         if self.targets:
             tensors, index = sources
             layout = [len(keys), len(tensors)] + [t.numel() for t in tensors]
             for name in self.names:
                 layout += list(index.get(name, (-1, 0, 0, 0)))
-            layout = torch.tensor(layout, dtype=torch.int64)
-        sizes = {o: torch.empty(2, dtype=torch.int64) for o in self.owners}
-        wire.exchange({t: layout[:2] for t in self.targets}, sizes, wire.control_group(), "copy_layout").wait()
-        layouts = {o: torch.empty(2 + int(n[1]) + 4 * len(self.names), dtype=torch.int64) for o, n in sizes.items()}
-        wire.exchange({t: layout for t in self.targets}, layouts, wire.control_group(), "copy_layout").wait()
-        self._layouts = layouts
+            layout = torch.tensor(layout, dtype=torch.int64, device=device)
+        heads = {t: layout[:2] for t in self.targets}
+        sizes = {o: torch.empty(2, dtype=torch.int64, device=device) for o in self.owners}
+        wire.exchange(heads, sizes, op="copy_layout").wait()
+        layouts = {o: torch.empty(2 + int(n[1]) + 4 * len(self.names), dtype=torch.int64, device=device)
+                   for o, n in sizes.items()}
+        wire.exchange({t: layout for t in self.targets}, layouts, op="copy_layout").wait()
+        self._layouts = {o: lay.cpu() for o, lay in layouts.items()}
 
     def _view(self, owner: int, bufs: list[torch.Tensor]) -> HeldCopy:
         lay = self._layouts[owner]
