@@ -8,6 +8,14 @@ side, the bytes of the optimizer copies it keeps for other ranks. For the rank w
 lines read `deepspeed_peak_bytes=<x>`, `ntp_peak_bytes=<y>`, `redundant_copy_bytes=<c>` and
 `memory_excess_ratio=<(y - x - c) / x>` (target: at most 0.05).
 
+Then the recovery peak (skip it with `--no-recovery`): 3 replicas x TP 2 train in the caller's own loop with fault
+tolerance on; after `--warmup` steps each rank clears its peak (`/proc/self/clear_refs`) and trains `--steps` more,
+whose peak resident memory (VmHWM) is its steady-state peak; it clears it again, rank 5 (TP rank 1 of replica 2)
+crashes in the next step's backward, and after the recovery and the re-run step each survivor reads its peak
+again: the recovery peak. For a survivor of the degraded replica, a rank of a healthy replica, and the buddy that
+keeps the dead rank's ZeRO partition it prints both and their ratio; the last line reads
+`recovery_peak_ratio=<the largest of the three>` (target: at most 1.15).
+
     python benchmarks/memory.py --tp 1 --replicas 2 --steps 3
 """
 
@@ -78,11 +86,87 @@ def _worker(rank, world_size, args, side):
     return {"baseline": baseline, "built": built, "peak": _peak_rss(), "copies": copies}
 
 
+RECOVERY_TP, RECOVERY_REPLICAS, VICTIM = 2, 3, 5
+
+
+def _resident_peak() -> int:
+    """Peak resident memory since the last `_clear_peak` (VmHWM), in bytes."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _clear_peak() -> None:
+    """Reset this process's VmHWM to its current resident memory (Linux: write 5 to clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _recovery_worker(rank, world_size, args):
+    import ntp_ds
+    from ntp_ds.batch.loader import SyntheticTokens
+
+    config, ds_config = llama_config(args), deepspeed_config(args)
+    fault = {"rank": VICTIM, "step": args.warmup + args.steps + 1, "phase": "backward", "kind": "crash"}
+    events = []
+    engine = ntp_ds.initialize(model=config, config=ds_config,
+                               ntp={**_ntp(args), "fault_tolerance": {"heartbeat_timeout_s": 3.0, "faults": [fault]}},
+                               on_event=lambda kind, step, fields: events.append(kind))
+    buddies = engine.job.buddies(engine.ntp_groups.topology)
+    # The dead rank's replica-mate; the buddy keeping its partition (in replica 0); replica 1, which neither lost
+    # a rank nor keeps the dead rank's copy.
+    roles = {"survivor": VICTIM - 1, "buddy": buddies[VICTIM][0], "healthy": RECOVERY_TP}
+    data = SyntheticTokens(config.vocab_size, args.seq, size=4096, seed=0)
+    failing = args.warmup + args.steps  # the step index the crash interrupts (run again after the recovery)
+    peaks = {}
+    for step in engine.train_steps(failing + args.steps + 1):
+        if step == args.warmup:
+            _clear_peak()
+        if step == failing and "steady" not in peaks:
+            peaks["steady"] = _resident_peak()
+            _clear_peak()
+        if step == failing + 1 and "recovery" not in peaks:  # the recovery and the step it re-ran are behind
+            peaks["recovery"] = _resident_peak()
+        with engine.attempt(step):
+            for batch in engine.micro_batches(data, seed=0):
+                engine.backward(engine(batch))
+                engine.step()
+    degrees = tuple(engine.ntp_groups.topology.degrees)
+    engine.close()
+    return {"peaks": peaks, "roles": roles, "events": events, "degrees": degrees}
+
+
+def recovery_peaks(args) -> int:
+    import copy
+
+    args = copy.copy(args)
+    args.tp, args.replicas = RECOVERY_TP, RECOVERY_REPLICAS
+    results = run_ranks(_recovery_worker, RECOVERY_TP * RECOVERY_REPLICAS, args, timeout=1800, store=True)
+    if VICTIM in results or not results:
+        raise RuntimeError(f"rank {VICTIM} was to crash; finished: {sorted(results)}")
+    any_result = next(iter(results.values()))
+    print(f"\nrecovery: {RECOVERY_REPLICAS} replicas x TP {RECOVERY_TP}, ZeRO {args.zero_stage}, rank {VICTIM} crashes "
+          f"in step {args.warmup + args.steps + 1}; degrees after {any_result['degrees']}, events "
+          f"{any_result['events']}")
+    ratios = {}
+    for role, rank in any_result["roles"].items():
+        peaks = results[rank]["peaks"]
+        if "recovery" not in peaks:
+            raise RuntimeError(f"rank {rank} ({role}) saw no recovery: {results[rank]['events']}")
+        ratios[role] = peaks["recovery"] / peaks["steady"]
+        print(f"{role:<9} rank {rank}: steady_peak_bytes={peaks['steady']} recovery_peak_bytes={peaks['recovery']} "
+              f"ratio={ratios[role]:.4f}")
+    print(f"recovery_peak_ratio={max(ratios.values()):.4f}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_job_args(parser, hidden=1024, layers=8, heads=16, kv_heads=8, vocab=8192, seq=64, micro=2, accum=2)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--no-recovery", action="store_true", help="skip the recovery peak")
     args = parser.parse_args(argv)
     world = args.tp * args.replicas
     plain = run_ranks(_worker, world, args, "plain", timeout=1800)
@@ -100,7 +184,7 @@ def main(argv=None) -> int:
     print(f"ntp_peak_bytes={n}")
     print(f"redundant_copy_bytes={c}")
     print(f"memory_excess_ratio={(n - p - c) / p:.4f}")
-    return 0
+    return 0 if args.no_recovery else recovery_peaks(args)
 
 
 if __name__ == "__main__":
