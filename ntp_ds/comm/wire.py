@@ -551,7 +551,8 @@ def _tree_collect(mine: dict) -> dict:
 
     Up: each group a rank belongs to, lowest first, gathers its members' merges on its leader (a rank that does not
     lead the group has sent its part and goes no higher). Down: each group, highest first, broadcasts the whole
-    from its leader. The same two calls per group as `control_all_reduce`'s, in the same order on every member."""
+    from its leader (the top group's too: unlike a reduction, a gather leaves the whole on its leader alone). Two
+    calls per group, a gather then a broadcast, in the same order on every member."""
     tree, me = _state.tree, dist.get_rank()
     held = dict(mine)
     for level in tree:
