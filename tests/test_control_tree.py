@@ -114,3 +114,29 @@ def test_the_tree_root_dying_between_the_votes_is_recovered_equal_to_the_failure
     assert_equivalent(results)
     assert_lossless_and_minimal(results, (1, 2, 2))
     assert all(e["rolled_back"] for copies in events_of(results) for e in copies)
+
+
+def groups_under_a_bound_default_group(rank, world):
+    from ntp_ds.comm import groups, wire
+    from ntp_ds.layout import Topology, plan_gradient_sync
+    from tests.training import tiny_config
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    default = dist.distributed_c10d._get_default_group()
+    default.bound_device_id = torch.device("cpu", 0)  # as DeepSpeed's init_distributed binds the GPU under CUDA
+    try:
+        groups.start_generation(30.0, 2)
+        topology = Topology.from_degrees(tiny_config().units(), (2, 1))
+        built = groups.build_groups(topology, plan_gradient_sync(topology), rank, 30.0)
+        summed = wire.all_reduce(torch.ones(1), built.tp_group).item()
+        return {"vote": wire.vote(True), "tp_sum": summed, "bound": str(default.bound_device_id)}
+    finally:
+        wire.teardown()
+
+
+def test_groups_are_built_among_their_members_when_the_default_group_is_bound_to_a_device():
+    # Bound, torch builds every later group as a split of the default group's communicator, which all ranks must
+    # join: groups built by their members alone would wait forever under NCCL (here, on CPU, torch refuses at once).
+    results = run_ranks(groups_under_a_bound_default_group, 3, timeout=120)
+    assert [r["tp_sum"] for r in results] == [2.0, 2.0, 1.0]
+    assert all(r["vote"] is True and r["bound"] == "cpu:0" for r in results)

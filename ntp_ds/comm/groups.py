@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from dataclasses import dataclass
@@ -135,9 +136,11 @@ def start_generation(timeout_s: float, fanout: int = CONTROL_FANOUT) -> None:
         return dist.new_group(list(members), timeout=timeout, backend="gloo", use_local_synchronization=True)
 
     me = dist.get_rank()
-    tree = [wire.TreeGroup(group_of(members), members[0], top) for members, top in control_tree(me, world, fanout)]
-    for _ in range(len(control_tree(0, world, fanout)) - len(tree)):  # as many as rank 0: for the groups after
-        group_of((me,))
+    with members_only():
+        tree = [wire.TreeGroup(group_of(members), members[0], top)
+                for members, top in control_tree(me, world, fanout)]
+        for _ in range(len(control_tree(0, world, fanout)) - len(tree)):  # as many as rank 0: for the groups after
+            group_of((me,))
     wire.configure(timeout_s, control, [level for level in tree if dist.get_world_size(level.group) > 1])
     if wire.is_nccl():
         # NCCL requires a group's first call to be a collective of all its ranks before any batched P2P on it.
@@ -173,6 +176,29 @@ class ReplicaGroups:
         return self.topology.layouts[self.replica]
 
 
+@contextlib.contextmanager
+def members_only():
+    """Build groups among their members alone, whatever the default group is bound to.
+
+    When the default group is bound to a device (`init_process_group(device_id=...)`, which DeepSpeed's
+    `init_distributed` passes on CUDA), torch makes every later `new_group` an NCCL split of the default group's
+    communicator, which every rank of the world must join, non-members included. A group built with
+    `use_local_synchronization` is built by its members alone, so its members would wait for the rest of the world
+    forever; after a death, any split of a communicator holding the dead rank would. Unbound for the block, the
+    groups' communicators are created among their members (`ncclCommInitRank`), as with an unbound default group;
+    the binding is restored after."""
+    default = dist.distributed_c10d._get_default_group()
+    bound = default.bound_device_id
+    if bound is None:
+        yield
+        return
+    default.bound_device_id = None
+    try:
+        yield
+    finally:
+        default.bound_device_id = bound
+
+
 def build_groups(topology: Topology, plan: SyncPlan, rank: int, timeout_s: float) -> ReplicaGroups:
     """Create only the groups this rank belongs to; members synchronise among themselves, nobody else waits.
 
@@ -185,11 +211,12 @@ def build_groups(topology: Topology, plan: SyncPlan, rank: int, timeout_s: float
     else:
         dp_ranks = [rank]
     timeout = timedelta(seconds=timeout_s)
-    tp_group = dist.new_group(tp_ranks, timeout=timeout, use_local_synchronization=True)
-    dp_group = dist.new_group(dp_ranks, timeout=timeout, use_local_synchronization=True)
-    tp_control = tp_group
-    if dist.get_backend() != "gloo":
-        tp_control = dist.new_group(tp_ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
+    with members_only():
+        tp_group = dist.new_group(tp_ranks, timeout=timeout, use_local_synchronization=True)
+        dp_group = dist.new_group(dp_ranks, timeout=timeout, use_local_synchronization=True)
+        tp_control = tp_group
+        if dist.get_backend() != "gloo":
+            tp_control = dist.new_group(tp_ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
     return ReplicaGroups(topology, plan, rank, replica, tp_rank, tp_ranks, dp_ranks, tp_group, dp_group, tp_control)
 
 
