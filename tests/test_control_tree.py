@@ -105,6 +105,7 @@ def test_votes_sums_gathers_and_barriers_over_a_three_level_tree_agree_on_every_
     assert results[0]["calls"] > results[6]["calls"] > 0
 
 
+@pytest.mark.long  # .ci/run: on gloo in the long stage, and in the nccl_model stage
 def test_the_tree_root_dying_between_the_votes_is_recovered_equal_to_the_failure_free_run():
     # Fanout 2 over 6 ranks: three levels, rank 0 at the top of each. It dies inside DeepSpeed's optimizer step of
     # step 3, between the ready and commit votes, so every survivor's commit vote is abandoned mid-tree; the step is
