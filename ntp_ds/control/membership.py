@@ -444,9 +444,10 @@ def replica_membership(topology: Topology, dead: Iterable[int],
     if unknown:
         raise ValueError(f"dead ranks {unknown} are not members {list(members)}")
     hit: dict[int, set[int]] = defaultdict(set)  # replica -> the TP indices it lost
-    for g in (g for g, m in enumerate(members) if m in dead):
-        replica, tp_rank = topology.locate(g)
-        hit[replica].add(tp_rank)
+    for g, m in enumerate(members):
+        if m in dead:
+            replica, tp_rank = topology.locate(g)
+            hit[replica].add(tp_rank)
     starts = topology._starts
     lost, gone, layouts, kept = {}, [], {}, {}
     for replica, layout in enumerate(topology.layouts):

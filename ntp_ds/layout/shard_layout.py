@@ -92,8 +92,8 @@ class ShardLayout:
                 raise LayoutError(f"{kind} units must be owned exactly once over units 0..{self.units.count(kind) - 1}")
 
     def __hash__(self) -> int:
-        """Hashed once (plans over R replicas key their dicts by layout; the fields are ints, so the value is the same
-        in every process)."""
+        """Hashed once (plans over R replicas key their dicts by layout; the fields are numbers, whose hashes are the
+        same in every process, so a pickled layout carries a valid one)."""
         cached = self.__dict__.get("_hash")
         if cached is None:
             cached = self.__dict__["_hash"] = hash((self.units, self.heads, self.ffn, self.vocab))
