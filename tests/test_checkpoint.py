@@ -1,5 +1,6 @@
 """DeepSpeed checkpoints and consolidated weights under a nonuniform topology."""
 
+import pytest
 import torch
 import transformers
 
@@ -12,6 +13,7 @@ from tests.training import tiny_config, train_ntp, train_with_checkpoint
 NTP = {"tp": 3, "replicas": 2, "degrees": (3, 2)}
 
 
+@pytest.mark.long  # about 27 s: .ci/run runs it in its long stage (and on nccl_model where the file runs there)
 def test_resume_from_checkpoint_matches_uninterrupted_run_and_save_pretrained_loads_in_hf(tmp_path):
     straight = run_ranks(train_ntp, 5, NTP, "adamw", 1, 12, 2, 6, timeout=240)
     saved = run_ranks(train_with_checkpoint, 5, NTP, 1, 3, str(tmp_path), False, timeout=240)

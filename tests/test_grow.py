@@ -92,6 +92,7 @@ def test_a_joiner_of_another_job_or_without_a_place_is_refused():
     assert_equivalent({r: results[r] for r in range(4)}, STEPS)
 
 
+@pytest.mark.long  # about 27 s: .ci/run runs it in its long stage (and on nccl_model where the file runs there)
 def test_the_demo_fails_shrinks_is_repaired_and_grows_back(tmp_path):
     """Through `ntp-ds train`: rank 3 crashes at step 2, its launcher starts a replacement that trains from step 5 on;
     the final weights equal the failure-free run's. A learning-rate warm-up runs through both rebuilt engines: a

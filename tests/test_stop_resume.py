@@ -111,6 +111,7 @@ def test_a_directory_holding_a_run_is_refused_before_any_worker_starts(stopped, 
     assert after == before, "a refused resume must not touch the earlier run's files either"
 
 
+@pytest.mark.long  # about 27 s: .ci/run runs it in its long stage (and on nccl_model where the file runs there)
 def test_a_stopped_run_resumed_ends_equal_to_the_uninterrupted_run(stopped, tmp_path, capsys):
     from ntp_ds.report import main as report
 
