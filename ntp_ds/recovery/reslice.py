@@ -87,21 +87,15 @@ class StateIndex:
         self.old, self.new, self.specs, self.full_shapes = old, new, specs, full_shapes
         self.old_layout = old.layouts[plan_gradient_sync(old).anchors[0]]
         self.new_layout = new.layouts[plan_gradient_sync(new).anchors[0]]
-        holders: dict[int, list[tuple[int, int]]] = {}  # owner -> [(server, step)]: one pass over W small offers
+        holders: dict[int, list[tuple[int, int]]] = defaultdict(list)  # owner -> [(server, step)]
         newest = 0
-        for server, offered in enumerate(steps):
+        for server, offered in enumerate(steps):  # one pass over W small offers, in locals
             for owner, step in offered.items():
-                owner, step = int(owner), int(step)
-                entry = (server, step)
+                step = int(step)
+                holders[int(owner)].append((server, step))
                 if step > newest:
                     newest = step
-                mine = holders.get(owner)
-                if mine is None:
-                    holders[owner] = [entry]
-                else:
-                    mine.append(entry)
-        self.holders = defaultdict(list, holders)
-        self.step = newest
+        self.holders, self.step = holders, newest
         self.fragments: dict[tuple[int, str], list[tuple[int, int, tuple[int, ...]]]] = _Table(lambda key: [])
         self.needs: dict[tuple[int, str], list[tuple[int, int, int]]] = _Table(lambda key: [])
         self._sources: dict[tuple[int, str], list] = {}
