@@ -48,7 +48,11 @@ class Topology:
         return self._starts[-1]
 
     def ranks_of(self, replica: int) -> list[int]:
-        return list(range(self._starts[replica], self._starts[replica + 1]))
+        return list(self.rank_range(replica))
+
+    def rank_range(self, replica: int) -> range:
+        """The global ranks of `replica`, as a range (no list built)."""
+        return range(self._starts[replica], self._starts[replica + 1])
 
     def locate(self, rank: int) -> tuple[int, int]:
         """Return (replica, tp_rank) of a global rank."""

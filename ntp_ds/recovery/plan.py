@@ -100,13 +100,19 @@ def plan_unit_moves(old: Topology, new: Topology, old_rank_of: dict[int, int],
 
 def _unchanged(old: Topology, new: Topology, replica: int, old_rank_of: dict[int, int], stale) -> bool:
     """Whether every member of new `replica` holds, at the same TP index of the same layout, what it held before
-    (and nothing of it is stale): it then needs no unit."""
-    ranks = new.ranks_of(replica)
-    olds = [old_rank_of.get(r) for r in ranks]
-    if None in olds or any(stale.get(r) for r in ranks):
+    (and nothing of it is stale): it then needs no unit. Called for every replica: ranges and lookups, no lists."""
+    ranks = new.rank_range(replica)
+    first = old_rank_of.get(ranks[0])
+    if first is None:
         return False
-    old_replica, first = old.locate(olds[0])
-    return first == 0 and olds == old.ranks_of(old_replica) and old.layouts[old_replica] == new.layouts[replica]
+    old_replica, tp_rank = old.locate(first)
+    if tp_rank != 0 or len(old.rank_range(old_replica)) != len(ranks):
+        return False
+    old_layout, new_layout = old.layouts[old_replica], new.layouts[replica]
+    if old_layout is not new_layout and old_layout != new_layout:
+        return False
+    shift = first - ranks[0]
+    return all(old_rank_of.get(r) == r + shift and not stale.get(r) for r in ranks)
 
 
 def _by_load(survivors: list[int], load: dict[int, int], same_replica) -> Iterator[int]:

@@ -75,7 +75,7 @@ class StateIndex:
     `fragments[(old TP index, name)]`: (start, numel, owners) of each old anchor fragment someone can serve, by
     start; fragments of one old TP index are disjoint under ZeRO and identical without it, and identical ones are one
     entry, since any of their holders can serve them. `needs[(new TP index, name)]`: (start, numel, new rank) of
-    each new anchor's fragment. `holders[owner]`: (server, step) of every copy of an owner's state.
+    each new anchor's fragment. `holders[owner]`: (server, step) of every copy of an owner's state (steps are ints).
 
     Built from the layouts (`from_layouts`: addresses follow from the shapes and the optimizer's flat order, and only
     the offers' steps were gathered; a TP index's entries are computed when first looked up), or from every rank's
@@ -87,15 +87,13 @@ class StateIndex:
         self.old, self.new, self.specs, self.full_shapes = old, new, specs, full_shapes
         self.old_layout = old.layouts[plan_gradient_sync(old).anchors[0]]
         self.new_layout = new.layouts[plan_gradient_sync(new).anchors[0]]
-        holders: dict[int, list[tuple[int, int]]] = defaultdict(list)  # owner -> [(server, step)]
-        newest = 0
-        for server, offered in enumerate(steps):  # one pass over W small offers, in locals
-            for owner, step in offered.items():
-                step = int(step)
-                holders[int(owner)].append((server, step))
-                if step > newest:
-                    newest = step
-        self.holders, self.step = holders, newest
+        self.offered = set().union(*steps)
+        """Every owner some rank can serve."""
+        self.holders: dict[int, list[tuple[int, int]]] = _Table(
+            lambda owner: [(server, offered[owner]) for server, offered in enumerate(steps) if owner in offered])
+        """owner -> [(server, step)], found when first looked up: a plan looks up the few owners whose fragments
+        meet its rank's (a table of every owner would cost each rank a pass appending every offer)."""
+        self.step = max((max(offered.values()) for offered in steps if offered), default=0)
         self.fragments: dict[tuple[int, str], list[tuple[int, int, tuple[int, ...]]]] = _Table(lambda key: [])
         self.needs: dict[tuple[int, str], list[tuple[int, int, int]]] = _Table(lambda key: [])
         self._sources: dict[tuple[int, str], list] = {}
@@ -132,7 +130,7 @@ class StateIndex:
                      order: FlatOrder) -> "StateIndex":
         """From the offers' steps alone: every anchor's fragment follows from its TP index's shapes and `order`."""
         index = cls(steps, old, new, specs, full_shapes)
-        offered = set(index.holders)
+        offered = index.offered
         columns = _Table(lambda key: anchor_fragments(order, old if key[0] else new, key[1], specs, full_shapes))
 
         def fragments(key):
@@ -419,7 +417,7 @@ def reslice(engine, snapshot, dead: set[int] = frozenset(), own: bool = True) ->
         held[snapshot.rank] = (snapshot.optimizer_step, snapshot.fragments)
     for owner, copy in snapshot.held.items():
         held[owner] = (copy.step, copy.fragments)
-    steps = {o: step for o, (step, _) in held.items()}
+    steps = {int(o): int(step) for o, (step, _) in held.items()}  # plain ints: the index reads them as they come
     new_order = S.flat_order(engine) if engine.is_anchor else None
     old_topology, new_topology = snapshot.topology, engine.ntp_groups.topology
     first_anchor = new_topology.ranks_of(plan_gradient_sync(new_topology).anchors[0])[0]

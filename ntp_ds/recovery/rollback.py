@@ -35,9 +35,13 @@ def roll_back(owners: Iterable[int], offers: list[dict], dead: frozenset[int]) -
     held = [g for g in offers if g["held"]]
     if all(g["mid_step"] for g in held):
         return True
-    newest = max((s for g in held for s in [g["own_step"], *g["copies"].values()]), default=0)
-    fresh = {o for g in held for o, s in g["copies"].items() if s == newest}
-    if dead & owners <= fresh:
+    lost = dead & owners
+    if not lost:  # no dead owner: every owner's newest state lives on with it
+        return False
+    newest = 0
+    for g in held:  # one pass over the members' copies, in locals
+        newest = max(newest, g["own_step"], *g["copies"].values())
+    if all(any(g["copies"].get(o) == newest for g in held) for o in lost):
         return False
     target = max((g["before_step"] for g in held if g["before_step"] is not None), default=None)
     kept = {o for g in held for copies in (g["copies"], g["previous"]) for o, s in copies.items() if s == target}
