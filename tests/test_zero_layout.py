@@ -56,8 +56,11 @@ def test_round_robin_order_is_deepspeed_s_reorder_for_each_data_parallel_degree(
 
     groups, numels, dp, alignment = case
     reordered = tuple(tuple(DeepSpeedZeroOptimizer._round_robin_reorder(None, list(g), dp)[0]) for g in groups)
-    assert (FlatOrder(groups, alignment, round_robin=True).fragments(numels, dp)
-            == element_by_element(reordered, numels, dp, alignment))
+    order = FlatOrder(groups, alignment, round_robin=True)
+    assert order.fragments(numels, dp) == element_by_element(reordered, numels, dp, alignment)
+    for p in range(dp):
+        assert order.addresses(numels, dp, p) == {n: (s, k) for n, frags in order.fragments(numels, dp).items()
+                                                  for s, k, q in frags if q == p}
 
 
 def test_partition_boundaries_follow_the_padding_to_twice_the_data_parallel_degree():

@@ -40,9 +40,38 @@ class FlatOrder:
         """Per parameter: (start in the parameter, numel, data-parallel index) of each anchor's fragment, by start.
         Unpartitioned, one fragment per parameter with index None: every anchor holds the same one."""
         out: dict[str, list[tuple[int, int, int | None]]] = {}
+        for names, offsets, size in self._flat(numels, dp):
+            if size is None:
+                out.update({n: [(0, numels[n], None)] if numels[n] else [] for n in names})
+                continue
+            for name, lo in zip(names, offsets):
+                hi = lo + numels[name]
+                out[name] = [(max(lo, p * size) - lo, min(hi, (p + 1) * size) - max(lo, p * size), p)
+                             for p in range(lo // size if size else 0, min(dp, -(-hi // size)) if size else 0)
+                             if max(lo, p * size) < min(hi, (p + 1) * size)]
+        return out
+
+    def addresses(self, numels: Mapping[str, int], dp: int, index: int) -> dict[str, tuple[int, int]]:
+        """(start, numel) of the fragment of every parameter the anchor of data-parallel index `index` holds: its
+        partition met with each parameter's span, without listing the other dp - 1 anchors' fragments."""
+        out = {}
+        for names, offsets, size in self._flat(numels, dp):
+            for name, lo in zip(names, offsets):
+                if size is None:
+                    if numels[name]:
+                        out[name] = (0, numels[name])
+                    continue
+                start, end = max(lo, index * size), min(lo + numels[name], (index + 1) * size)
+                if start < end:
+                    out[name] = (start - lo, end - start)
+        return out
+
+    def _flat(self, numels: Mapping[str, int], dp: int):
+        """Per parameter group: its names in flat order, each one's offset in the flat buffer, and the partition size
+        (None without ZeRO)."""
         for names in self.groups:
             if not self.partitioned:
-                out.update({n: [(0, numels[n], None)] if numels[n] else [] for n in names})
+                yield names, [0] * len(names), None
                 continue
             if self.round_robin:
                 names = tuple(n for j in range(dp) for n in names[j::dp])
@@ -53,18 +82,7 @@ class FlatOrder:
                 if i < len(names) - 1:
                     end += -end % self.param_alignment
             align = START_ALIGNMENT * dp
-            size = -(-end // align) * align // dp
-            for name, lo in zip(names, offsets):
-                hi = lo + numels[name]
-                out[name] = [(max(lo, p * size) - lo, min(hi, (p + 1) * size) - max(lo, p * size), p)
-                             for p in range(lo // size if size else 0, min(dp, -(-hi // size)) if size else 0)
-                             if max(lo, p * size) < min(hi, (p + 1) * size)]
-        return out
-
-    def addresses(self, numels: Mapping[str, int], dp: int, index: int) -> dict[str, tuple[int, int]]:
-        """(start, numel) of the fragment of every parameter the anchor of data-parallel index `index` holds."""
-        return {name: (start, numel) for name, frags in self.fragments(numels, dp).items()
-                for start, numel, p in frags if p is None or p == index}
+            yield names, offsets, -(-end // align) * align // dp
 
 
 def column_numels(topology: Topology, tp: int, specs, full_shapes) -> dict[str, int]:
