@@ -6,7 +6,7 @@ import os
 import deepspeed.ops
 from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
-from ntp_ds.comm.groups import GLOO_LAZY_ENV, NCCL_DUMP_ENV, TEST_BACKEND_ENV, prepare_backend
+from ntp_ds.comm.groups import NCCL_DUMP_ENV, TEST_BACKEND_ENV, prepare_backend
 
 
 def test_deepspeed_does_not_build_its_shm_comm_op(monkeypatch):
@@ -46,16 +46,15 @@ def test_under_cuda_nothing_probes_deepspeed_op_compatibility(monkeypatch):
     assert probes == ["probe"]
 
 
-def test_gloo_connects_lazily_and_nccl_signals_no_dumps_unless_the_user_set_them(monkeypatch):
-    for name in (GLOO_LAZY_ENV, NCCL_DUMP_ENV, "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+def test_under_nccl_no_dump_signal_unless_the_user_asked_for_it(monkeypatch):
+    for name in (NCCL_DUMP_ENV, "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(TEST_BACKEND_ENV, "gloo")
     prepare_backend()
-    assert os.environ[GLOO_LAZY_ENV] == "1" and NCCL_DUMP_ENV not in os.environ
+    assert NCCL_DUMP_ENV not in os.environ
     monkeypatch.setenv(TEST_BACKEND_ENV, "nccl_model")  # the NCCL branch
     prepare_backend()
     assert os.environ[NCCL_DUMP_ENV] == "0" and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
-    monkeypatch.setenv(GLOO_LAZY_ENV, "0")
     monkeypatch.setenv(NCCL_DUMP_ENV, "1")  # a user debugging a hang keeps the dumps
     prepare_backend()
-    assert os.environ[GLOO_LAZY_ENV] == "0" and os.environ[NCCL_DUMP_ENV] == "1"
+    assert os.environ[NCCL_DUMP_ENV] == "1"

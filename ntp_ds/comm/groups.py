@@ -29,8 +29,6 @@ def backend_for_device() -> str:
     return chosen or ("nccl" if torch.cuda.is_available() else "gloo")
 
 
-GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
-"""torch's switch for gloo groups that connect a pair of ranks when they first talk, not every pair at creation."""
 NCCL_DUMP_ENV = "TORCH_NCCL_DUMP_ON_TIMEOUT"
 """torch's switch for NCCL flight-recorder dumps on a failed op, signalled to every rank through the store."""
 
@@ -46,15 +44,10 @@ def prepare_backend() -> None:
     heartbeat timeout later (torch's ProcessGroupNCCL.cpp, `HeartbeatMonitor::runLoop`). A survivor aborts the
     group whose monitor that is; a worker that joins later starts a first group of its own, whose monitor would find
     the signal an earlier failure left and end the joiner.
-
-    Gloo groups (the data groups on CPU, the control tree everywhere) connect lazily, unless the user chose
-    otherwise in the environment: created eagerly, a gloo group connects every pair of its members, W - 1 sockets
-    and W - 1 store reads per rank for a world-sized group at every generation, where a rank talks to a few peers.
     """
     if backend_for_device() in wire.NCCL_LIKE:
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
         os.environ.setdefault(NCCL_DUMP_ENV, "0")
-    os.environ.setdefault(GLOO_LAZY_ENV, "1")
     skip_shm_comm_op()
 
 
