@@ -233,3 +233,20 @@ def test_lost_state_counts_what_no_survivor_holds_once_and_the_plan_restores_it(
     assert restored == lost, (restored, lost)
     if dead == {2}:
         assert per_move > lost, (per_move, lost)
+
+
+@settings(max_examples=100, deadline=None)
+@given(steps=st.lists(st.dictionaries(st.integers(0, 20), st.integers(0, 3), max_size=3), max_size=12),
+       asked=st.lists(st.lists(st.integers(0, 20), max_size=12), max_size=3))
+def test_an_owner_s_holders_are_every_offer_of_it_however_they_are_looked_up(steps, asked):
+    # Few owners at a time are found by a scan each, many in one pass over the offers; either way, every server
+    # offering an owner, in server order, with its step.
+    from ntp_ds.recovery.reslice import StateIndex
+
+    old = Topology.from_degrees(UNITS, (2, 2))
+    index = StateIndex(steps, old, old, {}, {})
+    for owners in asked:
+        holders = index.holders_of(tuple(owners))
+        for owner in owners:
+            assert holders[owner] == [(server, offered[owner]) for server, offered in enumerate(steps)
+                                      if owner in offered]

@@ -57,6 +57,10 @@ def unit_sources(old: ShardLayout, new: ShardLayout, tp_rank: int, kind: str) ->
     return out
 
 
+HOLDER_SCANS = 8
+"""Owners whose holders `StateIndex.holders_of` finds by a scan each; more are found in one pass over the offers."""
+
+
 class _Table(dict):
     """A table whose entries are computed on first lookup."""
 
@@ -87,12 +91,11 @@ class StateIndex:
         self.old, self.new, self.specs, self.full_shapes = old, new, specs, full_shapes
         self.old_layout = old.layouts[plan_gradient_sync(old).anchors[0]]
         self.new_layout = new.layouts[plan_gradient_sync(new).anchors[0]]
+        self._steps = steps
         self.offered = set().union(*steps)
         """Every owner some rank can serve."""
-        self.holders: dict[int, list[tuple[int, int]]] = _Table(
-            lambda owner: [(server, offered[owner]) for server, offered in enumerate(steps) if owner in offered])
-        """owner -> [(server, step)], found when first looked up: a plan looks up the few owners whose fragments
-        meet its rank's (a table of every owner would cost each rank a pass appending every offer)."""
+        self.holders: dict[int, list[tuple[int, int]]] = {}
+        """owner -> [(server, step)], filled for the owners looked up (`holders_of`)."""
         self.step = max((max(offered.values()) for offered in steps if offered), default=0)
         self.fragments: dict[tuple[int, str], list[tuple[int, int, tuple[int, ...]]]] = _Table(lambda key: [])
         self.needs: dict[tuple[int, str], list[tuple[int, int, int]]] = _Table(lambda key: [])
@@ -185,8 +188,29 @@ class StateIndex:
     def pick(self, owners: tuple[int, ...], dst: int) -> tuple[int, int, int]:
         """(owner, server, step) serving `dst` one of `owners`' identical fragments: the freshest copy, then `dst`
         itself, then the lowest server."""
-        offers = [(owner, server, step) for owner in owners for server, step in self.holders[owner]]
+        holders = self.holders_of(owners)
+        offers = [(owner, server, step) for owner in owners for server, step in holders[owner]]
         return min(offers, key=lambda o: (-o[2], o[1] != dst, o[1], o[0]))
+
+    def holders_of(self, owners: tuple[int, ...]) -> dict[int, list[tuple[int, int]]]:
+        """`holders`, filled first for those of `owners` not looked up before. A plan under ZeRO looks up a few
+        owners (two in a 100K-rank recovery): each is found by one scan of the offers, where a table of every owner
+        would cost every rank a pass appending every offer. Many at once (identical fragments without ZeRO, one per
+        anchor) are found in one such pass."""
+        missing = [o for o in owners if o not in self.holders]
+        if len(missing) <= HOLDER_SCANS:
+            for owner in missing:
+                self.holders[owner] = [(server, offered[owner]) for server, offered in enumerate(self._steps)
+                                       if owner in offered]
+        elif missing:
+            wanted = set(missing)
+            for owner in wanted:
+                self.holders[owner] = []
+            for server, offered in enumerate(self._steps):
+                for owner, step in offered.items():
+                    if owner in wanted:
+                        self.holders[owner].append((server, step))
+        return self.holders
 
     @staticmethod
     def overlapping(entries: list, lo: int, hi: int) -> list:
