@@ -151,6 +151,7 @@ def test_death_as_the_copies_set_off_rolls_back_a_step_from_the_previous_copies(
     assert verdicts == {(False, False)}
 
 
+@pytest.mark.long  # .ci/run: on gloo in the long stage, and in the nccl_model stage (README suite under 15 minutes)
 def test_hf_qwen2_model_recovers_equal_to_failure_free_run():
     # transformers' Qwen2 (8 heads on 2 KV heads, q/k/v biases): the survivors of replica 1 take rank 4's units
     # into a non-contiguous layout, rebuilt through transformers' modules.
@@ -336,6 +337,7 @@ def test_anchor_lost_while_its_parameters_stream_to_the_contributor():
     assert event["bytes_moved"] - event["kv_rereplicated_bytes"] > event["lost_shard_bytes"]
 
 
+@pytest.mark.long  # .ci/run: on gloo in the long stage, and in the nccl_model stage (README suite under 15 minutes)
 def test_second_failure_in_the_same_replica():
     results = run((3, 3), 1, [fault(4, 2, "forward"), fault(5, 4, "backward")])
     assert_equivalent(results)
@@ -343,6 +345,7 @@ def test_second_failure_in_the_same_replica():
     assert len(events_of(results)) == 2
 
 
+@pytest.mark.long  # .ci/run: on gloo in the long stage, and in the nccl_model stage (README suite under 15 minutes)
 @pytest.mark.parametrize("phase", ["recovery", "transfer"])
 def test_failures_in_two_replicas_one_during_recovery(phase):
     # Rank 0 dies while the survivors recover from rank 4 (once the new membership is agreed, or while the lost units
