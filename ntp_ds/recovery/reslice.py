@@ -79,7 +79,8 @@ class StateIndex:
     `fragments[(old TP index, name)]`: (start, numel, owners) of each old anchor fragment someone can serve, by
     start; fragments of one old TP index are disjoint under ZeRO and identical without it, and identical ones are one
     entry, since any of their holders can serve them. `needs[(new TP index, name)]`: (start, numel, new rank) of
-    each new anchor's fragment. `holders[owner]`: (server, step) of every copy of an owner's state (steps are ints).
+    each new anchor's fragment. `holders_of(owners)`: (server, step) of every copy of an owner's state (steps are
+    ints).
 
     Built from the layouts (`from_layouts`: addresses follow from the shapes and the optimizer's flat order, and only
     the offers' steps were gathered; a TP index's entries are computed when first looked up), or from every rank's
@@ -94,8 +95,7 @@ class StateIndex:
         self._steps = steps
         self.offered = set().union(*steps)
         """Every owner some rank can serve."""
-        self.holders: dict[int, list[tuple[int, int]]] = {}
-        """owner -> [(server, step)], filled for the owners looked up (`holders_of`)."""
+        self._holders: dict[int, list[tuple[int, int]]] = {}  # owner -> [(server, step)], for those looked up
         self.step = max((max(offered.values()) for offered in steps if offered), default=0)
         self.fragments: dict[tuple[int, str], list[tuple[int, int, tuple[int, ...]]]] = _Table(lambda key: [])
         self.needs: dict[tuple[int, str], list[tuple[int, int, int]]] = _Table(lambda key: [])
@@ -193,24 +193,25 @@ class StateIndex:
         return min(offers, key=lambda o: (-o[2], o[1] != dst, o[1], o[0]))
 
     def holders_of(self, owners: tuple[int, ...]) -> dict[int, list[tuple[int, int]]]:
-        """`holders`, filled first for those of `owners` not looked up before. A plan under ZeRO looks up a few
-        owners (two in a 100K-rank recovery): each is found by one scan of the offers, where a table of every owner
-        would cost every rank a pass appending every offer. Many at once (identical fragments without ZeRO, one per
-        anchor) are found in one such pass."""
-        missing = [o for o in owners if o not in self.holders]
+        """owner -> [(server, step)] of every copy of each of `owners`' state (and of owners looked up before).
+
+        A plan under ZeRO looks up a few owners (two in a 100K-rank recovery): each is found by one scan of the
+        offers, where a table of every owner would cost every rank a pass appending every offer. Many at once
+        (identical fragments without ZeRO, one per anchor) are found in one such pass."""
+        missing = [o for o in owners if o not in self._holders]
         if len(missing) <= HOLDER_SCANS:
             for owner in missing:
-                self.holders[owner] = [(server, offered[owner]) for server, offered in enumerate(self._steps)
-                                       if owner in offered]
+                self._holders[owner] = [(server, offered[owner]) for server, offered in enumerate(self._steps)
+                                        if owner in offered]
         elif missing:
             wanted = set(missing)
             for owner in wanted:
-                self.holders[owner] = []
+                self._holders[owner] = []
             for server, offered in enumerate(self._steps):
                 for owner, step in offered.items():
                     if owner in wanted:
-                        self.holders[owner].append((server, step))
-        return self.holders
+                        self._holders[owner].append((server, step))
+        return self._holders
 
     @staticmethod
     def overlapping(entries: list, lo: int, hi: int) -> list:
