@@ -169,3 +169,12 @@ def test_a_100k_rank_topology_plans_in_time_linear_in_replicas():
     buddies = plan_buddies(topo, plan, 1, 1)
     assert len(buddies) == 99_992 and buddies[0] == (8,) and buddies[topo.ranks_of(12_499)[7]] == (6000 * 8 + 0,)
     assert topo.locate(6000 * 8 + 6) == (6000, 6) and topo.locate(99_998) == (12_499, 7)
+
+
+@given(st.lists(st.integers(0, 60), max_size=80))
+@settings(max_examples=200, deadline=None)
+def test_ranges_from_units_in_any_order_with_repeats_hold_exactly_those_units(units):
+    # from_units sorts and breaks runs in vectorised code: it must agree with the plain definition.
+    ranges = U.from_units(iter(units))
+    assert U.units_of(ranges) == sorted(set(units))
+    assert all(a < b for a, b in ranges) and all(b < c for (_, b), (c, _) in zip(ranges, ranges[1:]))

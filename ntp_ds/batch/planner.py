@@ -121,7 +121,8 @@ def plan_batch(paces: Sequence[float], global_batch: int, micro_batch: int, poli
                 raise BatchError(f"{what} leaves replica {r} (pace {paces[r]:.3f}) no sample; use a global batch of "
                                  f"at least {replicas * math.ceil(paces[r])}")
     else:
-        costs = [StepCost(0.0, p) for p in paces]
+        by_pace = {p: StepCost(0.0, p) for p in set(paces)}  # a few distinct paces among thousands of replicas
+        costs = [by_pace[p] for p in paces]
         samples = balance_samples(costs, global_batch, micro_batch, lockstep, micro_limits)
         if samples is None:
             raise BatchError(f"{what} cannot be split over {replicas} replicas' micro-batches")

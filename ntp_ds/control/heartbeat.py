@@ -14,12 +14,14 @@ worker started without a launcher (no `NTP_NODE_SIZE`) is read per rank, and so 
 moving (its launcher is gone): per-node reads are an economy, never a second source of truth.
 
 Backing off makes a quiet watcher slow to learn of a death, so every record of one (an abnormal exit, a fence
-request) also raises an alarm (`raise_alarm`): one request sets the key `alarm/{rank}` of every watcher registered
-in `alarm_waiters`, and each watching heartbeat has a thread blocked in the store's `wait` for its own key, which
-wakes it to poll at once. The store answers such a wait when the key is set (no polling), so a death reaches every
-rank in one store round trip whatever the backoff, and a quiet job costs nothing but one open wait per rank. A key
-of its own also lets a stopping heartbeat end its waiting thread (a thread still inside the store's C++ call when
-the interpreter finalizes can abort the process).
+request) also raises an alarm (`raise_alarm`): it bumps the job's alarm epoch and sets, in one request, one key per
+bucket of ALARM_BUCKET watchers (`alarm/{bucket}/{epoch}`, the buckets listed in `alarm/buckets`). Each watching
+heartbeat has a thread blocked in the store's `wait` for its bucket's key of the next epoch, which wakes it to poll
+at once. The store answers such a wait when the key is set (no polling), so a death reaches every rank in one store
+round trip whatever the backoff, a raise costs O(W / ALARM_BUCKET) key writes, and a quiet job costs nothing but one
+open wait per rank. A stopping heartbeat sets its bucket's key to end its own waiting thread (a thread still inside
+the store's C++ call when the interpreter finalizes can abort the process); its bucket-mates wake too, see that the
+epoch has not moved, and wait again, so a job's end costs each rank at most ALARM_BUCKET wakes.
 
 Ranks here are launch ranks (the RANK a worker started with): they name a worker across every generation.
 """
@@ -45,8 +47,13 @@ EXITED_KEY = "exited"
 """Store key to which `mark_exited` appends one `RANK REASON` line per worker known to have exited."""
 WATCHES_PER_BEAT = 4
 """How often per beat interval a heartbeat thread that watches peers polls them."""
-ALARM_WAITERS_KEY = "alarm_waiters"
-"""Store key to which each watching heartbeat appends its rank: whose `alarm/{rank}` key an alarm sets."""
+ALARM_BUCKET = 32
+"""Watching ranks per alarm key: rank r waits on the key of bucket r // ALARM_BUCKET. Larger buckets make a raise
+cheaper (W / ALARM_BUCKET keys) and each stop wake more bucket-mates."""
+ALARM_EPOCH_KEY = "alarm/epoch"
+"""Store counter of the alarms raised so far in the job."""
+ALARM_BUCKETS_KEY = "alarm/buckets"
+"""Store key to which the first watcher of each bucket appends the bucket's number: whose key an alarm sets."""
 ALARM_WAIT_S = 3600.0
 """How long one wait for an alarm lasts before it is renewed. Long: the store client logs each wait that runs out
 (a stopping heartbeat sets its own key to end the wait)."""
@@ -123,20 +130,39 @@ def mark_exited(store, rank: int, reason: str, alarm: bool = True) -> None:
         raise_alarm(store)
 
 
-def alarm_key(rank: int) -> str:
-    """Store key whose setting wakes the heartbeat of `rank`."""
-    return f"alarm/{rank}"
+def alarm_bucket(rank: int) -> int:
+    """The alarm bucket of watching rank `rank`."""
+    return rank // ALARM_BUCKET
+
+
+def alarm_key(bucket: int, epoch: int) -> str:
+    """Store key whose setting wakes the watchers of `bucket` waiting for alarm `epoch`."""
+    return f"alarm/{bucket}/{epoch}"
+
+
+def alarm_epoch(store) -> int:
+    """How many alarms the job has raised so far."""
+    return int(store.add(ALARM_EPOCH_KEY, 0))
+
+
+def register_alarm_watcher(store, rank: int) -> None:
+    """List the bucket of `rank` among those an alarm wakes (once per bucket: the registry stays W / ALARM_BUCKET
+    entries long)."""
+    bucket = alarm_bucket(rank)
+    if store.add(f"alarm/watchers/{bucket}", 1) == 1:
+        store.append(ALARM_BUCKETS_KEY, f"{bucket} ")
 
 
 def raise_alarm(store) -> None:
     """Wake every watching heartbeat now: it polls its peers at once instead of at its backed-off pace. Call after
-    the record that is news (an exit, a fence request), so a woken watcher reads it. Two requests whatever the
-    number of watchers: read the registry, set every watcher's key."""
-    if not store.check([ALARM_WAITERS_KEY]):
+    the record that is news (an exit, a fence request), so a woken watcher reads it. The epoch moves first, so a
+    watcher woken by its key always finds it moved; then one request sets the new epoch's key of every bucket."""
+    epoch = store.add(ALARM_EPOCH_KEY, 1)
+    if not store.check([ALARM_BUCKETS_KEY]):
         return
-    ranks = sorted({int(r) for r in store.get(ALARM_WAITERS_KEY).decode().split()})
-    if ranks:
-        store.multi_set([alarm_key(r) for r in ranks], ["1"] * len(ranks))
+    buckets = sorted({int(b) for b in store.get(ALARM_BUCKETS_KEY).decode().split()})
+    if buckets:
+        store.multi_set([alarm_key(b, epoch) for b in buckets], ["1"] * len(buckets))
 
 
 def read_exits(store) -> dict[int, str]:
@@ -388,7 +414,7 @@ class LivenessMonitor:
 
     def retain(self, ranks: Iterable[int]) -> None:
         """Watch only `ranks` from now on (the survivors after a membership change)."""
-        keep = set(ranks)
+        keep = ranks if isinstance(ranks, (set, frozenset)) else set(ranks)  # (the survivors: W long, not copied)
         for table in (self._changed_at, self._counter, self._exited, self._progress):
             for rank in [r for r in table if r not in keep]:
                 del table[rank]
@@ -461,6 +487,7 @@ class Heartbeat:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._alarm_thread: threading.Thread | None = None
+        self._alarm_epoch: int | None = None  # the last alarm epoch the waiting thread has seen
         self.alarms = 0
         """How many alarms have woken this heartbeat."""
 
@@ -487,22 +514,31 @@ class Heartbeat:
         return self
 
     def _await_alarms(self, store) -> None:
-        """Register, then wait for alarm after alarm on this rank's key (each wait renewed every ALARM_WAIT_S) and
-        wake the polling thread; the key is cleared before the wake, so an alarm raised meanwhile is read by the
-        poll that follows."""
-        key = alarm_key(self.rank)
+        """Register, then wait for alarm after alarm on this rank's bucket key of the next epoch (each wait renewed
+        every ALARM_WAIT_S) and wake the polling thread, which reads what the alarm announced."""
+        bucket = alarm_bucket(self.rank)
         try:
-            store.delete_key(key)  # left set by an earlier heartbeat of this rank
-            store.append(ALARM_WAITERS_KEY, f"{self.rank} ")
+            register_alarm_watcher(store, self.rank)
+            self._alarm_epoch = alarm_epoch(store)
         except Exception as err:
             log.debug("rank %d waits for no alarms: %s", self.rank, err)
             return
-        while not self._stop.is_set():
+        while not self._stop.is_set():  # (checked after `_alarm_epoch` is written: `stop` relies on that order)
+            key = alarm_key(bucket, self._alarm_epoch + 1)
             try:
                 store.wait([key], timedelta(seconds=ALARM_WAIT_S))
-                store.delete_key(key)
                 if self._stop.is_set():
                     return
+                epoch = alarm_epoch(store)
+                if epoch == self._alarm_epoch:
+                    # A bucket-mate's stop, not an alarm: clear the key and wait again. A raise whose key write
+                    # the delete undid has moved the epoch by the second read: write the key again for the mates.
+                    store.delete_key(key)
+                    epoch = alarm_epoch(store)
+                    if epoch == self._alarm_epoch:
+                        continue
+                    store.set(key, "1")
+                self._alarm_epoch = epoch
                 self.alarms += 1
                 self._wake.set()
             except DistStoreError as err:
@@ -623,8 +659,10 @@ class Heartbeat:
             return True
         self._thread.join(timeout_s)
         if self._alarm_thread is not None and self._alarm_thread.is_alive() and not self._thread.is_alive():
+            epoch = self._alarm_epoch  # read after `_stop` is set: a thread that moves on later sees the stop
             try:  # wake our own waiting thread (this client is free now that the beating thread has ended)
-                self.store.set(alarm_key(self.rank), "stop")
+                if epoch is not None:
+                    self.store.set(alarm_key(alarm_bucket(self.rank), epoch + 1), "stop")
                 self._alarm_thread.join(timeout_s)
             except Exception as err:  # the store is gone: so is the wait
                 log.debug("rank %d could not end its alarm wait: %s", self.rank, err)

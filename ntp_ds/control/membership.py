@@ -26,13 +26,17 @@ ranks cost the store one small request each per pause.
 
 from __future__ import annotations
 
+import bisect
 import json
+import operator
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
 from ntp_ds.layout import ShardLayout, Topology
+from ntp_ds.layout import units as U
 
 
 class StaleGeneration(ValueError):
@@ -72,9 +76,9 @@ class MembershipChange:
     def __post_init__(self):
         if self.generation < 1:
             raise ValueError(f"generation={self.generation} of a change must be at least 1")
-        if self.dead & set(self.survivors):
+        if not self.dead.isdisjoint(self.survivors):
             raise ValueError(f"ranks {sorted(self.dead & set(self.survivors))} are both dead and surviving")
-        if list(self.survivors) != sorted(set(self.survivors)):
+        if not all(map(operator.lt, self.survivors, self.survivors[1:])):  # (C loops: a survivor list is W long)
             raise ValueError(f"survivors={self.survivors} must be sorted and distinct")
 
     def new_rank(self, rank: int) -> int:
@@ -91,20 +95,27 @@ class MembershipChange:
     @classmethod
     def decode(cls, raw: bytes | str) -> MembershipChange:
         d = json.loads(raw)
-        survivors = tuple(r for first, last in d["survivor_runs"] for r in range(first, last + 1))
+        survivors = tuple(chain.from_iterable(range(first, last + 1) for first, last in d["survivor_runs"]))
         return cls(d["generation"], frozenset(d["dead"]), survivors, d["detection_s"], d["reason"],
                    tuple((int(r), float(t)) for r, t in d["detected_at"]))
 
 
+def _contains(ranks: Sequence[int], rank: int) -> bool:
+    """Whether sorted `ranks` hold `rank` (by bisection: a member list is W long, the ranks asked about a few)."""
+    i = bisect.bisect_left(ranks, rank)
+    return i < len(ranks) and ranks[i] == rank
+
+
+def _sorted_distinct(ranks: Iterable[int]) -> tuple[int, ...]:
+    """`ranks` sorted without repeats; a tuple or list already so (the usual member list) is checked, not sorted."""
+    if isinstance(ranks, (tuple, list)) and all(map(operator.lt, ranks, ranks[1:])):
+        return tuple(ranks)
+    return tuple(sorted(set(ranks)))
+
+
 def _runs(ranks: Sequence[int]) -> list[list[int]]:
     """Sorted ranks as [first, last] runs of consecutive ones: (0, 1, 2, 4, 5) -> [[0, 2], [4, 5]]."""
-    runs: list[list[int]] = []
-    for r in ranks:
-        if runs and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    return runs
+    return [[first, stop - 1] for first, stop in U.from_units(ranks)]
 
 
 @dataclass(frozen=True)
@@ -130,8 +141,9 @@ class FailureReport:
 
 
 def decide(generation: int, members: Sequence[int], reports: Sequence[FailureReport]) -> MembershipChange:
-    """Merge the reports of `generation` into the change every survivor will adopt (pure)."""
-    dead = frozenset(r for rep in reports for r in rep.ranks) & set(members)
+    """Merge the reports of `generation` into the change every survivor will adopt (pure; `members` sorted)."""
+    members = members if isinstance(members, (list, tuple)) else list(members)
+    dead = frozenset(r for rep in reports for r in rep.ranks if _contains(members, r))
     if not dead:
         raise ValueError(f"reports of generation {generation} name no current member as dead")
     first = {r: min(rep.detected_at for rep in reports if r in rep.ranks) for r in dead}
@@ -139,7 +151,10 @@ def decide(generation: int, members: Sequence[int], reports: Sequence[FailureRep
                if any(r in rep.silent_s for rep in reports)]
     latency = max((max(0.0, s) for s in silence), default=0.0)
     reasons = list(dict.fromkeys(rep.reason for rep in reports))
-    return MembershipChange(generation + 1, dead, tuple(sorted(set(members) - dead)), latency, "; ".join(reasons),
+    survivors = list(members)
+    for r in sorted(dead, reverse=True):  # members are sorted: remove the few dead in place, not rebuild W ranks
+        del survivors[bisect.bisect_left(survivors, r)]
+    return MembershipChange(generation + 1, dead, tuple(survivors), latency, "; ".join(reasons),
                             tuple(sorted(first.items())))
 
 
@@ -202,14 +217,20 @@ class Membership:
                  poll_s: float = 0.02, max_poll_s: float = MAX_POLL_S, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep):
         self.store, self.rank = store, rank
-        self.members = tuple(sorted(set(members)))
-        if rank not in self.members:
+        self.members = _sorted_distinct(members)
+        if not self.is_member(rank):
             raise ValueError(f"rank {rank} is not among members {list(self.members)}")
         self.generation = generation
         self.settle_s, self.poll_s, self.max_poll_s = settle_s, poll_s, max(poll_s, max_poll_s)
         self._clock, self._sleep = clock, sleep
         self._read: dict[int, list[FailureReport]] = {}
         """Generation -> the reports read so far, in filing order (entries never change once written)."""
+        self._decided: dict[int, MembershipChange] = {}
+        """Generation -> its committed decision, once read (a decision never changes once committed)."""
+
+    def is_member(self, rank: int) -> bool:
+        """Whether `rank` is a member of this rank's current generation (by bisection: members are W long)."""
+        return _contains(self.members, rank)
 
     @staticmethod
     def _reports_key(generation: int) -> str:
@@ -242,7 +263,7 @@ class Membership:
         if generation < self.generation:
             return False
         self._check_generation(generation)
-        ranks = frozenset(ranks) & set(self.members)
+        ranks = frozenset(r for r in ranks if self.is_member(r))
         if not ranks or self.store.check([self._decision_key(generation)]):
             return False
         claimed = frozenset(r for r in sorted(ranks) if self.store.add(f"membership/{generation}/dead/{r}", 1) == 1)
@@ -283,8 +304,20 @@ class Membership:
     def decision(self, generation: int) -> MembershipChange | None:
         """Return the change committed for `generation`, or None if none is committed yet (never waits)."""
         self._check_generation(generation)
+        if generation in self._decided:
+            return self._decided[generation]
         key = self._decision_key(generation)
-        return MembershipChange.decode(self.store.get(key)) if self.store.check([key]) else None
+        return self._adopt_decision(generation, self.store.get(key)) if self.store.check([key]) else None
+
+    def _adopt_decision(self, generation: int, raw: bytes | str, proposed: MembershipChange | None = None) -> (
+            MembershipChange):
+        """Decode (once per generation) and keep the decision committed for `generation`: `proposed` when `raw` is
+        its encoding (this rank's proposal won)."""
+        if generation not in self._decided:
+            raw = raw.decode() if isinstance(raw, bytes) else raw
+            won = proposed is not None and raw == proposed.encode()
+            self._decided[generation] = proposed if won else MembershipChange.decode(raw)
+        return self._decided[generation]
 
     def await_decision(self, generation: int, timeout_s: float) -> MembershipChange:
         """Return the change committed for `generation`, committing the reports' union if nobody has.
@@ -299,10 +332,10 @@ class Membership:
             self._sleep(outcome)
 
     def _commit(self, generation: int, reports: Sequence[FailureReport]) -> MembershipChange:
-        proposal = decide(generation, self.members, reports).encode()
-        committed = self.store.compare_set(self._decision_key(generation), "", proposal)
+        proposal = decide(generation, self.members, reports)
+        committed = self.store.compare_set(self._decision_key(generation), "", proposal.encode())
         self.store.add(self._events_key(generation), 1)  # wake the waiters: the decision is there to read
-        return MembershipChange.decode(committed)
+        return self._adopt_decision(generation, committed, proposal)
 
     def commit(self, change: MembershipChange) -> MembershipChange:
         """Commit `change` (a grown membership, decided without reports) for the current generation unless a
@@ -311,7 +344,7 @@ class Membership:
             raise ValueError(f"change to generation {change.generation} does not follow generation {self.generation}")
         committed = self.store.compare_set(self._decision_key(self.generation), "", change.encode())
         self.store.add(self._events_key(self.generation), 1)
-        return MembershipChange.decode(committed)
+        return self._adopt_decision(self.generation, committed, change)
 
     def adopt(self, change: MembershipChange) -> None:
         """Move to `change`'s generation and members without the survivors' barrier (a grown membership meets at
@@ -440,14 +473,17 @@ def replica_membership(topology: Topology, dead: Iterable[int],
     if len(members) != topology.world_size:
         raise ValueError(f"members lists {len(members)} ranks but the topology has {topology.world_size}")
     dead = frozenset(dead)
-    unknown = sorted(dead - set(members))
+    if len(dead) <= 16:  # the usual few: one scan in C each, not a Python loop over the W members
+        at = {m: members.index(m) for m in dead if m in members}
+    else:
+        at = {m: g for g, m in enumerate(members) if m in dead}
+    unknown = sorted(dead - set(at))
     if unknown:
         raise ValueError(f"dead ranks {unknown} are not members {list(members)}")
     hit: dict[int, set[int]] = defaultdict(set)  # replica -> the TP indices it lost
-    for g, m in enumerate(members):
-        if m in dead:
-            replica, tp_rank = topology.locate(g)
-            hit[replica].add(tp_rank)
+    for g in at.values():
+        replica, tp_rank = topology.locate(g)
+        hit[replica].add(tp_rank)
     starts = topology._starts
     lost, gone, layouts, kept = {}, [], {}, {}
     for replica, layout in enumerate(topology.layouts):

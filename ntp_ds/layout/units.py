@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import numpy as np
+
 Ranges = tuple[tuple[int, int], ...]
 
 
@@ -23,15 +25,15 @@ def normalize(ranges: Iterable[tuple[int, int]]) -> Ranges:
 
 
 def from_units(units: Iterable[int]) -> Ranges:
-    """Build ranges from individual unit indices (one sort of the indices and one pass: a vocabulary's 128K rows
-    take milliseconds)."""
-    out: list[list[int]] = []
-    for u in sorted(map(int, units)):
-        if out and u <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], u + 1)
-        else:
-            out.append([u, u + 1])
-    return tuple((a, b) for a, b in out)
+    """Build ranges from individual unit indices, repeats allowed (one sort in C and vectorised run breaks: a
+    vocabulary's 128K rows, or a member list of 100K ranks, take milliseconds)."""
+    u = np.unique(np.fromiter(units, dtype=np.int64))
+    if not u.size:
+        return ()
+    breaks = np.flatnonzero(np.diff(u) != 1) + 1  # where a run starts, after the first
+    starts = np.concatenate((u[:1], u[breaks]))
+    stops = np.concatenate((u[breaks - 1], u[-1:])) + 1
+    return tuple(zip(starts.tolist(), stops.tolist()))
 
 
 def count(ranges: Ranges) -> int:

@@ -9,10 +9,12 @@ re-sliced for the new anchors' ZeRO partitions from their live holders or, for a
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
 import traceback
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -606,7 +608,7 @@ class Recovery:
         reasons = {r: f"rank {r} declared dead by a peer ({why})" for r, why in view.fences.items()}
         reasons.update((r, f"rank {r} exited ({why})") for r, why in view.exited.items())
         reasons.update((r, self.monitor.reason(r)) for r in self.monitor.dead())
-        dead = frozenset(reasons) & frozenset(among)
+        dead = frozenset(r for r in reasons if r in among)  # (`among`, a set, may hold the whole job: not copied)
         return dead, {r: reasons[r] for r in dead}
 
     # -- detection ----------------------------------------------------------------------------------------------
@@ -732,8 +734,9 @@ def _joined(plan: JoinPlan) -> str:
 
 def _digest(members) -> str:
     """A short name for a member list: ranks that expect different members never share a barrier (a joiner
-    admitted at a boundary that a failure took instead waits at its own, and fails on the dead rank it names)."""
-    return fingerprint(list(members))[:12]
+    admitted at a boundary that a failure took instead waits at its own, and fails on the dead rank it names).
+    Hashed as 8-byte integers: a member list is W long, and this is on every survivor's recovery path."""
+    return hashlib.sha256(array("q", members).tobytes()).hexdigest()[:12]
 
 
 def parameter_dtype(ds_config: dict) -> torch.dtype:

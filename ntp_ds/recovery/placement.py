@@ -40,7 +40,8 @@ class Placement:
             if r in dropped:
                 continue
             replicas.append(configured)
-            slots.append(tuple(s for i, s in enumerate(members) if i not in lost.get(r, ())))
+            gone = lost.get(r)  # most replicas lost nothing: their slots are kept as they are
+            slots.append(tuple(s for i, s in enumerate(members) if i not in gone) if gone else members)
         return Placement(self.healthy, tuple(replicas), tuple(slots))
 
     def missing(self) -> dict[int, tuple[int, ...]]:

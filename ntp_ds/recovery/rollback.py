@@ -7,6 +7,8 @@ whether its snapshot lies between the two votes of a step, and the step its last
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import chain
+from operator import itemgetter
 
 
 def offered(snapshot) -> dict:
@@ -38,9 +40,8 @@ def roll_back(owners: Iterable[int], offers: list[dict], dead: frozenset[int]) -
     lost = dead & owners
     if not lost:  # no dead owner: every owner's newest state lives on with it
         return False
-    newest = 0
-    for g in held:  # one pass over the members' copies, in locals
-        newest = max(newest, g["own_step"], *g["copies"].values())
+    newest = max(0, max(map(itemgetter("own_step"), held), default=0),  # (C loops over the W members' offers)
+                 max(chain.from_iterable(map(dict.values, map(itemgetter("copies"), held))), default=0))
     if all(any(g["copies"].get(o) == newest for g in held) for o in lost):
         return False
     target = max((g["before_step"] for g in held if g["before_step"] is not None), default=None)

@@ -14,19 +14,23 @@ import pytest
 import torch.distributed as dist
 
 from ntp_ds.control.heartbeat import (
-    ALARM_WAITERS_KEY,
+    ALARM_BUCKETS_KEY,
     FENCE_KEY,
     Beat,
     Heartbeat,
     LivenessMonitor,
+    alarm_bucket,
+    alarm_epoch,
     alarm_key,
     heartbeat_key,
     mark_exited,
     poll_liveness,
     prepare_store,
+    raise_alarm,
     read_beats,
     read_exits,
     read_fences,
+    register_alarm_watcher,
     request_fence,
 )
 from ntp_ds.control.store import host_store
@@ -305,21 +309,87 @@ def test_an_abnormal_exit_wakes_a_quiet_watcher_at_once_and_a_finished_worker_do
 
 def test_only_the_first_fence_request_of_a_rank_raises_the_alarm_and_is_logged():
     # Every peer of a dead rank, then every survivor's recovery, asks for its fence: one alarm and one log line per
-    # death, not one per request (which would cost survivors x watchers key writes, and grow the log every watcher
+    # death, not one per request (which would cost survivors x buckets key writes, and grow the log every watcher
     # reads by the world size at each failure).
     store = dist.HashStore()
-    store.set(ALARM_WAITERS_KEY, "7 8 ")
+    for rank in (7, 8, 40):  # buckets 0 and 1
+        register_alarm_watcher(store, rank)
+    assert store.get(ALARM_BUCKETS_KEY).decode().split() == ["0", "1"]
     request_fence(store, [3], "no heartbeat")
-    assert store.check([alarm_key(7), alarm_key(8)])
-    store.delete_key(alarm_key(7))
+    assert alarm_epoch(store) == 1 and store.check([alarm_key(0, 1), alarm_key(1, 1)])
     request_fence(store, [3], "declared dead by a peer")
-    assert not store.check([alarm_key(7)])
+    assert alarm_epoch(store) == 1 and not store.check([alarm_key(0, 2)])
     assert read_fences(store) == {3: "no heartbeat"}
     request_fence(store, [3, 4], "collective error")
-    assert store.check([alarm_key(7)])
+    assert alarm_epoch(store) == 2 and store.check([alarm_key(0, 2), alarm_key(1, 2)])
     for _ in range(50):
         request_fence(store, [3, 4], "declared dead by a peer")
+    assert alarm_epoch(store) == 2
     assert store.get(FENCE_KEY).decode().splitlines() == ["3 no heartbeat", "4 collective error"]
+
+
+def test_a_stopping_watcher_ends_its_wait_and_its_bucket_mates_keep_waiting_for_alarms():
+    # Watchers 0 and 1 share an alarm key. Rank 1's stop sets it to end its own wait; rank 0 wakes too, finds no
+    # alarm (the epoch did not move), counts none and waits again: the next raise still reaches it at once.
+    store, _ = host_store()
+    prepare_store(store)
+    woken = threading.Event()
+    watchers = [Heartbeat(store.clone(), r, interval_s=5.0, monitor=LivenessMonitor([], 60.0),
+                          on_dead=lambda ranks, wall: woken.set()) for r in (0, 1)]
+    for hb in watchers:
+        hb.start()
+        hb.watch([5])
+    Heartbeat(store.clone(), 5, interval_s=5.0).beat()
+    try:
+        deadline = time.monotonic() + 5.0
+        while any(hb._alarm_epoch is None for hb in watchers) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert alarm_bucket(0) == alarm_bucket(1)
+        assert watchers[1].stop(5.0) and not watchers[1]._alarm_thread.is_alive()
+        time.sleep(0.5)
+        assert watchers[0].alarms == 0 and watchers[0]._alarm_thread.is_alive()
+        time.sleep(1.5)  # rank 0 is in its 5 s pause
+        t0 = time.monotonic()
+        mark_exited(store, 5, "exit code -9")
+        assert woken.wait(2.0), "the alarm did not wake the bucket-mate of a stopped watcher"
+        assert time.monotonic() - t0 < 0.5 and watchers[0].alarms == 1
+    finally:
+        for hb in watchers:
+            hb.stop(5.0)
+
+
+class RaiseBeforeDelete:
+    """A shared HashStore whose first `delete_key` is preceded by an alarm raised elsewhere: the raise's key write
+    lands between a woken watcher's epoch read and its delete, the one order in which a delete could undo it."""
+
+    def __init__(self):
+        self.store, self.raised = dist.HashStore(), False
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def clone(self):
+        return self
+
+    def delete_key(self, key):
+        if not self.raised:
+            self.raised = True
+            raise_alarm(self.store)
+        return self.store.delete_key(key)
+
+
+def test_a_raise_undone_by_a_woken_mates_delete_is_written_again():
+    store = RaiseBeforeDelete()
+    register_alarm_watcher(store, 1)  # a bucket-mate's registration; its stop sets the key of epoch 1
+    store.set(alarm_key(alarm_bucket(0), 1), "stop")
+    watcher = Heartbeat(store, 0, interval_s=5.0, monitor=LivenessMonitor([], 60.0), on_dead=lambda *a: None)
+    with watcher:
+        deadline = time.monotonic() + 5.0
+        while watcher.alarms == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store.raised and alarm_epoch(store) == 1
+        assert watcher.alarms == 1, "the watcher missed the raise that its own delete undid"
+        assert store.check([alarm_key(0, 1)]), "the raise's key was not written again for the other bucket-mates"
 
 
 def test_heartbeat_survives_store_errors_and_keeps_the_error():

@@ -192,6 +192,26 @@ def test_a_decision_survives_its_encoding_and_grows_with_the_gaps_not_the_member
     assert len(json.loads(change.encode())["survivor_runs"]) == gaps + 1  # whatever the number of ranks
 
 
+@given(st.sets(st.integers(0, 300), min_size=2, max_size=120), st.lists(st.sets(st.integers(0, 310), max_size=6),
+                                                                            min_size=1, max_size=4))
+@settings(max_examples=80, deadline=None)
+def test_decide_removes_exactly_the_reported_members(members, named):
+    # decide works by bisection on the sorted members (they are W long): it must agree with the plain set rule.
+    members = sorted(members)
+    reports = [FailureReport(i, frozenset(ranks), 1.0, "x") for i, ranks in enumerate(named)]
+    dead = set().union(*named) & set(members)
+    if not dead or dead == set(members):
+        return
+    change = decide(0, members, reports)
+    assert change.dead == dead and change.survivors == tuple(sorted(set(members) - dead))
+
+
+@pytest.mark.parametrize("survivors, dead", [((0, 2, 1), ()), ((0, 1, 1), ()), ((0, 1, 2), (1,))])
+def test_a_change_with_unsorted_repeated_or_dead_survivors_is_refused(survivors, dead):
+    with pytest.raises(ValueError, match="sorted and distinct|both dead and surviving"):
+        MembershipChange(1, frozenset(dead), survivors, 0.0, "x")
+
+
 def test_a_death_every_survivor_sees_is_reported_once_and_acknowledged_by_all():
     # 16 survivors all see rank 16 die: one report entry (the first claimant's), 16 acknowledgements; the decision
     # needs no settle window, and each rank read one report, not sixteen.
