@@ -46,6 +46,21 @@ def test_store_semantics(cluster):
     assert s.compare_set("absent", "q", "r") == b"q" and not s.check(["absent"])  # as torch's stores answer
     assert s.multi_get(["a", "n"]) == [b"x", b"2"]
     assert s.num_keys() == 4
+    many = [f"m/{i}" for i in range(300)]  # more than one transaction's worth (TXN_OPS)
+    calls, call = [], s._call
+    s._call = lambda path, payload: calls.append(path) or call(path, payload)
+    s.multi_set(many, [str(i) for i in range(300)])
+    assert s.multi_get(["a", *many, "n"]) == [b"x", *(str(i).encode() for i in range(300)), b"2"]
+    assert calls == ["/kv/txn"] * 6, "300 puts, then 302 reads, each in transactions of 128"
+    del s._call
+    s.multi_set(["m/0", "e"], ["again", ""])
+    assert s.multi_get(["e", "m/0"]) == [b"", b"again"]
+    late = threading.Thread(target=lambda: (time.sleep(0.3), s.clone().set("m/late", "1")))
+    late.start()
+    assert s.multi_get(["m/1", "m/late"]) == [b"1", b"1"]  # a missing key is waited for, as torch's stores do
+    late.join(10)
+    for key in [*many, "e", "m/late"]:
+        s.delete_key(key)
     assert s.delete_key("a") and not s.delete_key("a") and not s.check(["a"])
     prefixed = dist.PrefixStore("gen/1", s)  # what a generation's process groups rendezvous on
     prefixed.set("k", "1")

@@ -34,6 +34,9 @@ from ntp_ds.control.address import parse_etcd_address
 ROOT = "/ntp_ds/"
 REQUEST_TIMEOUT_S = 2.0
 """Bound on one HTTP request to one member before the client tries the next."""
+TXN_OPS = 128
+"""Most operations one etcd transaction holds (etcd's default `--max-txn-ops`): `multi_set` and `multi_get` send
+their keys in transactions of this many, not one request per key (an alarm at 100K ranks sets 3,125 keys)."""
 RECHECK_S = 5.0
 """A wait's watch stream is given up and the key read again after this long without news (a member that hangs, or
 a stream lost with its member, costs no more than this)."""
@@ -212,11 +215,26 @@ class EtcdStore(dist.Store):
         return int(answer.get("count", 0))
 
     def multi_get(self, keys) -> list[bytes]:
-        return [self.get(k) for k in keys]
+        """One read-only transaction per TXN_OPS keys; a key not there yet is waited for as `get` does."""
+        keys, out = list(keys), []
+        for first in range(0, len(keys), TXN_OPS):
+            chunk = keys[first:first + TXN_OPS]
+            reads = [{"request_range": {"key": _b64(self._key(k))}} for k in chunk]
+            answer = self._call("/kv/txn", {"compare": [], "success": reads, "failure": []})
+            for k, response in zip(chunk, answer.get("responses", [])):
+                kvs = response.get("response_range", {}).get("kvs")
+                out.append(base64.b64decode(kvs[0].get("value", "")) if kvs else self.get(k))
+        if len(out) != len(keys):
+            raise dist.DistStoreError(f"etcd store {self.address}: a transaction of reads answered "
+                                      f"{len(out)} of {len(keys)} keys")
+        return out
 
     def multi_set(self, keys, values) -> None:
-        for k, v in zip(keys, values):
-            self.set(k, v)
+        """One transaction of puts per TXN_OPS keys (a put is idempotent: a retried transaction changes nothing)."""
+        pairs = list(zip(keys, values))
+        for first in range(0, len(pairs), TXN_OPS):
+            puts = [self._put(self._key(k), _bytes(v)) for k, v in pairs[first:first + TXN_OPS]]
+            self._call("/kv/txn", {"compare": [], "success": puts, "failure": []})
 
     def clone(self) -> "EtcdStore":
         return EtcdStore(self.address, self._timeout_s)
