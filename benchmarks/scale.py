@@ -54,9 +54,9 @@ import torch.distributed as dist  # noqa: E402
 
 from ntp_ds.comm import wire  # noqa: E402
 from ntp_ds.comm.groups import ring_neighbours  # noqa: E402
-from ntp_ds.control.heartbeat import (ALARM_BUCKETS_KEY, Beat, Heartbeat, LivenessMonitor, LivenessReader,  # noqa: E402
+from ntp_ds.control.heartbeat import (ALARM_BUCKET, Beat, Heartbeat, LivenessMonitor, LivenessReader,  # noqa: E402
                                       NodePublisher, alarm_bucket, heartbeat_key, mark_exited, prepare_store,
-                                      request_fence)
+                                      register_alarm_watcher, request_fence)
 from ntp_ds.control.membership import FailureReport, Membership, barrier, replica_membership  # noqa: E402
 from ntp_ds.layout import Topology, plan_buddies, plan_gradient_sync  # noqa: E402
 from ntp_ds.testing.shapes import llama_70b, shape_specs, zero_order  # noqa: E402
@@ -255,9 +255,8 @@ def populate(store, world: int, sample: set[int]) -> None:
         store.set(heartbeat_key(rank), Beat(100, now, 1000, False).encode())
     for node in range(world // TP):
         NodePublisher(store, node, range(node * TP, (node + 1) * TP)).publish()
-    buckets = sorted({alarm_bucket(r) for r in range(world) if r not in sample})  # `register_alarm_watcher`
-    store.multi_set([f"alarm/watchers/{b}" for b in buckets], ["1"] * len(buckets))
-    store.set(ALARM_BUCKETS_KEY, "".join(f"{b} " for b in buckets))
+    for bucket in sorted({alarm_bucket(r) for r in range(world) if r not in sample}):
+        register_alarm_watcher(store, bucket * ALARM_BUCKET)  # one watcher of each bucket (the others add nothing)
 
 
 def others_after_crash(store, world: int, sample: set[int], digest: str, wall: float) -> None:

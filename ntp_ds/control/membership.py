@@ -78,7 +78,7 @@ class MembershipChange:
             raise ValueError(f"generation={self.generation} of a change must be at least 1")
         if not self.dead.isdisjoint(self.survivors):
             raise ValueError(f"ranks {sorted(self.dead & set(self.survivors))} are both dead and surviving")
-        if not all(map(operator.lt, self.survivors, self.survivors[1:])):  # (C loops: a survivor list is W long)
+        if not _strictly_increasing(self.survivors):
             raise ValueError(f"survivors={self.survivors} must be sorted and distinct")
 
     def new_rank(self, rank: int) -> int:
@@ -106,9 +106,14 @@ def _contains(ranks: Sequence[int], rank: int) -> bool:
     return i < len(ranks) and ranks[i] == rank
 
 
+def _strictly_increasing(ranks: Sequence[int]) -> bool:
+    """Whether `ranks` are sorted and distinct (a C loop: a member list is W long)."""
+    return all(map(operator.lt, ranks, ranks[1:]))
+
+
 def _sorted_distinct(ranks: Iterable[int]) -> tuple[int, ...]:
     """`ranks` sorted without repeats; a tuple or list already so (the usual member list) is checked, not sorted."""
-    if isinstance(ranks, (tuple, list)) and all(map(operator.lt, ranks, ranks[1:])):
+    if isinstance(ranks, (tuple, list)) and _strictly_increasing(ranks):
         return tuple(ranks)
     return tuple(sorted(set(ranks)))
 
@@ -309,15 +314,23 @@ class Membership:
         key = self._decision_key(generation)
         return self._adopt_decision(generation, self.store.get(key)) if self.store.check([key]) else None
 
-    def _adopt_decision(self, generation: int, raw: bytes | str, proposed: MembershipChange | None = None) -> (
-            MembershipChange):
+    def _adopt_decision(self, generation: int, raw: bytes | str, proposed: MembershipChange | None = None,
+                        sent: str | None = None) -> MembershipChange:
         """Decode (once per generation) and keep the decision committed for `generation`: `proposed` when `raw` is
-        its encoding (this rank's proposal won)."""
+        `sent`, its encoding (this rank's proposal won)."""
         if generation not in self._decided:
             raw = raw.decode() if isinstance(raw, bytes) else raw
-            won = proposed is not None and raw == proposed.encode()
+            won = proposed is not None and raw == sent
             self._decided[generation] = proposed if won else MembershipChange.decode(raw)
         return self._decided[generation]
+
+    def _propose(self, generation: int, change: MembershipChange) -> MembershipChange:
+        """Commit `change` for `generation` unless a decision is committed already; wake the waiters; return the
+        decision in force."""
+        sent = change.encode()
+        committed = self.store.compare_set(self._decision_key(generation), "", sent)
+        self.store.add(self._events_key(generation), 1)  # wake the waiters: the decision is there to read
+        return self._adopt_decision(generation, committed, change, sent)
 
     def await_decision(self, generation: int, timeout_s: float) -> MembershipChange:
         """Return the change committed for `generation`, committing the reports' union if nobody has.
@@ -332,19 +345,14 @@ class Membership:
             self._sleep(outcome)
 
     def _commit(self, generation: int, reports: Sequence[FailureReport]) -> MembershipChange:
-        proposal = decide(generation, self.members, reports)
-        committed = self.store.compare_set(self._decision_key(generation), "", proposal.encode())
-        self.store.add(self._events_key(generation), 1)  # wake the waiters: the decision is there to read
-        return self._adopt_decision(generation, committed, proposal)
+        return self._propose(generation, decide(generation, self.members, reports))
 
     def commit(self, change: MembershipChange) -> MembershipChange:
         """Commit `change` (a grown membership, decided without reports) for the current generation unless a
         decision is committed already; return the decision in force."""
         if change.generation != self.generation + 1:
             raise ValueError(f"change to generation {change.generation} does not follow generation {self.generation}")
-        committed = self.store.compare_set(self._decision_key(self.generation), "", change.encode())
-        self.store.add(self._events_key(self.generation), 1)
-        return self._adopt_decision(self.generation, committed, change)
+        return self._propose(self.generation, change)
 
     def adopt(self, change: MembershipChange) -> None:
         """Move to `change`'s generation and members without the survivors' barrier (a grown membership meets at
