@@ -141,3 +141,31 @@ def test_groups_are_built_among_their_members_when_the_default_group_is_bound_to
     results = run_ranks(groups_under_a_bound_default_group, 3, timeout=120)
     assert [r["tp_sum"] for r in results] == [2.0, 2.0, 1.0]
     assert all(r["vote"] is True and r["bound"] == "cpu:0" for r in results)
+
+
+def groups_after_unequal_histories(rank, world):
+    from datetime import timedelta
+
+    from ntp_ds.comm import groups, wire
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        timeout = timedelta(seconds=30)
+        # Rank 0 holds two more groups than the others (as a rank that kept groups a peer did not, or an older member
+        # beside a joiner); torch's own members-only groups would then be named apart on rank 0.
+        extra = [groups.named_group(f"only-mine/{i}", [0], timeout) for i in range(2)] if rank == 0 else []
+        pair = groups.named_group("pair", [0, 1], timeout)
+        every = groups.named_group("every", range(world), timeout)
+        pair_sum = wire.all_reduce(torch.ones(1), pair).item() if pair is not None else None
+        return {"pair": pair_sum, "every": wire.all_reduce(torch.ones(1), every).item(), "extra": len(extra),
+                "ranks": dist.get_process_group_ranks(every), "group_rank": dist.get_rank(every)}
+    finally:
+        wire.teardown()
+
+
+def test_named_groups_meet_whatever_groups_each_member_already_holds():
+    results = run_ranks(groups_after_unequal_histories, 3, timeout=120)
+    assert [r["pair"] for r in results] == [2.0, 2.0, None]  # rank 2 is no member, and waited for nobody
+    assert [r["every"] for r in results] == [3.0, 3.0, 3.0]
+    assert [r["extra"] for r in results] == [2, 0, 0]
+    assert all(r["ranks"] == [0, 1, 2] for r in results) and [r["group_rank"] for r in results] == [0, 1, 2]

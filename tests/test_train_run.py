@@ -46,11 +46,11 @@ def test_a_crashed_rank_is_recovered_in_memory(trained):
     for key in ("detection_s", "recovery_s", "redone_s", "agreement_s", "regroup_s", "reshard_s"):
         assert recovery[key] >= 0
     assert 0 < recovery["failure_to_step_s"] < 20
-    # What the recovery rebuilt, counted where it happened: today every survivor builds a new engine, and every
-    # group of the new generation is new (the world, the TP groups of replicas 0 and 1, the DP groups of ranks 0
-    # and 1 and the contributor's own), none kept.
+    # What the recovery rebuilt, counted where it happened: today every survivor builds a new engine; replica 0,
+    # which lost nothing, keeps its TP group, and the rest of the new generation's groups are new (the world,
+    # replica 1's TP group of one, the DP groups of ranks 0 and 1 and the contributor's own).
     assert recovery["engines_rebuilt"] == 3
-    assert recovery["communicators_created"] == 6 and recovery["communicators_kept"] == 0
+    assert recovery["communicators_created"] == 5 and recovery["communicators_kept"] == 1
     assert 0 < recovery["healthy_stall_s"] < 20  # replica 0 lost nothing, and waited from the failure to step 2
     assert "recovered at step 2 from the loss of rank 3; TP degrees [2, 2] -> [2, 1]" in result.stderr
 

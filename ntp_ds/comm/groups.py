@@ -114,8 +114,8 @@ def control_tree(rank: int, world: int, fanout: int) -> list[tuple[tuple[int, ..
     Level 0 cuts the ranks into blocks of `fanout`; each block's first rank, its leader, takes part in level 1, whose
     groups are blocks of `fanout` such leaders, and so on up to the one group that holds rank 0 and every other
     leader left. A rank belongs to one group per level it leads below, plus one: at most ceil(log_fanout(world)),
-    4 at 100,000 ranks with 32. A leader at the end of the ranks may lead a group of one at some levels (it carries
-    nothing, but is listed: see `start_generation`)."""
+    4 at 100,000 ranks with 32. A leader at the end of the ranks may lead a group of one at some levels (listed; it
+    carries nothing, and `start_generation` builds no group for it)."""
     if fanout < 2:
         raise ValueError(f"control_fanout={fanout} must be at least 2")
     out, span = [], 1
@@ -127,34 +127,104 @@ def control_tree(rank: int, world: int, fanout: int) -> list[tuple[tuple[int, ..
     return out
 
 
-def start_generation(timeout_s: float, fanout: int = CONTROL_FANOUT) -> None:
+_ROLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""The role (`tp`, `tp-control`, `dp`, `solo`, `tree`) of every group `named_group` built."""
+KEEPABLE = ("tp", "tp-control", "dp", "solo")
+"""Roles of the groups a recovery may keep for the next generation (the control tree's are rebuilt: its blocks follow
+the generation's ranks, which move past a dead rank)."""
+_KEPT: dict = {}
+"""(role, global ranks in the new generation) -> a group kept from the generation before (`adopt`), until
+`named_group` hands it out."""
+_GENERATION = [0]
+"""The membership generation whose groups are being built: part of every group's name."""
+
+
+def named_group(name: str, ranks, timeout: timedelta, backend: str | None = None, role: str = "tree"):
+    """A process group of `ranks` (global ranks of the generation), built by its members alone under a name the
+    job chooses: `name`, unique among the generation's groups. Non-members get None and wait for nothing. A group
+    of the same role and ranks kept from the generation before (`adopt`) is handed out instead of a new one.
+
+    torch's own way to build a group among its members (`new_group(use_local_synchronization=True)`) names it after
+    its ranks and the number of groups the calling process already holds, so its members meet on the same store keys
+    only if each holds as many groups as the others: a rank that kept a group another did not, or a joiner, would
+    wait on keys nobody writes. Here the name comes from the job (the generation and the group's role in it), and the
+    group is built by the same torch helper `new_group` calls, registered the same way (global to group ranks), so
+    every torch and DeepSpeed call works on it alike. Built unbound (`members_only`): no split of a parent."""
+    from torch.distributed import distributed_c10d as c10d
+
+    ranks = sorted(ranks)
+    me = dist.get_rank()
+    if me not in ranks:
+        return None
+    kept = _KEPT.pop((role, tuple(ranks)), None)
+    if kept is not None:
+        return kept
+    default = c10d._get_default_group()
+    default_backend, store = c10d._world.pg_map[default]
+    group_name = c10d.GroupName(f"ntp:{_GENERATION[0]}/{name}")
+    with members_only():
+        group, _ = c10d._new_process_group_helper(len(ranks), ranks.index(me), ranks,
+                                                  dist.Backend(backend or default_backend), store, group_name,
+                                                  timeout=timeout, group_desc=name)
+    c10d._world.pg_group_ranks[group] = {r: i for i, r in enumerate(ranks)}
+    _ROLES[group] = role
+    return group
+
+
+def keepable(groups) -> list:
+    """Those of `groups` a recovery may keep (`KEEPABLE` roles)."""
+    return [g for g in groups if _ROLES.get(g) in KEEPABLE]
+
+
+def role_of(group) -> str | None:
+    return _ROLES.get(group)
+
+
+def adopt(kept, new_rank: dict[int, int]) -> None:
+    """Carry groups kept across a teardown (`wire.teardown(keep=...)`) into the new generation: renumber their
+    members from the old world's global ranks to the new one's (`new_rank`: old -> new; the members keep their
+    order, as the survivors keep theirs), and offer each to `named_group` for its role and ranks."""
+    world = dist.distributed_c10d._world
+    for group in kept:
+        old = list(world.pg_group_ranks[group])
+        new = [new_rank[r] for r in old]
+        if new != sorted(new):
+            raise RuntimeError(f"a kept group's members {old} would change order as ranks {new}")
+        world.pg_group_ranks[group] = {r: i for i, r in enumerate(new)}
+        _KEPT[(_ROLES[group], tuple(new))] = group
+
+
+def discard_unused() -> None:
+    """Close the kept groups no `named_group` call took (none, when the recovery kept only what the new topology
+    builds: a safety net)."""
+    unused = list(_KEPT.values())
+    _KEPT.clear()
+    if unused:
+        wire.discard(unused)
+
+
+def start_generation(timeout_s: float, fanout: int = CONTROL_FANOUT, generation: int = 0) -> None:
     """After the default group of a generation exists: build its gloo control tree and arm the wire.
 
     Every rank builds its tree groups lowest level first, and only their members meet: a group's members have built
-    every lower group they belong to before it, so no two ranks wait on each other in opposite orders. Torch names a
-    group built with `use_local_synchronization` after its ranks and the number of groups the process already holds,
-    so its members must hold equally many when they build it: each has built one group per level below (the groups
-    of one included, which is why they are built at all), on top of the same groups of the generation. And every
-    rank ends with as many as rank 0 (groups of one make up the difference), so that the groups built after the
-    tree (TP, data-parallel) are named alike on all their members too."""
+    every lower group they belong to before it, so no two ranks wait on each other in opposite orders. Each group is
+    named after its level and its leader (`named_group`), so no rank needs to hold as many groups as another.
+    `generation`: the membership generation, which names its groups."""
+    _GENERATION[0] = generation
     timeout = timedelta(seconds=timeout_s)
     # Under gloo the default group is the control group, and a world of at most `fanout` ranks uses it as its tree.
     # Under NCCL no world-sized gloo group is built: control traffic goes along the tree alone.
     control = dist.group.WORLD if dist.get_backend() == "gloo" else None
     world = dist.get_world_size()
 
-    def group_of(members: tuple[int, ...]):
+    def group_of(level: int, members: tuple[int, ...]):
         if len(members) == world and control is not None:
             return control
-        return dist.new_group(list(members), timeout=timeout, backend="gloo", use_local_synchronization=True)
+        return named_group(f"tree/{level}/{members[0]}", members, timeout, backend="gloo", role="tree")
 
-    me = dist.get_rank()
-    with members_only():
-        tree = [wire.TreeGroup(group_of(members), members[0], top)
-                for members, top in control_tree(me, world, fanout)]
-        for _ in range(len(control_tree(0, world, fanout)) - len(tree)):  # as many as rank 0: for the groups after
-            group_of((me,))
-    wire.configure(timeout_s, control, [level for level in tree if dist.get_world_size(level.group) > 1])
+    tree = [wire.TreeGroup(group_of(level, members), members[0], top)
+            for level, (members, top) in enumerate(control_tree(dist.get_rank(), world, fanout)) if len(members) > 1]
+    wire.configure(timeout_s, control, tree)
     if wire.is_nccl():
         # NCCL requires a group's first call to be a collective of all its ranks before any batched P2P on it.
         wire.all_reduce(torch.zeros(1, device=wire.device_of()), None)
@@ -212,24 +282,40 @@ def members_only():
         default.bound_device_id = bound
 
 
+def group_ranks(topology: Topology, plan: SyncPlan, rank: int) -> tuple[list[int], list[int]]:
+    """(TP ranks, data-parallel ranks) of global rank `rank`'s groups in `topology`."""
+    replica, tp_rank = topology.locate(rank)
+    if plan.is_anchor(replica):
+        return topology.ranks_of(replica), [topology.ranks_of(a)[tp_rank] for a in plan.anchors]
+    return topology.ranks_of(replica), [rank]
+
+
+def wanted_groups(topology: Topology, plan: SyncPlan, rank: int, twins: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """(role, ranks) of the keepable groups `build_groups` builds for `rank`, in the order it builds them: what a
+    recovery may keep. `twins`: the TP group has a gloo twin (under NCCL)."""
+    tp_ranks, dp_ranks = group_ranks(topology, plan, rank)
+    anchor = plan.is_anchor(topology.locate(rank)[0])
+    wanted = [("tp", tuple(tp_ranks)), ("dp" if anchor else "solo", tuple(dp_ranks))]
+    return wanted + [("tp-control", tuple(tp_ranks))] if twins else wanted
+
+
 def build_groups(topology: Topology, plan: SyncPlan, rank: int, timeout_s: float) -> ReplicaGroups:
-    """Create only the groups this rank belongs to; members synchronise among themselves, nobody else waits.
+    """Create only the groups this rank belongs to; members synchronise among themselves, nobody else waits. Groups
+    kept from the generation before (`adopt`) are taken instead where their role and ranks match.
 
     Every collective on them is bounded by `timeout_s` (a hung peer is only seen at that bound).
     """
     replica, tp_rank = topology.locate(rank)
-    tp_ranks = topology.ranks_of(replica)
-    if plan.is_anchor(replica):
-        dp_ranks = [topology.ranks_of(a)[tp_rank] for a in plan.anchors]
-    else:
-        dp_ranks = [rank]
+    tp_ranks, dp_ranks = group_ranks(topology, plan, rank)
+    anchor = plan.is_anchor(replica)
     timeout = timedelta(seconds=timeout_s)
-    with members_only():
-        tp_group = dist.new_group(tp_ranks, timeout=timeout, use_local_synchronization=True)
-        dp_group = dist.new_group(dp_ranks, timeout=timeout, use_local_synchronization=True)
-        tp_control = tp_group
-        if dist.get_backend() != "gloo":
-            tp_control = dist.new_group(tp_ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
+    tp_group = named_group(f"tp/{replica}", tp_ranks, timeout, role="tp")
+    dp_group = named_group(f"dp/{tp_rank}" if anchor else f"solo/{rank}", dp_ranks, timeout,
+                           role="dp" if anchor else "solo")
+    tp_control = tp_group
+    if dist.get_backend() != "gloo":
+        tp_control = named_group(f"tp-control/{replica}", tp_ranks, timeout, backend="gloo", role="tp-control")
+    discard_unused()
     return ReplicaGroups(topology, plan, rank, replica, tp_rank, tp_ranks, dp_ranks, tp_group, dp_group, tp_control)
 
 

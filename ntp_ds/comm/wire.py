@@ -86,6 +86,17 @@ class _State:
     backends: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     aborted: bool = False
     """The generation's communicators were aborted: nothing can be posted on them any more."""
+    suspects: frozenset | None = None
+    """Global ranks the verdict made suspect: the dead and the rest of their replicas (None: every group is)."""
+    departed: Callable | None = None
+    """departed(group): whether a member of `group` has left it for a recovery (`on_departure`)."""
+    aborted_groups: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    """Groups aborted one by one (the rest of the generation's stay usable)."""
+    spared: list = field(default_factory=list)
+    """Under NCCL, the groups a failure's abort left alone (none of their members is dead) until the recovery meets
+    them (`arrive`): the groups a recovery may keep."""
+    arrived: threading.Event = field(default_factory=threading.Event)
+    """The training thread reached the recovery after a failure (so it is blocked on no kernel)."""
 
 
 _state = _State()
@@ -111,25 +122,70 @@ def configure(timeout_s: float, control_group=None, tree=None) -> None:
     _state.backend = dist.get_backend() if dist.is_initialized() else ""
     _state.backends = weakref.WeakKeyDictionary()
     _state.aborted = False
+    _state.aborted_groups = weakref.WeakSet()
+    _state.suspects = None
+    _state.spared = []
+    _state.arrived.clear()
     _state.generation += 1
     _state.failed.clear()
     _state.reason = ""
 
 
-def peer_failed(reason: str) -> None:
+def peer_failed(reason: str, suspects=None, arrival_s: float = 5.0) -> None:
     """Declare this generation broken (called by the liveness watcher's thread when a peer is dead).
 
-    Every wait in progress or to come raises `PeerFailure`. Under NCCL the communicators are aborted as well, which
-    is what ends a kernel blocked on the dead peer (requires TORCH_NCCL_ASYNC_ERROR_HANDLING=0, set by `join`).
-    The abort runs on a thread of its own: aborting can take seconds, and the watcher must go on beating.
+    Every wait in progress or to come on a group that holds one of `suspects` raises `PeerFailure` (with no
+    suspects named, every wait). Under NCCL those communicators are aborted as well, which is what ends a kernel
+    blocked on the dead peer (requires TORCH_NCCL_ASYNC_ERROR_HANDLING=0, set by `join`); the abort runs on a thread
+    of its own: aborting can take seconds, and the watcher must go on beating.
+
+    `suspects`: global ranks, the dead and the rest of their replicas (whose groups change with the topology). The
+    groups without any (a healthy replica's TP group), and the default group, which holds everyone, are left to the
+    recovery to keep, if the training thread reaches it (`arrive`) within `arrival_s`; meanwhile a wait on one
+    ends only once a member has left the group for the recovery (`on_departure`). A training thread that does not
+    arrive in time may be blocked on a kernel of such a group that a peer, already in recovery, will never match:
+    those groups are aborted then too.
     """
     if _state.failed.is_set():
         return
     _state.reason = reason
+    _state.suspects = None if suspects is None else frozenset(suspects)
     _state.failed.set()
     if is_nccl():
         log.warning("aborting NCCL communicators: %s", reason)
-        threading.Thread(target=abort_all, args=(_state.generation,), name="ntp-abort", daemon=True).start()
+        threading.Thread(target=_abort_for, args=(_state.generation, _state.suspects, arrival_s), name="ntp-abort",
+                         daemon=True).start()
+
+
+def _abort_for(generation: int, suspects, arrival_s: float) -> None:
+    if suspects is None:
+        abort_all(generation)
+        return
+    with _abort_lock:
+        if generation != _state.generation or _state.aborted:
+            return
+        default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+        _state.spared = [g for g in list(dist.distributed_c10d._world.pg_map)
+                         if g is not default and not suspects & set(dist.get_process_group_ranks(g))]
+    abort_all(generation, spare=_state.spared)
+    if _state.arrived.wait(arrival_s):
+        return
+    with _abort_lock:
+        if generation == _state.generation and not _state.arrived.is_set() and _state.spared:
+            log.warning("the training thread did not reach the recovery within %.1f s: aborting the rest", arrival_s)
+            _abort_groups(_state.spared)
+            _state.spared = []
+
+
+def arrive() -> list:
+    """The training thread has reached the recovery (under NCCL): return the groups spared by the failure's abort
+    (`peer_failed`), which stay usable, and abort everything else (all of it, when no abort spared any)."""
+    with _abort_lock:
+        _state.arrived.set()
+        spared = [g for g in _state.spared if g in dist.distributed_c10d._world.pg_map]
+        _state.spared = []
+        abort_all(_state.generation, spare=spared)
+        return spared
 
 
 _WIRE_FILES = ("/torch/distributed/", "/deepspeed/comm/", "/ntp_ds/comm/wire.py", "/ntp_ds/testing/nccl_model.py")
@@ -155,29 +211,109 @@ def is_wire_failure(error: BaseException) -> bool:
     return False
 
 
-def abort_all(generation: int | None = None) -> None:
-    """Abort every communicator of this process (NCCL); the process groups are unusable afterwards. `generation`:
-    only if that generation is still the current one (an abort ordered for a generation this rank has left must not
-    touch the next one's groups).
+def abort_all(generation: int | None = None, spare=()) -> None:
+    """Abort every communicator of this process but those of `spare` (NCCL); the aborted process groups are unusable
+    afterwards. `generation`: only if that generation is still the current one (an abort ordered for a generation
+    this rank has left must not touch the next one's groups).
 
     torch's abort clears its registry of groups only after it has aborted each of them, while the training thread,
     woken by the first, may already be leaving the generation: the lock keeps `teardown` from running meanwhile."""
     with _abort_lock:
-        if _state.aborted or (generation is not None and generation != _state.generation):
+        if generation is not None and generation != _state.generation:
+            return
+        world = dist.distributed_c10d._world
+        left = [g for g in world.pg_map if g not in spare and g not in _state.aborted_groups]
+        if _state.aborted and not left:
             return
         _state.aborted = True
         try:
-            dist.distributed_c10d._abort_process_group()
+            if spare:  # each alone, all registered still: the spared ones are never out of torch's registry
+                _abort_groups(left)
+            elif dist.is_initialized():
+                dist.distributed_c10d._abort_process_group()
+            else:  # the world already aborted, groups spared then left: each alone
+                _abort_groups(left)
         except Exception as err:  # aborting is best effort: the groups are discarded either way
             log.warning("abort of the process groups failed: %s", err)
+
+
+def _abort_groups(groups) -> None:
+    """Abort `groups`, within one NCCL group call where NCCL is underneath (as torch aborts its world, so that no
+    two communicators' aborts wait on each other, pytorch#119797). They stay in torch's registry, marked aborted
+    here (`_check` refuses them) until the teardown discards them."""
+    nccl = None
+    if dist.is_nccl_available():
+        for group in groups:
+            try:
+                backend = group._get_backend(torch.device("cuda"))
+            except RuntimeError:
+                continue
+            if isinstance(backend, dist.ProcessGroupNCCL):
+                nccl = backend
+                break
+    if nccl is not None:
+        nccl._group_start()
+    try:
+        for group in groups:
+            _state.aborted_groups.add(group)
+            try:
+                group.abort()
+            except Exception as err:
+                log.warning("abort of a process group failed: %s", err)
+    finally:
+        if nccl is not None:
+            nccl._group_end()
 
 
 _abort_lock = threading.RLock()
 
 
-def teardown() -> None:
-    """Leave this generation's process groups. A group already aborted is not an error (it cannot be destroyed
-    afterwards, and is discarded instead).
+@contextlib.contextmanager
+def set_aside(groups):
+    """Take `groups` out of torch's registry of process groups for the block, and put them back after: a destroy of
+    the whole world (torch's only way to end a default group) then leaves them alone, connections and communicators
+    included. Their global ranks are the old world's until `ntp_ds.comm.groups.adopt` renumbers them."""
+    c10d = dist.distributed_c10d
+    world = c10d._world
+    saved = [(g, *world.pg_map[g], world.pg_names[g], world.pg_backend_config[g], dict(world.pg_group_ranks[g]),
+              world.pg_to_tag.get(g)) for g in groups if g in world.pg_map]
+    for entry in saved:
+        c10d._cleanup_process_group_global_state(entry[0])
+    try:
+        yield
+    finally:
+        for group, backend, store, name, config, ranks, tag in saved:
+            c10d._register_pg_in_world(group, backend, store, name, config, ranks, pg_tag=tag)
+
+
+def discard(groups) -> None:
+    """Close `groups` (kept across a teardown, then not kept): abort under NCCL, else shut down; out of torch's
+    registry either way."""
+    c10d = dist.distributed_c10d
+    for group in groups:
+        if group not in c10d._world.pg_map:
+            continue
+        try:
+            if is_nccl(group):
+                _abort_groups([group])
+            else:
+                group.shutdown()
+        except Exception as err:
+            log.debug("closing a process group: %s", err)
+        c10d._cleanup_process_group_global_state(group)
+
+
+def ops_posted(group) -> int:
+    """How many operations this process has posted on `group` (torch's per-group sequence number; the NCCL model's
+    own count): members of a group that agree on it have no operation of it left unmatched."""
+    counted = getattr(group, "ops_posted", None)
+    return int(counted() if callable(counted) else group._get_sequence_number_for_group())
+
+
+def teardown(keep=()) -> None:
+    """Leave this generation's process groups but those of `keep` (a recovery keeps them for the next generation:
+    `ntp_ds.comm.groups.adopt`). A group already aborted is not an error (it cannot be destroyed afterwards, and is
+    discarded instead).
 
     Gloo closes a group's connections when its last reference goes, and a live peer still waiting on this rank then
     fails at once instead of at its timeout. Release the engine first (`NTPEngine.release`); a group something
@@ -185,20 +321,24 @@ def teardown() -> None:
     on a heap the size of DeepSpeed's, so it runs only when a group survives.
     """
     with _abort_lock:
-        _teardown()
+        _teardown(keep)
 
 
-def _teardown() -> None:
+def _teardown(keep) -> None:
     from deepspeed.utils import groups as ds_groups
 
-    groups = [weakref.ref(g) for g in dist.distributed_c10d._world.pg_map] if dist.is_initialized() else []
-    if dist.is_initialized():
-        if is_nccl():
-            abort_all()  # a communicator with a dead peer can block its own destruction
-        try:
-            dist.destroy_process_group()
-        except (AssertionError, RuntimeError, ValueError) as err:  # already aborted: nothing left to destroy
-            log.debug("destroy_process_group after abort: %s", err)
+    keep = [g for g in keep if g in dist.distributed_c10d._world.pg_map]
+    groups = [weakref.ref(g) for g in dist.distributed_c10d._world.pg_map if g not in keep]
+    with set_aside(keep):
+        if dist.is_initialized():
+            if is_nccl():
+                abort_all()  # a communicator with a dead peer can block its own destruction
+            try:
+                dist.destroy_process_group()
+            except (AssertionError, RuntimeError, ValueError) as err:  # already aborted: nothing left to destroy
+                log.debug("destroy_process_group after abort: %s", err)
+        else:  # no world (aborted, or left), but groups kept from it and not kept now
+            discard(list(dist.distributed_c10d._world.pg_map))
     # DeepSpeed caches groups in module globals; a new generation must not find the old ones there.
     release = getattr(ds_groups, "_release_process_group_references", None)
     if release is None:
@@ -354,7 +494,10 @@ def _nbytes(tensors) -> int:
 
 
 def _check(op: str, group, tensors, sends=(), recvs=()) -> None:
-    if _state.aborted:  # torch no longer knows the groups; NCCL would refuse an aborted communicator anyway
+    if _state.aborted and (group is None or group in _state.aborted_groups
+                           or group not in dist.distributed_c10d._world.pg_map):
+        # torch no longer knows the group (aborted); NCCL would refuse an aborted communicator anyway. A group spared
+        # by the abort (`peer_failed`) still carries its operations within their grace.
         raise PeerFailure(f"{op} not posted: this generation's communicators were aborted ({_state.reason})")
     expected = device_of(group)
     if _state.recorders:
@@ -384,11 +527,39 @@ def wait(works, group=None, what: str = "collective", p2p: bool = False, heed_fa
         _wait(works, group, what, p2p, heed_failure)
 
 
+def on_departure(check: Callable | None) -> None:
+    """Install `check(group)`: whether a member of `group` has left it for a recovery (the recovery publishes
+    that through the store as it begins). Without one, every wait ends at a verdict."""
+    _state.departed = check
+
+
+def _abandon(group) -> bool:
+    """Whether a wait on `group` must end now. Not before a verdict. After one: at once if the group holds a suspect
+    (`peer_failed`; the default group holds everyone), or if none were named; otherwise only once a member of the
+    group has left it for the recovery (`on_departure`). So the members of a group without the dead (a healthy
+    replica's TP group) go on together up to the first operation that involves the dead, with equally many
+    operations posted on the group, which is what lets a recovery keep it (`keep.keep`)."""
+    if not _state.failed.is_set():
+        return False
+    if _state.suspects is None or group is None or _state.departed is None:
+        return True
+    try:
+        if _state.suspects & set(dist.get_process_group_ranks(group)):
+            return True
+    except (KeyError, RuntimeError, ValueError):  # a group torch no longer knows (aborted)
+        return True
+    try:
+        return bool(_state.departed(group))
+    except Exception as err:  # the store cannot say: do not wait on a guess
+        log.debug("departure check failed: %s", err)
+        return True
+
+
 def _wait(works, group, what: str, p2p: bool, heed_failure: bool) -> None:
     nccl = is_nccl(group)
     deadline = time.monotonic() + _state.timeout_s
     for work in works if isinstance(works, (list, tuple)) else [works]:
-        if heed_failure and _state.failed.is_set():
+        if heed_failure and _abandon(group):
             raise PeerFailure(f"{what} abandoned: {_state.reason}")
         if nccl or p2p:
             work.wait()  # NCCL: orders the current stream after the work; an abort ends a kernel blocked on a peer
@@ -401,7 +572,7 @@ def _wait(works, group, what: str, p2p: bool, heed_failure: bool) -> None:
                 if work.is_completed():
                     work.wait()  # it finished as the slice ran out: return, or raise its own error
                     break
-            if heed_failure and _state.failed.is_set():
+            if heed_failure and _abandon(group):
                 raise PeerFailure(f"{what} abandoned: {_state.reason}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what} did not complete within timeout_s={_state.timeout_s}")

@@ -185,7 +185,7 @@ def join_world(ntp: NTPConfig, store=None, generation: int = 0, rank: int | None
     dist.init_process_group(backend_for_device(), store=generation_store(store, generation), rank=rank,
                             world_size=world_size, timeout=timeout)
     deepspeed.init_distributed(dist_backend=backend_for_device(), timeout=timeout)
-    start_generation(ntp.timeout_s, ntp.control_fanout)
+    start_generation(ntp.timeout_s, ntp.control_fanout, generation)
 
 
 def build_engine(spec: JobSpec, topology: Topology, module_for: Callable[[ReplicaGroups], CausalLMShard],

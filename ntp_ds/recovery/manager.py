@@ -21,7 +21,8 @@ import torch
 
 from ntp_ds.comm import wire
 from ntp_ds.comm.exchange import Side, UnitExchange
-from ntp_ds.comm.groups import count_communicators, mark_communicators, ring_neighbours
+from ntp_ds.comm.groups import (adopt, count_communicators, discard_unused, keepable, mark_communicators,
+                                ring_neighbours, role_of)
 from ntp_ds.control.heartbeat import (Heartbeat, LivenessMonitor, LivenessReader, mark_exited,
                                       read_exits, request_fence)
 from ntp_ds.control.joins import (JoinFailed, JoinPlan, JoinRequest, JoinRequests, admit, await_decision,
@@ -35,6 +36,7 @@ from ntp_ds.layout import ShardLayout, Topology
 from ntp_ds.layout import units as U
 from ntp_ds.layout.sharding import gather_units, packed_numel, scatter_units
 from ntp_ds.models import CausalLMShard, empty_shard
+from ntp_ds.recovery.keep import close_hit, depart, departed, keep, positions, suspects
 from ntp_ds.recovery.placement import Placement
 from ntp_ds.recovery.plan import (collector_paused, old_ranks, plan_last_good, plan_unit_moves, rebalanced_moves,
                                   rereplicated_moves)
@@ -88,6 +90,10 @@ class Recovery:
         self.membership = Membership(store, rank, self.members, generation, settle_s=settle_s)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
+        self._kept_here: list[str] = []
+        """Roles of the groups this rank kept in the recovery under way (none in a grow)."""
+        self._candidates: list = []
+        """Groups a recovery may keep (`keep.keep`), from its start to its first attempt's teardown."""
         self.declared: dict[int, str] = {}
         """Members of this generation that this rank's heartbeat declared dead, with why: a hung peer still beats,
         so only this verdict names it."""
@@ -100,6 +106,7 @@ class Recovery:
         """What this rank saw of the peers whose beats it judges during a recovery (a bounded set: those its heartbeat
         watched); every other member's death reaches it through the exit and fence logs and the reports."""
         self.reader = LivenessReader.from_env(store)
+        wire.on_departure(lambda group: departed(self.store, self.membership.generation, group))
         with wire.waiting():
             beat_store = store.clone()
             # A peer that beats but makes no training progress while this rank waits on it is hung (hang_timeout_s).
@@ -168,7 +175,16 @@ class Recovery:
         try:
             request_fence(self.heartbeat.store, ranks, reason)
         finally:
-            wire.peer_failed(reason)
+            wire.peer_failed(reason, suspects=self._suspects(ranks), arrival_s=self.heartbeat_timeout_s)
+
+    def _suspects(self, dead) -> list[int] | None:
+        """`keep.suspects` of `dead` (launch ranks), from the heartbeat's thread; None when the topology is not at hand
+        (a recovery under way): then every group is suspect."""
+        members, engine = self.members, self.engine
+        try:
+            return suspects(engine.ntp_groups.topology, members, dead)
+        except (AttributeError, ValueError, IndexError, TypeError):
+            return None
 
     def leave(self, reason: str) -> None:
         """Quiesce: tell the others this rank is gone, stop beating and exit cleanly (code 0)."""
@@ -185,11 +201,15 @@ class Recovery:
     def _recover(self, error: BaseException) -> RecoveryOutcome:
         failed_at = time.monotonic()
         mark_communicators()  # what exists now and is still in use after the recovery was kept
+        depart(self.store, self.membership.generation)
         if wire.is_nccl():
             # Abort first: the snapshot and the engine's release synchronise with the device, which must not wait
             # on a kernel blocked on the dead peer. Transfers not confirmed by now are lost with the communicators.
+            # Only the groups without a dead member are spared (when the watcher named the dead), for `keep.keep`.
             wire.peer_failed(f"recovering from {type(error).__name__}: {error}")
-            wire.abort_all()
+            self._candidates = keepable(wire.arrive())
+        else:
+            self._candidates = keepable(torch.distributed.distributed_c10d._world.pg_map)
         snapshot = self.engine.snapshot()
         old_members = self.members
         traceback.clear_frames(error.__traceback__)
@@ -224,9 +244,13 @@ class Recovery:
             self.monitor = seen
         # Closing our connections fails every collective a live peer still waits on with us, so it joins the
         # recovery at once instead of at its process-group timeout (gloo closes them once unreferenced; NCCL
-        # communicators are aborted first).
-        wire.teardown()
+        # communicators are aborted first). The groups that may be kept stay open until `keep.keep` decides (a peer
+        # blocked in one of them leaves it at the liveness verdict); only the first attempt keeps any.
+        candidates, self._candidates = self._candidates, []
+        discard_unused()
+        wire.teardown(keep=candidates)
         dead, reason = self._detect(error)
+        candidates = close_hit(candidates, snapshot.topology, old_members, dead)
         request_fence(self.store, dead, reason)  # a hung rank is stopped by its launcher before it can come back
         generation = self.membership.generation
         self.membership.report_failure(generation, dead, time.time(), reason,
@@ -252,8 +276,11 @@ class Recovery:
         new_topology = plan.topology(drop)
         placement = self.placement.after_loss(plan.lost, drop)
 
+        kept = keep(self.store, self.rank, candidates, old_members, new_members, new_topology,
+                    self.job.plan(new_topology)[0], change.generation, self.job.ntp.timeout_s)
+        self._kept_here = sorted(role_of(g) for g in kept)
         self._phase(snapshot.global_steps + 1, "rendezvous")
-        self._regroup(change.generation, new_members)
+        self._regroup(change.generation, new_members, kept, old_members)
         snapshot = self._share_context(snapshot, frozenset(old_members.index(g) for g in gone))
         t_regrouped = time.monotonic()
         rebuilt = [r for r in plan.degraded if r not in drop]
@@ -269,12 +296,17 @@ class Recovery:
         self.events.append(event)
         return RecoveryOutcome(engine, event)
 
-    def _regroup(self, generation: int, members: tuple[int, ...]) -> None:
-        """Meet the new generation's members and join its process group."""
+    def _regroup(self, generation: int, members: tuple[int, ...], kept=(), old_members=()) -> None:
+        """Meet the new generation's members and join its process group; carry the `kept` groups (of the
+        generation of `old_members`) into it."""
         self._arrive(generation, members)
         self.members = members  # first: a late verdict on the old generation's dead must not break the new one
         self.declared = {}
         join_world(self.job.ntp, self.store, generation, members.index(self.rank), len(members))
+        if kept:
+            new_rank = positions(members)
+            adopt(kept, {r: new_rank[old_members[r]] for g in kept
+                         for r in torch.distributed.get_process_group_ranks(g)})
         # Until the new engine is built (and its peers are known), a death must still end this rank's waits: on
         # NCCL nothing else does (no error, no timeout). Its ring neighbours among the members watch each member
         # meanwhile, and a death they see reaches every other member as a fence request.
@@ -362,7 +394,7 @@ class Recovery:
                  "optimizer_bytes_restored": int(totals[3]), "lost_optimizer_bytes": int(totals[6]),
                  "state_index": state["state_index"],
                  "engines_rebuilt": int(totals[7]), "communicators_created": int(totals[8]),
-                 "communicators_kept": int(totals[9]),
+                 "communicators_kept": int(totals[9]), "kept_here": self._kept_here,
                  "traffic_bytes": dict(zip(received, map(int, totals[10:]))), "rolled_back": snapshot.rolled_back,
                  "lossless": int(totals[4]) == len(new_members)}
         return engine, event
@@ -478,9 +510,19 @@ class Recovery:
     def _grow(self, snapshot, plan: JoinPlan, t0: float, traffic_before) -> RecoveryOutcome:
         """Both sides of a grow, from the new generation's rendezvous on: members pass their boundary snapshot, a
         joiner None (it learns the old topology from the members)."""
-        wire.teardown()
         generation = plan.generation + 1
-        self._regroup(generation, plan.members)
+        # A member keeps the groups the grown topology builds again with the same members (those of replicas the
+        # joiners do not enter): at a step boundary they are idle, and `keep.keep` checks it. A joiner holds none.
+        candidates = keepable(torch.distributed.distributed_c10d._world.pg_map) if snapshot is not None else []
+        wire.teardown(keep=candidates)
+        kept = []
+        if snapshot is not None:
+            placement, members, _ = self.placement.grow(plan.members_before, plan.joiners, self.job.ntp.min_tp)
+            grown = placement.topology(self.placement, snapshot.topology)
+            kept = keep(self.store, self.rank, candidates, plan.members_before, plan.members, grown,
+                        self.job.plan(grown)[0], generation, self.job.ntp.timeout_s)
+        self._kept_here = sorted(role_of(g) for g in kept)
+        self._regroup(generation, plan.members, kept, plan.members_before)
         snapshot = self._share_context(snapshot)
         placement, members, _ = self.placement.grow(plan.members_before, plan.joiners, self.job.ntp.min_tp)
         if members != plan.members:

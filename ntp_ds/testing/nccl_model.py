@@ -212,6 +212,7 @@ class ModelGroup(dist.ProcessGroup):
         self._lock = threading.Lock()
         self._aborted = ""
         self._counts = {}  # (kind, peer) -> messages posted so far
+        self._posted = 0
         self._numbers = itertools.count()
         self._batch: list | None = None
         # The worker holds the group weakly: a group must never be freed on it (a daemon thread that frees a gloo
@@ -232,11 +233,16 @@ class ModelGroup(dist.ProcessGroup):
             if self._aborted:
                 raise Aborted(f"nccl_model: {what} on an aborted communicator ({self._aborted})")
             self._pending.add(work)
+            self._posted += 1
         op = _Op(work, run, list(p2p), next(self._numbers))
         if not self._ordered:  # gloo's way: every op starts as it is posted, none waits for another
             op.started = run(work)
         self._queue.put(op)
         return work
+
+    def ops_posted(self) -> int:
+        """Operations posted on this communicator so far (a batch counts once): NCCL's own sequence number."""
+        return self._posted
 
     def _message(self, kind: str, peer: int) -> int:
         n = self._counts.get((kind, peer), 0)

@@ -1,0 +1,89 @@
+"""A recovery keeps the groups of the replicas that lost nothing: their TP groups (and, under NCCL, the gloo twins)
+carry on into the next generation, and only groups whose members left them with equally many operations posted are
+kept. Judged by final state as every recovery test is: the weights equal the failure-free run's."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ntp_ds.testing.spawn import run_ranks
+from tests.test_recovery import assert_equivalent, assert_lossless_and_minimal, events_of, fault, run
+
+pytestmark = pytest.mark.timeout(300)
+
+NCCL_RULES = os.environ.get("NTP_TEST_BACKEND") == "nccl_model"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_replicas_that_lost_nothing_keep_their_tp_groups(stage):
+    # 3 replicas at TP 2; rank 5 (replica 2) dies in the backward pass. Replicas 0 and 1 lose nothing: their TP
+    # groups hold no dead rank, and their members stop together at the gradient sync with replica 2.
+    results = run((2, 2, 2), stage, [fault(5, 3, "backward")])
+    assert_equivalent(results)
+    assert_lossless_and_minimal(results, (2, 2, 1))
+    (copies,) = events_of(results)
+    event = copies[0]
+    print(f"communicators_created={event['communicators_created']} communicators_kept={event['communicators_kept']} "
+          f"engines_rebuilt={event['engines_rebuilt']}")
+    kept = {r: res["events"][0]["kept_here"] for r, res in results.items()}
+    healthy = ["tp", "tp-control"] if NCCL_RULES else ["tp"]
+    assert kept == {0: healthy, 1: healthy, 2: healthy, 3: healthy, 4: []}
+    # Each kept group counted once (by its lowest member): replicas 0 and 1's.
+    assert event["communicators_kept"] == 2 * len(healthy)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_and_keep_them_through_the_grow_back_that_follows(stage):
+    from tests import test_grow
+
+    # Rank 5 dies in step 2's backward pass; a worker (rank 6) joins and takes its place in replica 2 from step 4.
+    results = test_grow.run((2, 2, 2), stage, [fault(5, 2, "backward")], joins=[6])
+    assert set(results) == {0, 1, 2, 3, 4, 6}
+    assert_equivalent(results, test_grow.STEPS)
+    assert all(tuple(r["degrees"]) == (2, 2, 2) for r in results.values())
+    healthy = ["tp", "tp-control"] if NCCL_RULES else ["tp"]
+    for kind, event_of in (("recovery", lambda r: r["events"][0]), ("grow", lambda r: r["events"][-1])):
+        events = {r: event_of(res) for r, res in results.items() if r != 6}
+        assert all(("joined" in e) == (kind == "grow") for e in events.values())
+        print(f"{kind}: communicators_created={events[0]['communicators_created']} "
+              f"communicators_kept={events[0]['communicators_kept']} engines_rebuilt={events[0]['engines_rebuilt']}")
+        assert {r: e["kept_here"] for r, e in events.items()} == {0: healthy, 1: healthy, 2: healthy, 3: healthy,
+                                                                   4: []}
+        assert events[0]["communicators_kept"] == 2 * len(healthy)
+
+
+def _keep_after(rank, world, extra_op):
+    from ntp_ds.comm import groups, wire
+    from ntp_ds.control.store import connect_from_env
+    from ntp_ds.layout import Topology, plan_gradient_sync
+    from ntp_ds.recovery.keep import keep
+    from tests.training import tiny_config
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    groups.start_generation(30.0)
+    topology = Topology.from_degrees(tiny_config().units(), (2,))
+    built = groups.build_groups(topology, plan_gradient_sync(topology), rank, 30.0)
+    wire.all_reduce(torch.ones(1), built.tp_group)
+    pending = None
+    if extra_op and rank == 0:  # an operation its peer never posts, as a member cut off mid-collective leaves it
+        pending = dist.all_reduce(torch.ones(1), group=built.tp_group, async_op=True)
+    candidates = groups.keepable(dist.distributed_c10d._world.pg_map)
+    wire.teardown(keep=candidates)
+    kept = keep(connect_from_env(30.0), rank, candidates, (0, 1), (0, 1), topology, plan_gradient_sync(topology),
+                1 + int(extra_op), 30.0)
+    held = [groups.role_of(g) for g in kept]
+    left = len(dist.distributed_c10d._world.pg_map)
+    del pending
+    return {"kept": held, "registered": left}
+
+
+@pytest.mark.parametrize("extra_op", [False, True], ids=["drained", "one-op-unmatched"])
+def test_a_group_is_kept_only_if_its_members_posted_equally_many_operations(extra_op):
+    results = run_ranks(_keep_after, 2, extra_op, timeout=120, store=True)
+    kept = [sorted(results[r]["kept"]) for r in (0, 1)]
+    # Both members decide alike on the TP group; a group not kept is closed (out of torch's registry). Each rank's
+    # data-parallel group is itself alone (one replica): nothing to check, kept.
+    assert kept == ([["dp"], ["dp"]] if extra_op else [["dp", "tp"], ["dp", "tp"]])
+    assert [results[r]["registered"] for r in (0, 1)] == ([1, 1] if extra_op else [2, 2])
