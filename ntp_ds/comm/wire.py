@@ -88,6 +88,8 @@ class _State:
     """The generation's communicators were aborted: nothing can be posted on them any more."""
     suspects: frozenset | None = None
     """Global ranks the verdict made suspect: the dead and the rest of their replicas (None: every group is)."""
+    blocked_on: object = None
+    """Under NCCL, the group whose operation the training thread is blocked on (in the Work's wait), if any."""
     departed: Callable | None = None
     """departed(group): whether a member of `group` has left it for a recovery (`on_departure`)."""
     aborted_groups: weakref.WeakSet = field(default_factory=weakref.WeakSet)
@@ -168,7 +170,19 @@ def _abort_for(generation: int, suspects, arrival_s: float) -> None:
         _state.spared = [g for g in list(dist.distributed_c10d._world.pg_map)
                          if g is not default and not suspects & set(dist.get_process_group_ranks(g))]
     abort_all(generation, spare=_state.spared)
-    if _state.arrived.wait(arrival_s):
+    deadline = time.monotonic() + arrival_s
+    while not _state.arrived.wait(DEPARTURE_POLL_S):
+        # The training thread blocked on a spared group one of whose members has left for the recovery waits for an
+        # operation that member will never post: abort that group now, not at the arrival bound.
+        blocked = _state.blocked_on
+        if blocked is not None and blocked in _state.spared and _departed(blocked):
+            with _abort_lock:
+                if generation == _state.generation and not _state.arrived.is_set() and blocked in _state.spared:
+                    _abort_groups([blocked])
+                    _state.spared = [g for g in _state.spared if g is not blocked]
+        if time.monotonic() > deadline:
+            break
+    if _state.arrived.is_set():
         return
     with _abort_lock:
         if generation == _state.generation and not _state.arrived.is_set() and _state.spared:
@@ -533,36 +547,62 @@ def on_departure(check: Callable | None) -> None:
     _state.departed = check
 
 
-def _abandon(group) -> bool:
-    """Whether a wait on `group` must end now. Not before a verdict. After one: at once if the group holds a suspect
-    (`peer_failed`; the default group holds everyone), or if none were named; otherwise only once a member of the
-    group has left it for the recovery (`on_departure`). So the members of a group without the dead (a healthy
-    replica's TP group) go on together up to the first operation that involves the dead, with equally many
-    operations posted on the group, which is what lets a recovery keep it (`keep.keep`)."""
+DEPARTURE_CHECK_S = 1.0
+"""How long a wait on a group without a suspect runs, after a verdict, between two looks at its members' departures
+(`on_departure`): one store request per look, made only by a wait that is really stuck, so a job-wide failure costs
+the store at most one request per waiting rank per second (healthy replicas' operations complete in far less)."""
+
+
+def _suspect(group) -> bool:
+    """Whether a wait on `group` must end at once: a verdict came, and the group holds a suspect (`peer_failed`;
+    the default group holds everyone), or none were named, or nothing can tell departures."""
     if not _state.failed.is_set():
         return False
     if _state.suspects is None or group is None or _state.departed is None:
         return True
     try:
-        if _state.suspects & set(dist.get_process_group_ranks(group)):
-            return True
+        return bool(_state.suspects & set(dist.get_process_group_ranks(group)))
     except (KeyError, RuntimeError, ValueError):  # a group torch no longer knows (aborted)
         return True
+
+
+DEPARTURE_POLL_S = 0.25
+"""Under NCCL, how often the abort thread looks at the departures of the group the training thread is blocked on,
+until it reaches the recovery (at most `arrival_s`)."""
+
+
+def _departed(group) -> bool:
+    """Whether a member of `group` (one without a suspect) has left it for the recovery. So the members of such a
+    group (a healthy replica's TP group) go on together up to the first operation that involves the dead, with
+    equally many operations posted on the group, which is what lets a recovery keep it (`keep.keep`). Asked from
+    the training thread and the abort thread alike: one at a time."""
+    check = _state.departed
+    if check is None:
+        return True
     try:
-        return bool(_state.departed(group))
+        with _departure_lock:
+            return bool(check(group))
     except Exception as err:  # the store cannot say: do not wait on a guess
         log.debug("departure check failed: %s", err)
         return True
 
 
+_departure_lock = threading.Lock()
+
+
 def _wait(works, group, what: str, p2p: bool, heed_failure: bool) -> None:
     nccl = is_nccl(group)
     deadline = time.monotonic() + _state.timeout_s
+    look = time.monotonic() + DEPARTURE_CHECK_S
     for work in works if isinstance(works, (list, tuple)) else [works]:
-        if heed_failure and _abandon(group):
+        if heed_failure and _suspect(group):
             raise PeerFailure(f"{what} abandoned: {_state.reason}")
         if nccl or p2p:
-            work.wait()  # NCCL: orders the current stream after the work; an abort ends a kernel blocked on a peer
+            _state.blocked_on = group if nccl else None
+            try:
+                work.wait()  # NCCL: orders the current stream after the work; an abort ends a kernel blocked on a peer
+            finally:
+                _state.blocked_on = None
             continue
         while True:
             try:
@@ -572,8 +612,12 @@ def _wait(works, group, what: str, p2p: bool, heed_failure: bool) -> None:
                 if work.is_completed():
                     work.wait()  # it finished as the slice ran out: return, or raise its own error
                     break
-            if heed_failure and _abandon(group):
+            if heed_failure and _suspect(group):
                 raise PeerFailure(f"{what} abandoned: {_state.reason}")
+            if heed_failure and _state.failed.is_set() and time.monotonic() > look:
+                if _departed(group):
+                    raise PeerFailure(f"{what} abandoned: a member left the group ({_state.reason})")
+                look = time.monotonic() + DEPARTURE_CHECK_S
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what} did not complete within timeout_s={_state.timeout_s}")
 

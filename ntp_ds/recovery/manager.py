@@ -91,7 +91,7 @@ class Recovery:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self._kept_here: list[str] = []
-        """Roles of the groups this rank kept in the recovery under way (none in a grow)."""
+        """Roles of the groups this rank kept in the recovery or grow under way (the event's `kept_here`)."""
         self._candidates: list = []
         """Groups a recovery may keep (`keep.keep`), from its start to its first attempt's teardown."""
         self.declared: dict[int, str] = {}
@@ -106,8 +106,10 @@ class Recovery:
         """What this rank saw of the peers whose beats it judges during a recovery (a bounded set: those its heartbeat
         watched); every other member's death reaches it through the exit and fence logs and the reports."""
         self.reader = LivenessReader.from_env(store)
-        wire.on_departure(lambda group: departed(self.store, self.membership.generation, group))
         with wire.waiting():
+            # Departures are asked from the training thread and, under NCCL, the abort thread: a client of their own.
+            departures = store.clone()
+            wire.on_departure(lambda group: departed(departures, self.membership.generation, group))
             beat_store = store.clone()
             # A peer that beats but makes no training progress while this rank waits on it is hung (hang_timeout_s).
             self.heartbeat = Heartbeat(beat_store, rank, heartbeat_interval_s,
@@ -205,7 +207,7 @@ class Recovery:
         if wire.is_nccl():
             # Abort first: the snapshot and the engine's release synchronise with the device, which must not wait
             # on a kernel blocked on the dead peer. Transfers not confirmed by now are lost with the communicators.
-            # Only the groups without a dead member are spared (when the watcher named the dead), for `keep.keep`.
+            # Only the groups without a suspect are spared (when the watcher named the dead), for `keep.keep`.
             wire.peer_failed(f"recovering from {type(error).__name__}: {error}")
             self._candidates = keepable(wire.arrive())
         else:
@@ -245,7 +247,7 @@ class Recovery:
         # Closing our connections fails every collective a live peer still waits on with us, so it joins the
         # recovery at once instead of at its process-group timeout (gloo closes them once unreferenced; NCCL
         # communicators are aborted first). The groups that may be kept stay open until `keep.keep` decides (a peer
-        # blocked in one of them leaves it at the liveness verdict); only the first attempt keeps any.
+        # waiting in one of them stops once a member has departed: `keep.depart`); only the first attempt keeps any.
         candidates, self._candidates = self._candidates, []
         discard_unused()
         wire.teardown(keep=candidates)
