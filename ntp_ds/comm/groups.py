@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import weakref
+from array import array
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -137,6 +139,10 @@ _KEPT: dict = {}
 `named_group` hands it out."""
 _GENERATION = [0]
 """The membership generation whose groups are being built: part of every group's name."""
+_BUILT: dict[str, int] = {}
+"""How many groups of each name (role and members) this process has built in the current generation: a second build
+of the same group (two engines in one generation, as `benchmarks/steady_state.py` builds) gets a name of its own,
+alike on every member, since each member of a group builds it as often, in the same order."""
 
 
 def named_group(name: str, ranks, timeout: timedelta, backend: str | None = None, role: str = "tree"):
@@ -161,7 +167,13 @@ def named_group(name: str, ranks, timeout: timedelta, backend: str | None = None
         return kept
     default = c10d._get_default_group()
     default_backend, store = c10d._world.pg_map[default]
-    group_name = c10d.GroupName(f"ntp:{_GENERATION[0]}/{name}")
+    # The members are part of the name: two builds of one role with other members (two engines in one generation)
+    # never share a name, so the count below only tells apart builds of the very same group.
+    members = hashlib.sha1(array("q", ranks).tobytes(), usedforsecurity=False).hexdigest()[:12]
+    full = f"ntp:{_GENERATION[0]}/{name}/{members}"
+    built = _BUILT.get(full, 0)
+    _BUILT[full] = built + 1
+    group_name = c10d.GroupName(f"{full}#{built}" if built else full)
     with members_only():
         group, _ = c10d._new_process_group_helper(len(ranks), ranks.index(me), ranks,
                                                   dist.Backend(backend or default_backend), store, group_name,
@@ -211,6 +223,7 @@ def start_generation(timeout_s: float, fanout: int = CONTROL_FANOUT, generation:
     named after its level and its leader (`named_group`), so no rank needs to hold as many groups as another.
     `generation`: the membership generation, which names its groups."""
     _GENERATION[0] = generation
+    _BUILT.clear()
     timeout = timedelta(seconds=timeout_s)
     # Under gloo the default group is the control group, and a world of at most `fanout` ranks uses it as its tree.
     # Under NCCL no world-sized gloo group is built: control traffic goes along the tree alone.

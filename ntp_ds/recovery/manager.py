@@ -32,7 +32,7 @@ from ntp_ds.engine.config import ConfigError
 from ntp_ds.engine.engine import Snapshot, write_hf_index, write_hf_shard
 from ntp_ds.engine.fragments import params_from_masters
 from ntp_ds.engine.initialize import JobSpec, build_engine, build_topology, join_world
-from ntp_ds.layout import ShardLayout, Topology
+from ntp_ds.layout import ShardLayout, Topology, plan_gradient_sync
 from ntp_ds.layout import units as U
 from ntp_ds.layout.sharding import gather_units, packed_numel, scatter_units
 from ntp_ds.models import CausalLMShard, empty_shard
@@ -279,7 +279,7 @@ class Recovery:
         placement = self.placement.after_loss(plan.lost, drop)
 
         kept = keep(self.store, self.rank, candidates, old_members, new_members, new_topology,
-                    self.job.plan(new_topology)[0], change.generation, self.job.ntp.timeout_s)
+                    plan_gradient_sync(new_topology), change.generation, self.job.ntp.timeout_s)
         self._kept_here = sorted(role_of(g) for g in kept)
         self._phase(snapshot.global_steps + 1, "rendezvous")
         self._regroup(change.generation, new_members, kept, old_members)
@@ -522,7 +522,7 @@ class Recovery:
             placement, members, _ = self.placement.grow(plan.members_before, plan.joiners, self.job.ntp.min_tp)
             grown = placement.topology(self.placement, snapshot.topology)
             kept = keep(self.store, self.rank, candidates, plan.members_before, plan.members, grown,
-                        self.job.plan(grown)[0], generation, self.job.ntp.timeout_s)
+                        plan_gradient_sync(grown), generation, self.job.ntp.timeout_s)
         self._kept_here = sorted(role_of(g) for g in kept)
         self._regroup(generation, plan.members, kept, plan.members_before)
         snapshot = self._share_context(snapshot)
