@@ -18,8 +18,9 @@ from tests.training import train_with_recovery
 STEPS = 6
 
 
-def run(degrees, stage, faults, joins, min_tp=1, timeout=240, joiner_overrides=None, timeout_s=12.0):
-    ntp = {"tp": max(degrees), "replicas": len(degrees), "min_tp": min_tp}
+def run(degrees, stage, faults, joins, min_tp=1, timeout=240, joiner_overrides=None, timeout_s=12.0,
+        ntp_overrides=None):
+    ntp = {"tp": max(degrees), "replicas": len(degrees), "min_tp": min_tp, **(ntp_overrides or {})}
     world = sum(degrees)
     joins = {world + i: step for i, step in enumerate(joins)}
     return run_ranks(train_with_recovery, world, ntp, "adamw", stage, GLOBAL_BATCH, MICRO, STEPS, faults, 2.0, 1,
@@ -28,6 +29,18 @@ def run(degrees, stage, faults, joins, min_tp=1, timeout=240, joiner_overrides=N
 
 def join_events(results):
     return [e for r in results.values() for e in r["events"] if "joined" in e]
+
+
+def test_a_grow_first_completes_the_parameters_streamed_to_a_contributor():
+    # After rank 5's loss replica 2 (TP 1) is a contributor: after each step the anchors stream its parameters to it,
+    # here in buckets of 2,000 elements, more than it receives ahead (its window), so at the grow's boundary the
+    # anchors' last sends wait for receives it has not posted yet. A teardown before they ran would abort them
+    # under NCCL's rules (nccl_model), and leave the contributor waiting for them for ever.
+    results = run((2, 2, 2), 1, [fault(5, 2, "backward")], joins=[6], ntp_overrides={"bucket_size": 2000})
+    assert set(results) == {0, 1, 2, 3, 4, 6}
+    assert_equivalent(results, STEPS)
+    assert all(tuple(r["degrees"]) == (2, 2, 2) for r in results.values())
+    assert all(e["lossless"] for e in join_events(results))
 
 
 @pytest.mark.parametrize("stage", [1, 2])  # ZeRO 0: test_a_dropped_replica_is_brought_back

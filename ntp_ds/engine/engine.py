@@ -160,6 +160,17 @@ class NTPEngine(DeepSpeedEngine):
         """
         self._params_in.settle()
 
+    def quiesce(self) -> None:
+        """Complete every transfer this rank has in flight, both ways: the parameters streamed from the anchors to
+        the contributors, and the redundant copies; raise if one failed.
+
+        For a teardown with every peer alive (a grow): under NCCL a send still queued on a communicator when it is
+        aborted never runs, and its receiver, whose communicator nobody aborts, waits for ever. (A failure's recovery
+        salvages what arrives instead, and every survivor aborts its own communicators.)"""
+        self._params_out.wait()
+        self.settle_parameters()
+        self.copies.finish()
+
     def _add_parameter_hooks(self) -> None:
         """Before a module first uses its parameters in a forward, complete the buckets that hold them."""
         names = self._params_in.names

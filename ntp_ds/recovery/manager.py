@@ -201,6 +201,9 @@ class Recovery:
             return self._recover(error)
 
     def _recover(self, error: BaseException) -> RecoveryOutcome:
+        if self.engine is None:  # an earlier recovery or grow gave up half way: there is no state to carry on from
+            raise RecoveryImpossible(f"rank {self.rank}: no engine to recover ({type(error).__name__}: {error}); an "
+                                     "earlier recovery did not complete")
         failed_at = time.monotonic()
         mark_communicators()  # what exists now and is still in use after the recovery was kept
         depart(self.store, self.membership.generation)
@@ -233,7 +236,8 @@ class Recovery:
                 self.failed_attempts.append(time.time())
                 log.warning("rank %d: recovery attempt %d failed (%s); retrying", self.rank, attempt + 1, again)
                 error = again
-        raise RuntimeError(f"rank {self.rank}: recovery did not converge after {len(self.members)} attempts")
+        raise RecoveryImpossible(f"rank {self.rank}: recovery did not converge after {len(self.members)} attempts "
+                                 f"(the last failed with: {error})")
 
     def _attempt(self, snapshot, old_members, error, failed_at) -> RecoveryOutcome:
         t0 = time.monotonic()
@@ -488,6 +492,10 @@ class Recovery:
             return self._grow_from_boundary(plan)
 
     def _grow_from_boundary(self, plan: JoinPlan) -> RecoveryOutcome:
+        # What is in flight completes first, while every peer is alive and before anything is committed: the
+        # teardown aborts the communicators under NCCL, which would drop an anchor's parameter bucket still queued
+        # for a contributor, and leave the contributor waiting for it for ever. A failure here is a step's failure.
+        self.engine.quiesce()
         t0 = time.monotonic()
         traffic_before = wire.traffic()
         generation = self.membership.generation
