@@ -3,6 +3,7 @@ carry on into the next generation, and only groups whose members left them with 
 kept. Judged by final state as every recovery test is: the weights equal the failure-free run's."""
 
 import os
+from datetime import timedelta
 
 import pytest
 import torch
@@ -87,3 +88,47 @@ def test_a_group_is_kept_only_if_its_members_posted_equally_many_operations(extr
     # data-parallel group is itself alone (one replica): nothing to check, kept.
     assert kept == ([["dp"], ["dp"]] if extra_op else [["dp", "tp"], ["dp", "tp"]])
     assert [results[r]["registered"] for r in (0, 1)] == ([1, 1] if extra_op else [2, 2])
+
+
+def _departures(rank, world):
+    from ntp_ds.comm import groups, wire
+    from ntp_ds.control.store import connect_from_env
+    from ntp_ds.recovery.keep import depart, departed
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    groups.start_generation(30.0)
+    tp = groups.named_group("tp/0", [0, 1], timedelta(seconds=30), role="tp")
+    store = connect_from_env(30.0)
+    wire.on_departure(lambda group: departed(store, 7, group))
+    wire.all_reduce(torch.ones(1), tp)
+    seen = {"before": departed(store, 7, tp)}
+    store.set(f"rank{rank}-read", "1")
+    if rank == 1:  # leaves first, with one operation posted on the group
+        store.wait(["rank0-read"])
+        depart(store, 7)
+        store.set("rank1-left", "1")
+        store.wait(["rank0-left"])
+    else:
+        store.wait(["rank1-left"])
+        seen["level"] = wire._departed(tp)  # as many operations as the leaver: nothing of this rank's is unmatched
+        pending = dist.all_reduce(torch.ones(1), group=tp, async_op=True)  # one the leaver never posts
+        seen["ahead"] = wire._departed(tp)
+        depart(store, 7)  # leaves with two: the members did not stop together
+        store.set("rank0-left", "1")
+    seen["after"] = departed(store, 7, tp)
+    seen["released"] = wire._departed(tp)
+    wire.discard([tp])
+    if rank == 0:
+        del pending
+    return seen
+
+
+def test_a_departure_releases_only_a_peer_that_posted_more_than_the_leaver():
+    # A healthy replica's TP group: rank 1 leaves it for the recovery after one operation. Rank 0, level with it, has
+    # nothing to give up; once it posts an operation rank 1 never will, its wait is lost. Leaving with another count
+    # than rank 1's marks the group -1, which releases every member.
+    seen = run_ranks(_departures, 2, timeout=120, store=True)
+    assert seen[0]["before"] is None and seen[1]["before"] is None
+    assert seen[0]["level"] is False and seen[0]["ahead"] is True
+    assert seen[0]["after"] == seen[1]["after"] == -1
+    assert seen[0]["released"] is True and seen[1]["released"] is True

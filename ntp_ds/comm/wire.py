@@ -88,10 +88,9 @@ class _State:
     """The generation's communicators were aborted: nothing can be posted on them any more."""
     suspects: frozenset | None = None
     """Global ranks the verdict made suspect: the dead and the rest of their replicas (None: every group is)."""
-    blocked_on: object = None
-    """Under NCCL, the group whose operation the training thread is blocked on (in the Work's wait), if any."""
     departed: Callable | None = None
-    """departed(group): whether a member of `group` has left it for a recovery (`on_departure`)."""
+    """departed(group): the operations posted on `group` by the members that left it for a recovery, -1 if they
+    differ, None while none has (`on_departure`)."""
     aborted_groups: weakref.WeakSet = field(default_factory=weakref.WeakSet)
     """Groups aborted one by one (the rest of the generation's stay usable)."""
     spared: list = field(default_factory=list)
@@ -143,10 +142,11 @@ def peer_failed(reason: str, suspects=None, arrival_s: float = 5.0) -> None:
 
     `suspects`: global ranks, the dead and the rest of their replicas (whose groups change with the topology). The
     groups without any (a healthy replica's TP group), and the default group, which holds everyone, are left to the
-    recovery to keep, if the training thread reaches it (`arrive`) within `arrival_s`; meanwhile a wait on one
-    ends only once a member has left the group for the recovery (`on_departure`). A training thread that does not
-    arrive in time may be blocked on a kernel of such a group that a peer, already in recovery, will never match:
-    those groups are aborted then too.
+    recovery to keep, if the training thread reaches it (`arrive`) within `arrival_s`. Meanwhile one of them whose
+    members have left it for the recovery having posted fewer operations on it than this rank (`on_departure`)
+    holds an operation of this rank that nobody will match, which the training thread may be blocked on, directly
+    or through the device: a wait on it ends, and under NCCL it is aborted at once. What is still spared when the
+    arrival bound passes is aborted then.
     """
     if _state.failed.is_set():
         return
@@ -172,14 +172,16 @@ def _abort_for(generation: int, suspects, arrival_s: float) -> None:
     abort_all(generation, spare=_state.spared)
     deadline = time.monotonic() + arrival_s
     while not _state.arrived.wait(DEPARTURE_POLL_S):
-        # The training thread blocked on a spared group one of whose members has left for the recovery waits for an
-        # operation that member will never post: abort that group now, not at the arrival bound.
-        blocked = _state.blocked_on
-        if blocked is not None and blocked in _state.spared and _departed(blocked):
+        # A spared group whose members left for the recovery with fewer operations posted on it than this rank holds
+        # an operation of this rank they will never match; the training thread may be blocked on it (in its wait,
+        # or on the device behind its kernel): abort that group now, not at the arrival bound.
+        lost = [g for g in list(_state.spared) if _departed(g)]
+        if lost:
             with _abort_lock:
-                if generation == _state.generation and not _state.arrived.is_set() and blocked in _state.spared:
-                    _abort_groups([blocked])
-                    _state.spared = [g for g in _state.spared if g is not blocked]
+                if generation == _state.generation and not _state.arrived.is_set():
+                    lost = [g for g in lost if g in _state.spared]
+                    _abort_groups(lost)
+                    _state.spared = [g for g in _state.spared if g not in lost]
         if time.monotonic() > deadline:
             break
     if _state.arrived.is_set():
@@ -542,8 +544,9 @@ def wait(works, group=None, what: str = "collective", p2p: bool = False, heed_fa
 
 
 def on_departure(check: Callable | None) -> None:
-    """Install `check(group)`: whether a member of `group` has left it for a recovery (the recovery publishes
-    that through the store as it begins). Without one, every wait ends at a verdict."""
+    """Install `check(group)`: how many operations the members of `group` that left it for a recovery had posted on
+    it (-1 if not all the same), or None while none has (the recovery publishes that through the store as it
+    begins). Without one, every wait ends at a verdict."""
     _state.departed = check
 
 
@@ -567,21 +570,24 @@ def _suspect(group) -> bool:
 
 
 DEPARTURE_POLL_S = 0.25
-"""Under NCCL, how often the abort thread looks at the departures of the group the training thread is blocked on,
-until it reaches the recovery (at most `arrival_s`)."""
+"""Under NCCL, how often the abort thread looks at the departures from the spared groups (one store request per
+group while nobody has left it), until the training thread reaches the recovery (at most `arrival_s`)."""
 
 
 def _departed(group) -> bool:
-    """Whether a member of `group` (one without a suspect) has left it for the recovery. So the members of such a
-    group (a healthy replica's TP group) go on together up to the first operation that involves the dead, with
-    equally many operations posted on the group, which is what lets a recovery keep it (`keep.keep`). Asked from
-    the training thread and the abort thread alike: one at a time."""
+    """Whether this rank holds an operation on `group` (one without a suspect) that nobody will match: its members
+    that left it for the recovery had posted fewer, or not all the same number. So the members of such a group (a
+    healthy replica's TP group) go on together up to the first operation that involves the dead, with equally many
+    operations posted on the group, which is what lets a recovery keep it (`keep.keep`); a member that got one
+    further is released as soon as the others have left. Asked from the training thread and the abort thread
+    alike: one at a time."""
     check = _state.departed
     if check is None:
         return True
     try:
         with _departure_lock:
-            return bool(check(group))
+            left = check(group)
+        return left is not None and (left < 0 or left < ops_posted(group))
     except Exception as err:  # the store cannot say: do not wait on a guess
         log.debug("departure check failed: %s", err)
         return True
@@ -598,11 +604,7 @@ def _wait(works, group, what: str, p2p: bool, heed_failure: bool) -> None:
         if heed_failure and _suspect(group):
             raise PeerFailure(f"{what} abandoned: {_state.reason}")
         if nccl or p2p:
-            _state.blocked_on = group if nccl else None
-            try:
-                work.wait()  # NCCL: orders the current stream after the work; an abort ends a kernel blocked on a peer
-            finally:
-                _state.blocked_on = None
+            work.wait()  # NCCL: orders the current stream after the work; an abort ends a kernel blocked on a peer
             continue
         while True:
             try:
@@ -616,7 +618,7 @@ def _wait(works, group, what: str, p2p: bool, heed_failure: bool) -> None:
                 raise PeerFailure(f"{what} abandoned: {_state.reason}")
             if heed_failure and _state.failed.is_set() and time.monotonic() > look:
                 if _departed(group):
-                    raise PeerFailure(f"{what} abandoned: a member left the group ({_state.reason})")
+                    raise PeerFailure(f"{what} abandoned: its members left the group without it ({_state.reason})")
                 look = time.monotonic() + DEPARTURE_CHECK_S
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what} did not complete within timeout_s={_state.timeout_s}")

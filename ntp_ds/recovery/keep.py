@@ -3,11 +3,11 @@
 A failure makes *suspects* of the dead and the rest of their replicas: the groups holding one change with the
 topology, so waits on them end at once and, under NCCL, their communicators are aborted. A group without a suspect
 (a healthy replica's TP group) carries on: its members go on to the first operation that involves the dead, and
-each survivor says, as its recovery begins, that it has left its groups (`depart`), which ends a peer's wait on one
-of them. After the agreement, the members of every group the new topology builds again with the same members
-decide together whether it is drained (`keep`): kept, it is carried into the next generation
-(`ntp_ds.comm.groups.adopt`); not, it is closed. docs/design.md, "What a recovery keeps".
-"""
+each survivor says, as its recovery begins, that it has left its groups and how many operations it had posted on
+each (`depart`), which ends a peer's wait on an operation the leaver never posted. After the agreement, the members
+of every group the new topology builds again with the same members decide together whether it is drained
+(`keep`): kept, it is carried into the next generation (`ntp_ds.comm.groups.adopt`); not, it is closed.
+docs/design.md, "What a recovery keeps"."""
 
 from __future__ import annotations
 
@@ -39,16 +39,35 @@ def _left(generation: int, group) -> str:
 
 
 def depart(store, generation: int) -> None:
-    """Say, for each group this rank holds, that it posts nothing more on it in `generation`: a peer still waiting on
-    one (one without a suspect: `wire.on_departure`) stops waiting."""
-    keys = [_left(generation, g) for g in dist.distributed_c10d._world.pg_map]
-    if keys:
-        store.multi_set(keys, ["1"] * len(keys))
+    """Say, for each group this rank holds, that it posts nothing more on it in `generation`, and how many operations
+    it had posted on it. The first member to leave a group sets its count; one that leaves with another count marks
+    the group -1 (its members did not stop together: every wait on it is lost). A peer still waiting on the group
+    (one without a suspect: `wire.on_departure`) stops once the count is below its own: its operation will never be
+    matched."""
+    world = dist.distributed_c10d._world
+    # Read first: under NCCL the abort thread may be taking the world's groups out of torch's registry meanwhile.
+    held = [(world.pg_names.get(g), _posted(g)) for g in list(world.pg_map)]
+    for name, posted in held:
+        if name is None:
+            continue
+        key, mine = f"left/{generation}/{name}", str(posted)
+        stands = store.compare_set(key, "", mine).decode()
+        if stands not in (mine, "-1"):
+            store.compare_set(key, stands, "-1")
 
 
-def departed(store, generation: int, group) -> bool:
-    """Whether a member of `group` has left it for a recovery of `generation` (`depart`)."""
-    return store.check([_left(generation, group)])
+def _posted(group) -> int:
+    try:
+        return wire.ops_posted(group)
+    except (RuntimeError, ValueError):  # a group that can no longer say (aborted): its count matches nobody's
+        return -1
+
+
+def departed(store, generation: int, group) -> int | None:
+    """How many operations the members of `group` that left it for a recovery of `generation` had posted on it
+    (`depart`; -1: not all the same), or None while none has left it."""
+    key = _left(generation, group)
+    return int(store.get(key)) if store.check([key]) else None
 
 
 def close_hit(candidates, topology: Topology, old_members: tuple[int, ...], dead) -> list:
