@@ -166,9 +166,11 @@ class NTPEngine(DeepSpeedEngine):
 
         For a teardown with every peer alive (a grow): under NCCL a send still queued on a communicator when it is
         aborted never runs, and its receiver, whose communicator nobody aborts, waits for ever. (A failure's recovery
-        salvages what arrives instead, and every survivor aborts its own communicators.)"""
-        self._params_out.wait()
+        salvages what arrives instead, and every survivor aborts its own communicators.)
+
+        A rank either sends parameters (an anchor) or receives them (a contributor), so the order of the two is free."""
         self.settle_parameters()
+        self._params_out.wait()
         self.copies.finish()
 
     def _add_parameter_hooks(self) -> None:
@@ -327,9 +329,9 @@ class NTPEngine(DeepSpeedEngine):
             self._phase(self.global_steps + 1, "optimizer")
             if not self.is_anchor:
                 self._outgoing.wait()  # every bucket has reached its anchor before anyone steps
-                self.settle_parameters()  # a parameter no module used in this step's forward
-            self._params_out.wait()
-            self.copies.finish()  # with redundancy_overlap: the previous step's copies, which travelled meanwhile
+            # A contributor's parameters no module used in this step's forward; with redundancy_overlap, the previous
+            # step's copies, which travelled meanwhile.
+            self.quiesce()
             self._before_step = (self.global_steps, self.global_samples, self._lr_state(),
                                  state.optimizer_step(self) if self.is_anchor else 0)
             wire.vote(True, name="ready_vote")

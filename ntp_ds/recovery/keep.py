@@ -34,8 +34,9 @@ def suspects(topology: Topology, members: tuple[int, ...], dead) -> list[int]:
     return [g for replica in sorted(hit) for g in topology.ranks_of(replica)]
 
 
-def _left(generation: int, group) -> str:
-    return f"left/{generation}/{dist.distributed_c10d._world.pg_names[group]}"
+def _left(generation: int, name: str) -> str:
+    """The store key of a departure from the group named `name` in `generation`."""
+    return f"left/{generation}/{name}"
 
 
 def depart(store, generation: int) -> None:
@@ -50,7 +51,7 @@ def depart(store, generation: int) -> None:
     for name, posted in held:
         if name is None:
             continue
-        key, mine = f"left/{generation}/{name}", str(posted)
+        key, mine = _left(generation, name), str(posted)
         stands = store.compare_set(key, "", mine).decode()
         if stands not in (mine, "-1"):
             store.compare_set(key, stands, "-1")
@@ -66,7 +67,7 @@ def _posted(group) -> int:
 def departed(store, generation: int, group) -> int | None:
     """How many operations the members of `group` that left it for a recovery of `generation` had posted on it
     (`depart`; -1: not all the same), or None while none has left it."""
-    key = _left(generation, group)
+    key = _left(generation, dist.distributed_c10d._world.pg_names[group])
     return int(store.get(key)) if store.check([key]) else None
 
 
