@@ -7,7 +7,7 @@ dies) it measures:
 - plan: one rank's recovery planning, the pure functions `Recovery._attempt`, `_install` and `reslice` call from the
   agreed membership to the state moves (`replica_membership`, `Placement.after_loss`, `roll_back`, the
   `old_rank_of` map `_install` builds, `plan_unit_moves` and its re-replicated and rebalanced moves, `JobSpec.plan`,
-  the layout rule's addresses `_rule_holds` checks, `StateIndex.from_layouts`, `plan_incoming`, `plan_outgoing`,
+  `exchange_families` (the groups its exchanges will run on; the largest family's size is printed), the layout rule's addresses `_rule_holds` checks, `StateIndex.from_layouts`, `plan_incoming`, `plan_outgoing`,
   `count_lost_state`), for three roles: a rank of a healthy replica, a survivor of the degraded replica and the buddy
   of the dead rank. The collectives' results (the gathered offers) are built before the clock starts, as the wire
   would hand them over. Each case runs in a fresh interpreter: its time and peak RSS (VmHWM, not inherited) are
@@ -160,6 +160,7 @@ def plan_case(world: int, role: str) -> dict:
 
 def _timed_plan(world, role, config, specs, shapes, order, old, me_launch, job, old_members, placement, gathered,
                 shared, setup_rss) -> dict:
+    from ntp_ds.comm.groups import exchange_families
     from ntp_ds.layout.zero import anchor_addresses
     from ntp_ds.recovery.plan import old_ranks, plan_unit_moves, rebalanced_moves, rereplicated_moves
     from ntp_ds.recovery.reslice import StateIndex, count_lost_state, plan_incoming, plan_outgoing
@@ -181,8 +182,9 @@ def _timed_plan(world, role, config, specs, shapes, order, old, me_launch, job, 
     rereplicated = rereplicated_moves(old, new, old_rank_of, moves)
     rebalanced = rebalanced_moves(old, new, old_rank_of, moves)
     sync, batch = job.plan(new)
-    t_units = time.monotonic()
     me = new_members.index(me_launch)
+    families = exchange_families(new, sync, me)  # the groups its exchanges run on (`build_exchange_families`)
+    t_units = time.monotonic()
     my_old = old_rank_of[me]
     held = {o: anchor_addresses(order, old, o, specs, shapes) for o in gathered[me]["steps"]}  # `_rule_holds`
     index = StateIndex.from_layouts([g["steps"] for g in gathered], old, new, specs, shapes, order)
@@ -196,7 +198,8 @@ def _timed_plan(world, role, config, specs, shapes, order, old, me_launch, job, 
                          "units_and_batch": t_units - t_rank_map, "state": end - t_units},
             "unit_moves": len(moves), "rereplicated": len(rereplicated), "rebalanced": len(rebalanced),
             "incoming": len(incoming), "outgoing": len(outgoing), "lost_elements": lost,
-            "rolled_back": rolled_back, "replicas_in_batch": len(batch.replicas)}
+            "rolled_back": rolled_back, "replicas_in_batch": len(batch.replicas),
+            "largest_family": max((len(members) for _, members in families), default=0)}
 
 
 # -- store load: a sample of ranks' real code paths -----------------------------------------------------------------
@@ -477,7 +480,7 @@ def main(argv=None) -> int:
         print(f"\n== W={world} ({world // TP} replicas x TP {TP}; dead: launch rank {DEAD}) ==", flush=True)
         plans = {role: run_child(["--plan-case", str(world), role], args.plan_timeout_s) for role in ROLES}
         print(f"{'role':<9} {'rank':>7} {'plan_s':>10} {'rss_mb':>9} {'setup_mb':>9}  phases_s (membership / "
-              f"rank_map / units+batch / state)      moves in/out", flush=True)
+              f"rank_map / units+batch / state)      moves in/out  family", flush=True)
         for role, p in plans.items():
             if "seconds" not in p:
                 why = f">{p['exceeded_s']:.0f}s (bound)" if "exceeded_s" in p else f"error: {p.get('error')}"
@@ -486,7 +489,7 @@ def main(argv=None) -> int:
             ph = p["phases_s"]
             print(f"{role:<9} {p['rank']:>7} {p['seconds']:>10.3f} {p['rss_mb']:>9.0f} {p['setup_rss_mb']:>9.0f}  "
                   f"{ph['membership']:.3f} / {ph['rank_map']:.3f} / {ph['units_and_batch']:.3f} / {ph['state']:.3f}"
-                  f"      {p['incoming']}/{p['outgoing']}", flush=True)
+                  f"      {p['incoming']}/{p['outgoing']}  {p['largest_family']}", flush=True)
         store = run_child(["--store-case", str(world), "--store-timeout-s", str(args.store_timeout_s)],
                           args.store_timeout_s + 120)
         if "per_rank" in store:

@@ -169,3 +169,37 @@ def test_named_groups_meet_whatever_groups_each_member_already_holds():
     assert [r["every"] for r in results] == [3.0, 3.0, 3.0]
     assert [r["extra"] for r in results] == [2, 0, 0]
     assert all(r["ranks"] == [0, 1, 2] for r in results) and [r["group_rank"] for r in results] == [0, 1, 2]
+
+
+def join_after_a_peer_that_shares_no_group_with_it(rank, world, backend):
+    """Fanout 2 over 3 ranks: tree groups {0, 1} and {0, 2}. Rank 2 joins the generation only once rank 1 has joined
+    it, which rank 1 can do only if joining connected it to nobody outside its own groups (the default group
+    connecting every pair would hold rank 1 until rank 2 came)."""
+    import os
+    from datetime import timedelta
+
+    from ntp_ds.comm import wire
+    from ntp_ds.control.store import connect_from_env
+    from ntp_ds.engine.config import NTPConfig
+    from ntp_ds.engine.initialize import join_world
+
+    os.environ["NTP_TEST_BACKEND"] = backend
+    if backend == "nccl_model":
+        import ntp_ds.testing.nccl_model  # noqa: F401  (registers the backend)
+    store = connect_from_env(30.0)
+    if rank == 2:
+        store.wait(["joined/1"], timedelta(seconds=20))  # raises if rank 1 could not join without rank 2
+    join_world(NTPConfig(tp=1, replicas=world, control_fanout=2), store, 0, rank, world)
+    if rank == 1:
+        store.set("joined/1", "1")
+    try:
+        total = wire.sum_counts([1.0])  # along the tree: every rank took part
+    finally:
+        wire.teardown()
+    return total
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl_model"])
+def test_a_rank_joins_a_generation_without_connecting_to_ranks_outside_its_groups(backend):
+    results = run_ranks(join_after_a_peer_that_shares_no_group_with_it, 3, backend, timeout=90, store=True)
+    assert results == {0: [3.0], 1: [3.0], 2: [3.0]}

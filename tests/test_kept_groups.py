@@ -33,6 +33,18 @@ def test_replicas_that_lost_nothing_keep_their_tp_groups(stage):
     assert kept == {0: healthy, 1: healthy, 2: healthy, 3: healthy, 4: []}
     # Each kept group counted once (by its lowest member): replicas 0 and 1's.
     assert event["communicators_kept"] == 2 * len(healthy)
+    assert_no_world_communicator(results)
+
+
+def assert_no_world_communicator(results, largest=3):
+    """Under NCCL's rules, no rank created a communicator larger than a DP family (a rank of each of the three
+    replicas) or a TP group: the default group's world communicator was never created."""
+    if not NCCL_RULES:
+        return
+    sizes = {r: res["communicators"] for r, res in results.items()}
+    print("communicator sizes by rank:", {r: sorted(set(s)) for r, s in sizes.items()})
+    assert all(s for s in sizes.values()), "a rank created no communicator"
+    assert max(max(s) for s in sizes.values()) <= largest, sizes
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -53,6 +65,7 @@ def test_and_keep_them_through_the_grow_back_that_follows(stage):
         assert {r: e["kept_here"] for r, e in events.items()} == {0: healthy, 1: healthy, 2: healthy, 3: healthy,
                                                                    4: []}
         assert events[0]["communicators_kept"] == 2 * len(healthy)
+    assert_no_world_communicator(results)
 
 
 def _keep_after(rank, world, extra_op):

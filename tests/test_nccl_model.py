@@ -98,6 +98,17 @@ def sends_before_receives(rank, world):
     assert got[0].item() == float(left)
 
 
+def batch_first_on_a_subset(rank, world):
+    """Starts a group of three with a batch between two of its ranks (NCCL: undefined)."""
+    if rank == 2:
+        return
+    got = torch.zeros(4)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((4,), float(rank)), 1 - rank),
+                                        dist.P2POp(dist.irecv, got, 1 - rank)]):
+        work.wait()
+    assert got.tolist() == [float(1 - rank)] * 4
+
+
 def rely_on_tags(rank, world):
     """Receives two messages of one batch in another order than they were sent, matched by tag."""
     if rank == 0:
@@ -155,6 +166,10 @@ def test_async_send_buffer_must_not_change_in_flight():
 def test_order_send_before_receive_deadlocks_and_is_reported():
     _fails(sends_before_receives, r"Deadlock: .*group rank \d has waited 3 s at op #0 \(send #0 to rank \d\).*rank \d: op #0: send #0 to rank \d",
            world=3, rule="order")
+
+
+def test_first_op_a_batch_of_some_ranks_is_refused():
+    _fails(batch_first_on_a_subset, "RuleViolation: .*first op of its communicator", world=3, rule="first")
 
 
 def test_tags_ignored():
@@ -261,6 +276,7 @@ def receive_from_one_peer(rank, world):
     from ntp_ds.comm import wire
 
     wire.configure(30.0, None)
+    wire.all_reduce(torch.zeros(1), None)  # the group's first op: a collective (NCCL's rule)
     peer = 1 - rank
     got = [torch.zeros(16), torch.zeros(4)]
     pending = wire.exchange({peer: [torch.full((16,), float(rank)), torch.full((4,), float(rank))]}, {peer: got})

@@ -48,9 +48,10 @@ def test_a_crashed_rank_is_recovered_in_memory(trained):
     assert 0 < recovery["failure_to_step_s"] < 20
     # What the recovery rebuilt, counted where it happened: today every survivor builds a new engine; replica 0,
     # which lost nothing, keeps its TP group, and the rest of the new generation's groups are new (the world,
-    # replica 1's TP group of one, the DP groups of ranks 0 and 1 and the contributor's own).
+    # replica 1's TP group of one, the DP groups of ranks 0 and 1 and the contributor's own, and the two exchange
+    # families {0, 2} and {1, 2}).
     assert recovery["engines_rebuilt"] == 3
-    assert recovery["communicators_created"] == 5 and recovery["communicators_kept"] == 1
+    assert recovery["communicators_created"] == 7 and recovery["communicators_kept"] == 1
     assert 0 < recovery["healthy_stall_s"] < 20  # replica 0 lost nothing, and waited from the failure to step 2
     assert "recovered at step 2 from the loss of rank 3; TP degrees [2, 2] -> [2, 1]" in result.stderr
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import torch
@@ -265,7 +266,16 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
             "layout": engine.ntp_groups.layout, "shards": host_shards(engine.module),
             "full": full, "events": recovery.events, "global_steps": engine.global_steps,
             "degrees": engine.ntp_groups.topology.degrees, "noticed": noticed, "recovered": recovered, "fired": fired,
-            "failed_attempts": recovery.failed_attempts}
+            "failed_attempts": recovery.failed_attempts, "communicators": communicators_created()}
+
+
+def communicators_created() -> list[int] | None:
+    """Under nccl_model, the size of every communicator this process created (None on other backends)."""
+    if os.environ.get("NTP_TEST_BACKEND") != "nccl_model":
+        return None
+    from ntp_ds.testing.nccl_model import communicator_sizes
+
+    return communicator_sizes()
 
 
 def _await_join_requests(store, n: int, timeout_s: float = 90.0) -> None:

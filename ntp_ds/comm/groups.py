@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import weakref
 from array import array
@@ -15,6 +16,8 @@ import torch.distributed as dist
 
 from ntp_ds.comm import wire
 from ntp_ds.layout import SyncPlan, Topology
+
+log = logging.getLogger(__name__)
 
 
 TEST_BACKEND_ENV = "NTP_TEST_BACKEND"
@@ -68,6 +71,31 @@ def skip_shm_comm_op() -> None:
     from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
     deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+
+
+GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
+
+
+@contextlib.contextmanager
+def unconnected_default_group(backend: str, world_size: int, fanout: int):
+    """Create the generation's default group inside this block without connecting its members, wherever it carries
+    no traffic: under NCCL (torch creates it unbound: no communicator; the NCCL model's gloo underneath connects
+    lazily too) and under gloo once the world is larger than one control group (`fanout`), when the control tree's
+    own groups carry the control traffic and the exchange families the data. A gloo group made while
+    TORCH_GLOO_LAZY_INIT is set connects a pair when it first talks (torch reads the variable as each group is made;
+    only this one is). A world of at most `fanout` ranks under gloo uses the default group as its control group,
+    which stays eager: a peer that died before first contact is then seen at once, not at the group's timeout."""
+    lazy = backend != "gloo" or world_size > fanout
+    saved = os.environ.get(GLOO_LAZY_ENV)
+    if lazy:
+        os.environ[GLOO_LAZY_ENV] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(GLOO_LAZY_ENV, None)
+        else:
+            os.environ[GLOO_LAZY_ENV] = saved
 
 
 def ring_neighbours(ranks: list[int], rank: int) -> set[int]:
@@ -238,9 +266,6 @@ def start_generation(timeout_s: float, fanout: int = CONTROL_FANOUT, generation:
     tree = [wire.TreeGroup(group_of(level, members), members[0], top)
             for level, (members, top) in enumerate(control_tree(dist.get_rank(), world, fanout)) if len(members) > 1]
     wire.configure(timeout_s, control, tree)
-    if wire.is_nccl():
-        # NCCL requires a group's first call to be a collective of all its ranks before any batched P2P on it.
-        wire.all_reduce(torch.zeros(1, device=wire.device_of()), None)
 
 
 @dataclass
@@ -303,6 +328,68 @@ def group_ranks(topology: Topology, plan: SyncPlan, rank: int) -> tuple[list[int
     return topology.ranks_of(replica), [rank]
 
 
+def exchange_families(topology: Topology, plan: SyncPlan, rank: int) -> list[tuple[int, tuple[int, ...]]]:
+    """(TP index t, members) of every exchange family `rank` belongs to, by t. Pure; the same sets on every rank.
+
+    Family t holds, of every replica r, its rank at TP index t mod r's degree (an anchor's rank at t, the one a copy
+    of an anchor's state at t goes to: `plan_buddies`), and every contributor rank with a gradient or parameter
+    transfer to or from an anchor's rank at t. Every pairwise exchange of the generation (the copies, the
+    contributors' streams, a recovery's moves into the new layout) joins two members of one family, so each runs on
+    a group of about one rank per replica, never on the world. An anchor belongs to one family, its TP index's."""
+    anchors = plan.anchors
+    width = topology.degrees[anchors[0]]
+    replica, tp = topology.locate(rank)
+    extra: dict[int, set[int]] = {}  # t -> contributor ranks linked to an anchor's rank at t by a transfer
+    for transfer in (*plan.grad_transfers, *plan.param_transfers):
+        for anchor_rank, other in ((transfer.src, transfer.dst), (transfer.dst, transfer.src)):
+            a, t = topology.locate(anchor_rank)
+            if plan.is_anchor(a) and not plan.is_anchor(topology.locate(other)[0]):
+                extra.setdefault(t, set()).add(other)
+    if plan.is_anchor(replica):
+        mine = {tp}
+    else:
+        degree = topology.degrees[replica]
+        mine = {t for t in range(width) if t % degree == tp} | {t for t, ranks in extra.items() if rank in ranks}
+    out = []
+    for t in sorted(mine):
+        members = {topology.rank_range(r)[t % d] for r, d in enumerate(topology.degrees)} | extra.get(t, set())
+        out.append((t, tuple(sorted(members))))
+    return out
+
+
+def build_exchange_families(topology: Topology, plan: SyncPlan, rank: int, timeout: timedelta) -> list:
+    """Build `rank`'s exchange families (`exchange_families`), lowest TP index first, and route the generation's
+    pairwise exchanges over them (`wire.set_routes`): a peer is reached on the lowest family both belong to.
+
+    Under NCCL a group's first call must be a collective of all its members before batched point-to-point calls
+    may involve only some of them, so each family starts with an all-reduce of one element, which also creates its
+    communicator (of the family's members alone). Every rank builds its families in increasing order, so no two
+    members wait on each other in opposite orders."""
+    routes, order, built = {}, {}, []
+    for t, members in exchange_families(topology, plan, rank):
+        if len(members) < 2:
+            continue
+        group = named_group(f"family/{t}", members, timeout, role="family")
+        if wire.is_nccl():
+            wire.all_reduce(torch.zeros(1, device=wire.device_of()), group)
+        order[group] = t
+        built.append(group)
+        for m in members:
+            if m != rank:
+                routes.setdefault(m, group)
+
+    def open_pair(peer: int):
+        pair = (min(rank, peer), max(rank, peer))
+        group = named_group(f"pair/{pair[0]}/{pair[1]}", pair, timeout, role="pair")
+        if wire.is_nccl():
+            wire.all_reduce(torch.zeros(1, device=wire.device_of()), group)
+        log.info("rank %d exchanges with rank %d on a group of the pair: they share no exchange family", rank, peer)
+        return group
+
+    wire.set_routes(routes, order, open_pair)
+    return built
+
+
 def wanted_groups(topology: Topology, plan: SyncPlan, rank: int, twins: bool) -> list[tuple[str, tuple[int, ...]]]:
     """(role, ranks) of the keepable groups `build_groups` builds for `rank`, in the order it builds them: what a
     recovery may keep. `twins`: the TP group has a gloo twin (under NCCL)."""
@@ -329,6 +416,7 @@ def build_groups(topology: Topology, plan: SyncPlan, rank: int, timeout_s: float
     if dist.get_backend() != "gloo":
         tp_control = named_group(f"tp-control/{replica}", tp_ranks, timeout, backend="gloo", role="tp-control")
     discard_unused()
+    build_exchange_families(topology, plan, rank, timeout)
     return ReplicaGroups(topology, plan, rank, replica, tp_rank, tp_ranks, dp_ranks, tp_group, dp_group, tp_control)
 
 

@@ -98,6 +98,12 @@ class _State:
     them (`arrive`): the groups a recovery may keep."""
     arrived: threading.Event = field(default_factory=threading.Event)
     """The training thread reached the recovery after a failure (so it is blocked on no kernel)."""
+    routes: dict | None = None
+    """peer -> the group a pairwise exchange with that peer runs on (`set_routes`); None: the default group."""
+    route_order: dict = field(default_factory=dict)
+    """group -> its place in the order every rank posts an exchange's batches in (a family's TP index)."""
+    open_pair: Callable | None = None
+    """open_pair(peer): a group of this rank and `peer` alone, for a peer no route reaches (built at first use)."""
 
 
 _state = _State()
@@ -127,6 +133,7 @@ def configure(timeout_s: float, control_group=None, tree=None) -> None:
     _state.suspects = None
     _state.spared = []
     _state.arrived.clear()
+    _state.routes, _state.route_order, _state.open_pair = None, {}, None
     _state.generation += 1
     _state.failed.clear()
     _state.reason = ""
@@ -362,6 +369,7 @@ def _teardown(keep) -> None:
                            "deepspeed>=0.19.8")
     release(group=None)
     _state.control = _state.tree = None
+    _state.routes, _state.route_order, _state.open_pair = None, {}, None
     if any(g() is not None for g in groups):
         gc.collect()
         log.debug("process groups held in reference cycles were collected")
@@ -670,33 +678,69 @@ def control_all_reduce(tensor: torch.Tensor, op: str = "sum", name: str = "all_r
     return tensor
 
 
+def set_routes(routes: Mapping[int, object], order: Mapping[object, int], open_pair: Callable | None = None) -> None:
+    """Route this generation's pairwise exchanges: the transfers with peer p run on `routes[p]` (a group of the
+    exchange family both belong to: `ntp_ds.comm.groups.build_exchange_families`), so no exchange needs a
+    communicator of the whole world. An exchange touching several groups posts one batch per group, in `order`
+    (the same on every rank). A peer without a route gets a group of the pair alone from `open_pair` at first use."""
+    _state.routes = dict(routes)
+    _state.route_order = dict(order)
+    _state.open_pair = open_pair
+
+
+def _route(peers) -> dict:
+    """group -> the peers of `peers` whose transfers run on it (None: the default group), for this generation."""
+    if _state.routes is None:
+        return {None: sorted(peers)}
+    out: dict = {}
+    for p in sorted(peers):
+        group = _state.routes.get(p)
+        if group is None:
+            if _state.open_pair is None:
+                raise RuntimeError(f"no group of this generation joins rank {dist.get_rank()} and rank {p}")
+            group = _state.routes[p] = _state.open_pair(p)
+        out.setdefault(group, []).append(p)
+    return dict(sorted(out.items(), key=lambda item: (_state.route_order.get(item[0], len(_state.route_order)),
+                                                      item[1][0])))
+
+
 class Exchange:
-    """Pending pairwise transfers posted together; `wait()` completes them within the bound.
+    """Pending pairwise transfers posted together (one batch per group they run on); `wait()` completes them within
+    the bound.
 
     NCCL coalesces a batch into ONE Work that completes, or fails, as a unit (gloo gives a Work per op): there,
-    every transfer of the exchange shares that Work, so completing the receives from one peer completes them all.
+    every transfer of a batch shares that Work, so completing the receives from one peer completes the batch.
     """
 
-    def __init__(self, works: list, peers: list[tuple[str, int]], group):
-        self.group = group
-        if works and len(works) != len(peers):
-            if len(works) != 1:
-                raise RuntimeError(f"batch_isend_irecv returned {len(works)} Works for {len(peers)} ops")
-            works = works * len(peers)
-        self._works = list(zip(peers, works))
+    def __init__(self, batches: list[tuple[list, list[tuple[str, int]], object]]):
+        self._works = []  # ((kind, peer), work, group)
+        for works, peers, group in batches:
+            if works and len(works) != len(peers):
+                if len(works) != 1:
+                    raise RuntimeError(f"batch_isend_irecv returned {len(works)} Works for {len(peers)} ops")
+                works = works * len(peers)
+            self._works += [(p, w, group) for p, w in zip(peers, works)]
 
     def wait(self) -> None:
         """Complete every transfer (raises on the first that fails)."""
         works, self._works = self._works, []
-        wait(_distinct(w for _, w in works), self.group, "exchange", p2p=True)
+        _wait_by_group(works, True)
 
     def wait_received(self, peer: int, heed_failure: bool = True) -> None:
-        """Complete the receives from `peer` (with a coalesced batch: the whole batch), after a failure too, with
+        """Complete the receives from `peer` (with a coalesced batch: its whole batch), after a failure too, with
         `heed_failure=False`: a live peer's transfer still completes, a dead one's fails (and, coalesced, the
         batch with it)."""
-        mine = _distinct(w for (kind, p), w in self._works if kind == "recv" and p == peer)
-        self._works = [(k, w) for k, w in self._works if not (k[0] == "recv" and k[1] == peer)]
-        wait(mine, self.group, "exchange", p2p=True, heed_failure=heed_failure)
+        mine = [e for e in self._works if e[0] == ("recv", peer)]
+        self._works = [e for e in self._works if e[0] != ("recv", peer)]
+        _wait_by_group(mine, heed_failure)
+
+
+def _wait_by_group(entries, heed_failure: bool) -> None:
+    by_group: dict = {}
+    for _, work, group in entries:
+        by_group.setdefault(group, []).append(work)
+    for group, works in by_group.items():
+        wait(_distinct(works), group, "exchange", p2p=True, heed_failure=heed_failure)
 
 
 def _distinct(works) -> list:
@@ -715,23 +759,30 @@ def exchange(sends: Mapping[int, torch.Tensor | Sequence[torch.Tensor]],
     """Post every send and receive of this rank together; return the pending exchange.
 
     Peers are global ranks; a peer may be given several tensors, which travel as consecutive messages. Two exchanges
-    between the same pair must be posted in the same order on both sides.
+    between the same pair must be posted in the same order on both sides. Without a `group`, each peer's transfers
+    run on its route (`set_routes`): one batch per group, posted in the routes' order.
     """
     sends = {p: [t] if torch.is_tensor(t) else list(t) for p, t in sends.items()}
     recvs = {p: [t] if torch.is_tensor(t) else list(t) for p, t in recvs.items()}
-    tensors = [t for ts in sends.values() for t in ts] + [t for ts in recvs.values() for t in ts]
-    _check(op, group, tensors, sends=[(p, t.numel()) for p, ts in sorted(sends.items()) for t in ts],
-           recvs=[(p, t.numel()) for p, ts in sorted(recvs.items()) for t in ts])
+    peers = set(sends) | set(recvs)
+    routed = {group: sorted(peers)} if group is not None or not peers else _route(peers)
     _count(op, _nbytes(t for ts in sends.values() for t in ts), _nbytes(t for ts in recvs.values() for t in ts))
-    ops, peers = [], []
-    for kind, table, fn in (("send", sends, dist.isend), ("recv", recvs, dist.irecv)):
-        for p, ts in sorted(table.items()):
-            for t in ts:
-                ops.append(dist.P2POp(fn, t.contiguous() if kind == "send" else t, p, group))
-                peers.append((kind, p))
-    if not ops:
-        return Exchange([], [], group)
-    return Exchange(dist.batch_isend_irecv(ops), peers, group)
+    batches = []
+    for g, routed_peers in routed.items():  # an exchange with no peer still passes the checks (and is recorded)
+        mine_s = {p: sends[p] for p in routed_peers if p in sends}
+        mine_r = {p: recvs[p] for p in routed_peers if p in recvs}
+        tensors = [t for ts in mine_s.values() for t in ts] + [t for ts in mine_r.values() for t in ts]
+        _check(op, g, tensors, sends=[(p, t.numel()) for p, ts in sorted(mine_s.items()) for t in ts],
+               recvs=[(p, t.numel()) for p, ts in sorted(mine_r.items()) for t in ts])
+        ops, kinds = [], []
+        for kind, table, fn in (("send", mine_s, dist.isend), ("recv", mine_r, dist.irecv)):
+            for p, ts in sorted(table.items()):
+                for t in ts:
+                    ops.append(dist.P2POp(fn, t.contiguous() if kind == "send" else t, p, g))
+                    kinds.append((kind, p))
+        if ops:
+            batches.append((dist.batch_isend_irecv(ops), kinds, g))
+    return Exchange(batches)
 
 
 # -- control path: votes, barriers and objects over the gloo control group -----------------------------------------

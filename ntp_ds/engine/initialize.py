@@ -20,7 +20,7 @@ from ntp_ds.batch import BatchPlan, lockstep_replicas, max_micro_batch, plan_bat
 from ntp_ds.batch.straggler import Replan, rebalance
 from ntp_ds.comm import wire
 from ntp_ds.comm.groups import (NTPMpu, ReplicaGroups, backend_for_device, build_groups, prepare_backend,
-                                start_generation)
+                                start_generation, unconnected_default_group)
 from ntp_ds.engine.config import (ConfigError, NTPConfig, check_batch, cuda_device_index, env_world_size,
                                   load_deepspeed_config)
 from ntp_ds.engine.engine import NTPEngine, deepspeed_batch
@@ -182,8 +182,9 @@ def join_world(ntp: NTPConfig, store=None, generation: int = 0, rank: int | None
 
     rank = int(os.environ["RANK"]) if rank is None else rank
     world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
-    dist.init_process_group(backend_for_device(), store=generation_store(store, generation), rank=rank,
-                            world_size=world_size, timeout=timeout)
+    with unconnected_default_group(backend_for_device(), world_size, ntp.control_fanout):
+        dist.init_process_group(backend_for_device(), store=generation_store(store, generation), rank=rank,
+                                world_size=world_size, timeout=timeout)
     deepspeed.init_distributed(dist_backend=backend_for_device(), timeout=timeout)
     start_generation(ntp.timeout_s, ntp.control_fanout, generation)
 

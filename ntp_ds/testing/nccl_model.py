@@ -19,6 +19,8 @@ show it is the one that catches a given bug:
   posted before its receive on both sides of a pair (or around a ring) never progresses: after
   `NTP_NCCL_MODEL_DEADLOCK_S` seconds (default 60) its Work fails with `Deadlock`, naming the ops and ranks.
 - `tags`: tags are ignored; messages between a pair match in posting order.
+- `first`: a communicator's first op may be a batch of point-to-point ops only if it involves every rank of the
+  group (torch documents anything else as undefined under NCCL); start a group with a collective.
 - `abort`: no timeout ends an op (async error handling 0): an op whose peer died stays pending until the group is
   aborted; `abort()` leaves every pending op's outputs poisoned and its Work raising, and any later use of the
   group raises, as an aborted NCCL communicator does.
@@ -45,7 +47,7 @@ from torch._C._distributed_c10d import AllgatherOptions, PrefixStore, ProcessGro
 log = logging.getLogger(__name__)
 
 NAME = "nccl_model"
-RULES = ("coalesce", "async", "order", "tags", "abort")
+RULES = ("coalesce", "async", "order", "tags", "first", "abort")
 OFF_ENV = "NTP_NCCL_MODEL_OFF"
 DEADLOCK_ENV = "NTP_NCCL_MODEL_DEADLOCK_S"
 
@@ -184,6 +186,15 @@ class ModelWork(dist.Work):
                     t.copy_(private)
 
 
+_CREATED: list[int] = []
+"""The size of every communicator this process created (NCCL creates one at its group's first op), in order."""
+
+
+def communicator_sizes() -> list[int]:
+    """Sizes of the communicators this process has created so far (groups that carried an op)."""
+    return list(_CREATED)
+
+
 # -- the stream: one op at a time per communicator ----------------------------------------------------------------
 @dataclass
 class _Op:
@@ -233,6 +244,8 @@ class ModelGroup(dist.ProcessGroup):
             if self._aborted:
                 raise Aborted(f"nccl_model: {what} on an aborted communicator ({self._aborted})")
             self._pending.add(work)
+            if not self._posted:  # NCCL creates a communicator at its group's first op
+                _CREATED.append(self._size)
             self._posted += 1
         op = _Op(work, run, list(p2p), next(self._numbers))
         if not self._ordered:  # gloo's way: every op starts as it is posted, none waits for another
@@ -365,6 +378,10 @@ class ModelGroup(dist.ProcessGroup):
             ops, self._batch = self._batch, None
         finally:
             self._batch = None
+        involved = {peer for _, _, peer, _ in ops} | {self._rank}
+        if not self._posted and rule_on("first") and len(involved) < self._size:
+            raise RuleViolation(f"nccl_model: a batch with ranks {sorted(involved)} of {self._size} is the first op "
+                                "of its communicator; its first op must involve every rank (start with a collective)")
         p2p = [(kind, peer, self._message(kind, peer)) for kind, _, peer, _ in ops]
         sends = [t for kind, t, _, _ in ops if kind == "send"]
         recvs = [t for kind, t, _, _ in ops if kind == "recv"]
