@@ -290,6 +290,31 @@ def test_wire_exchange_waits_on_the_coalesced_batch():
     assert _run(receive_from_one_peer, "nccl_model") == _run(receive_from_one_peer, "gloo")
 
 
+def exchange_outside_every_family(rank, world):
+    """One replica at TP 2: each rank is its family's only member, so no family joins the two, and their exchange
+    runs on a group of the pair, built at its first use (started by a collective, as NCCL's first-op rule asks)."""
+    from datetime import timedelta
+
+    from ntp_ds.comm import groups, wire
+    from ntp_ds.layout import Topology, plan_gradient_sync
+    from tests.training import tiny_config
+
+    groups.start_generation(30.0)
+    topology = Topology.from_degrees(tiny_config().units(), (2,))
+    assert groups.build_exchange_families(topology, plan_gradient_sync(topology), rank, timedelta(seconds=30)) == []
+    peer = 1 - rank
+    got = torch.zeros(8)
+    wire.exchange({peer: torch.full((8,), float(rank))}, {peer: got}).wait()
+    wire.exchange({peer: torch.full((8,), float(rank + 10))}, {peer: got}).wait()  # the same pair group again
+    pairs = [g for g in dist.distributed_c10d._world.pg_map if groups.role_of(g) == "pair"]
+    return got.tolist(), [dist.get_process_group_ranks(g) for g in pairs]
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl_model"])
+def test_an_exchange_between_ranks_of_no_common_family_runs_on_a_group_of_the_pair(backend):
+    assert _run(exchange_outside_every_family, backend) == [([11.0] * 8, [[0, 1]]), ([10.0] * 8, [[0, 1]])]
+
+
 def initialize_on_a_callers_group(rank, world, handling):
     """A user's script built the default group itself (as torchrun or deepspeed launcher users do), with
     TORCH_NCCL_ASYNC_ERROR_HANDLING as given (None: unset), then asks ntp_ds for an engine."""
