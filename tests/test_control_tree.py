@@ -199,7 +199,8 @@ def join_after_a_peer_that_shares_no_group_with_it(rank, world, backend):
     return total
 
 
-@pytest.mark.parametrize("backend", ["gloo", "nccl_model"])
-def test_a_rank_joins_a_generation_without_connecting_to_ranks_outside_its_groups(backend):
-    results = run_ranks(join_after_a_peer_that_shares_no_group_with_it, 3, backend, timeout=90, store=True)
+def test_a_rank_joins_a_generation_without_connecting_to_ranks_outside_its_groups():
+    # gloo: a generation's default group larger than one control group connects nobody. (Under NCCL it is created
+    # unbound and never carries an op: tests/test_kept_groups.py reads the communicators each rank created.)
+    results = run_ranks(join_after_a_peer_that_shares_no_group_with_it, 3, "gloo", timeout=90, store=True)
     assert results == {0: [3.0], 1: [3.0], 2: [3.0]}

@@ -78,14 +78,16 @@ GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
 
 @contextlib.contextmanager
 def unconnected_default_group(backend: str, world_size: int, fanout: int):
-    """Create the generation's default group inside this block without connecting its members, wherever it carries
-    no traffic: under NCCL (torch creates it unbound: no communicator; the NCCL model's gloo underneath connects
-    lazily too) and under gloo once the world is larger than one control group (`fanout`), when the control tree's
-    own groups carry the control traffic and the exchange families the data. A gloo group made while
-    TORCH_GLOO_LAZY_INIT is set connects a pair when it first talks (torch reads the variable as each group is made;
-    only this one is). A world of at most `fanout` ranks under gloo uses the default group as its control group,
-    which stays eager: a peer that died before first contact is then seen at once, not at the group's timeout."""
-    lazy = backend != "gloo" or world_size > fanout
+    """Create the generation's default group inside this block without connecting its members where it carries no
+    traffic: under gloo once the world is larger than one control group (`fanout`), when the control tree's own groups
+    carry the control traffic and the exchange families the data. A gloo group made while TORCH_GLOO_LAZY_INIT is set
+    connects a pair when it first talks (torch reads the variable as each group is made; only this one is). A world
+    of at most `fanout` ranks under gloo uses the default group as its control group, which stays eager: a peer that
+    died before first contact is then seen at once, not at the group's timeout. Under NCCL torch creates the group
+    unbound, with no communicator until its first op, which never comes. The NCCL model's gloo underneath stays
+    eager: made lazy, it stalled every rank's threads for about 4.5 s around recoveries (cause not found), and the
+    model shows instead that no op runs on the group (`nccl_model.communicator_sizes`)."""
+    lazy = backend == "gloo" and world_size > fanout
     saved = os.environ.get(GLOO_LAZY_ENV)
     if lazy:
         os.environ[GLOO_LAZY_ENV] = "1"
