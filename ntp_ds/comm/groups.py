@@ -373,8 +373,7 @@ def build_exchange_families(topology: Topology, plan: SyncPlan, rank: int, timeo
         if len(members) < 2:
             continue
         group = named_group(f"family/{t}", members, timeout, role="family")
-        if wire.is_nccl():
-            wire.all_reduce(torch.zeros(1, device=wire.device_of()), group)
+        wire.open_for_batches(group)
         order[group] = t
         built.append(group)
         for m in members:
@@ -384,8 +383,7 @@ def build_exchange_families(topology: Topology, plan: SyncPlan, rank: int, timeo
     def open_pair(peer: int):
         pair = (min(rank, peer), max(rank, peer))
         group = named_group(f"pair/{pair[0]}/{pair[1]}", pair, timeout, role="pair")
-        if wire.is_nccl():
-            wire.all_reduce(torch.zeros(1, device=wire.device_of()), group)
+        wire.open_for_batches(group)
         log.info("rank %d exchanges with rank %d on a group of the pair: they share no exchange family", rank, peer)
         return group
 

@@ -678,6 +678,14 @@ def control_all_reduce(tensor: torch.Tensor, op: str = "sum", name: str = "all_r
     return tensor
 
 
+def open_for_batches(group) -> None:
+    """Under NCCL, give `group` (None: the default group) its first op, an all-reduce of one element of all its
+    members: a batch of point-to-point ops may then involve only some of them (torch leaves a first op that does not
+    undefined). It creates the group's communicator. Nothing to do elsewhere."""
+    if is_nccl():
+        all_reduce(torch.zeros(1, device=device_of()), group)
+
+
 def set_routes(routes: Mapping[int, object], order: Mapping[object, int], open_pair: Callable | None = None) -> None:
     """Route this generation's pairwise exchanges: the transfers with peer p run on `routes[p]` (a group of the
     exchange family both belong to: `ntp_ds.comm.groups.build_exchange_families`), so no exchange needs a

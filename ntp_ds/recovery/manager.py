@@ -611,8 +611,7 @@ class Recovery:
         except LookupError as missing:  # every survivor computes the same plan, so all stop here alike
             return f"{missing}, so no last good state was written"
         join_world(self.job.ntp, self.store, change.generation, me, len(survivors))
-        if wire.is_nccl():  # the moves run on the default group (the job ends here): its first op is a collective
-            wire.all_reduce(torch.zeros(1, device=wire.device_of()), None)
+        wire.open_for_batches(None)  # the moves run on the default group (the job ends here)
         replica, tp = snapshot.topology.locate(snapshot.rank)
         unsharded = Side(ShardLayout.balanced(self.job.model_config.units(), 1), 0)
         device = wire.device_of()
