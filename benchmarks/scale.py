@@ -7,7 +7,8 @@ dies) it measures:
 - plan: one rank's recovery planning, the pure functions `Recovery._attempt`, `_install` and `reslice` call from the
   agreed membership to the state moves (`replica_membership`, `Placement.after_loss`, `roll_back`, the
   `old_rank_of` map `_install` builds, `plan_unit_moves` and its re-replicated and rebalanced moves, `JobSpec.plan`,
-  `exchange_families` (the groups its exchanges will run on; the largest family's size is printed), the layout rule's addresses `_rule_holds` checks, `StateIndex.from_layouts`, `plan_incoming`, `plan_outgoing`,
+  `exchange_families` (the groups its exchanges will run on; the largest family's size is printed), the layout
+  rule's addresses `_rule_holds` checks, `StateIndex.from_layouts`, `plan_incoming`, `plan_outgoing`,
   `count_lost_state`), for three roles: a rank of a healthy replica, a survivor of the degraded replica and the buddy
   of the dead rank. The collectives' results (the gathered offers) are built before the clock starts, as the wire
   would hand them over. Each case runs in a fresh interpreter: its time and peak RSS (VmHWM, not inherited) are
@@ -22,10 +23,12 @@ dies) it measures:
   job leave it: every rank's beat and every node's liveness key (real `NodePublisher`), every watcher registered
   for alarms, the dead rank marked exited by its launcher (real `mark_exited`, which raises the alarm), the other
   survivors' failure reports (each survivor reports when detection beats the settle window, which the alarms make
-  the case) and their arrivals at the three barriers. Only the sampled ranks' calls are counted per rank. The
-  sampled heartbeats run with `heartbeat_timeout_s` and the reader's `stale_s` at WATCH_BOUND_S: the pre-populated
-  beats and node keys do not move (no W workers beat here), and a shorter bound would declare every watched peer
-  dead.
+  the case) and their arrivals at the three barriers. Only the sampled ranks' calls are counted per rank, over
+  WINDOW_S from the crash (or to the end of the rank's failure path, if later): the heartbeat's calls follow its
+  clock, so every size counts them over the same time (`path_s`: the failure path's seconds; `window`: the seconds
+  counted). The sampled heartbeats run with `heartbeat_timeout_s` and the reader's `stale_s` at WATCH_BOUND_S: the
+  pre-populated beats and node keys do not move (no W workers beat here), and a shorter bound would declare every
+  watched peer dead.
 - step control bytes: the payload bytes `NTPEngine.step`'s two `wire.vote`s and the Trainer's `wire.sum_counts` hand
   to the collective (measured by recording the real functions' calls to `wire.all_reduce`), and, derived by formula
   (labelled so), the bytes a ring all-reduce sends per rank for that payload: 2 (W - 1) / W x payload.
@@ -71,6 +74,10 @@ TARGETS = {"plan_s": 1.0, "plan_rss_mb": 500.0, "store_ops": 100}
 SAMPLE_OTHERS = 5
 """Ranks sampled for the store load besides the three roles."""
 WATCH_BOUND_S = 600.0
+WINDOW_S = 1.0
+"""Seconds from the crash over which a sampled rank's store calls are counted (longer when its failure path takes
+longer). Its heartbeat beats and polls on its own clock: a window of the same length at every size keeps that part of
+the count from following how long the harness's failure path happens to run (its 8 ranks share one interpreter)."""
 """The sampled heartbeats' timeout and node-key staleness bound (see the module docstring): above the store case's
 bound, since a window longer than it makes every watched peer look silent (at W = 100,000 a 60 s bound was passed
 and the sampled ranks fenced ~1,100 healthy peers, which inflated their op counts)."""
@@ -286,7 +293,6 @@ def sampled_rank(rank: int, store, world: int, watched: list[int], out: dict, ti
     from ntp_ds.recovery.manager import Recovery, _digest
 
     members = tuple(range(world))
-    survivors = tuple(r for r in members if r != DEAD)
     reader = LivenessReader(store.clone(), TP, stale_s=WATCH_BOUND_S)
 
     def on_dead(ranks, wall):  # `Recovery._peers_dead`: fence the dead (the wire's abort is not part of the store)
@@ -315,10 +321,13 @@ def sampled_rank(rank: int, store, world: int, watched: list[int], out: dict, ti
     recovery.membership.report_failure(0, dead, time.time(), reason, {r: 0.05 for r in dead})
     change = recovery.membership.await_decision(0, timeout_s)
     recovery.membership.confirm(change, timeout_s)
-    Recovery._arrive(recovery, change.generation, survivors)
-    barrier(store, f"recovery/{change.generation}/done/{_digest(survivors)}", rank, survivors, timeout_s)
+    Recovery._arrive(recovery, change.generation, change.survivors)
+    barrier(store, f"recovery/{change.generation}/done/{_digest(change.survivors)}", rank, change.survivors,
+            timeout_s)
     out["seconds"] = time.monotonic() - start
     out["dead"] = sorted(dead)
+    time.sleep(max(0.0, out["window_end"] - time.monotonic()))  # the heartbeat beats and polls on meanwhile
+    out["window_s"] = time.monotonic() - (out["window_end"] - WINDOW_S)
     out["meter"] = Counter(store.meter)  # before the heartbeat's stop (not part of the failure)
     heartbeat.stop(5.0)
 
@@ -357,10 +366,12 @@ def store_case(world: int, timeout_s: float) -> dict:
         with client._lock:
             client.meter.clear()
     crash = time.time()
+    window_end = time.monotonic() + WINDOW_S
     mark_exited(job_store, DEAD, "exit code -9")  # the dead rank's launcher: an exit record and the alarm
     launcher = Counter(job_meter)
     others_after_crash(host, world, set(sample), _digest(tuple(r for r in range(world) if r != DEAD)), crash)
     for rank in sample:
+        outs[rank]["window_end"] = window_end
         outs[rank]["go"].set()
     deadline = time.monotonic() + timeout_s
     for t in threads:
@@ -375,6 +386,7 @@ def store_case(world: int, timeout_s: float) -> dict:
         meter = outs[rank]["meter"]
         role = next((name for name, r in roles.items() if r == rank), "other")
         per_rank[rank] = {"role": role, "peers": len(peers(old, rank)), "seconds": outs[rank]["seconds"],
+                          "window_s": outs[rank]["window_s"],
                           "ops": sum(n for (k, _), n in meter.items() if k == "ops"),
                           "bytes": sum(n for (k, _), n in meter.items() if k != "ops"),
                           "by_op": {name: n for (k, name), n in meter.items() if k == "ops"},
@@ -497,12 +509,12 @@ def main(argv=None) -> int:
             print(f"store (SAMPLE of {len(store['sample'])} ranks' real code paths; the other {others} "
                   f"survivors' records pre-populated; setup {store['setup_s']:.1f}s; the dead rank's launcher: "
                   f"{store['launcher_ops']} ops, {store['launcher_bytes']} B)", flush=True)
-            print(f"{'rank':>7} {'role':<9} {'peers':>6} {'ops':>5} {'bytes':>12} {'s':>6} {'fenced':>6}  ops by call",
-                  flush=True)
+            print(f"{'rank':>7} {'role':<9} {'peers':>6} {'ops':>5} {'bytes':>12} {'path_s':>6} {'window':>6} "
+                  f"{'fenced':>6}  ops by call", flush=True)
             for rank, r in sorted(store["per_rank"].items(), key=lambda kv: int(kv[0])):
                 mix = " ".join(f"{k}={v}" for k, v in sorted(r["by_op"].items()))
                 print(f"{rank:>7} {r['role']:<9} {r['peers']:>6} {r['ops']:>5} {r['bytes']:>12} {r['seconds']:>6.2f} "
-                      f"{len(r['declared']):>6}  "
+                      f"{r['window_s']:>6.2f} {len(r['declared']):>6}  "
                       f"{mix}", flush=True)
             ops = max(r["ops"] for r in store["per_rank"].values())
             top = max(store["per_rank"].values(), key=lambda r: r["bytes"])

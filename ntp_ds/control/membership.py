@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 from ntp_ds.layout import ShardLayout, Topology
-from ntp_ds.layout import units as U
 
 
 class StaleGeneration(ValueError):
@@ -119,8 +118,24 @@ def _sorted_distinct(ranks: Iterable[int]) -> tuple[int, ...]:
 
 
 def _runs(ranks: Sequence[int]) -> list[list[int]]:
-    """Sorted ranks as [first, last] runs of consecutive ones: (0, 1, 2, 4, 5) -> [[0, 2], [4, 5]]."""
-    return [[first, stop - 1] for first, stop in U.from_units(ranks)]
+    """Sorted, distinct ranks as [first, last] runs of consecutive ones: (0, 1, 2, 4, 5) -> [[0, 2], [4, 5]].
+
+    A stretch whose ends lie as far apart as it is long is one run; any other is halved. The cost grows with the
+    runs (the deaths and joins) times log W, not with the W ranks: every survivor encodes its proposal."""
+    out: list[list[int]] = []
+    stack = [(0, len(ranks))] if ranks else []
+    while stack:
+        lo, hi = stack.pop()
+        first, last = ranks[lo], ranks[hi - 1]
+        if last - first == hi - 1 - lo:
+            if out and out[-1][1] + 1 == first:
+                out[-1][1] = last
+            else:
+                out.append([first, last])
+        else:
+            mid = (lo + hi) // 2
+            stack += [(mid, hi), (lo, mid)]  # the lower half first: runs come out in order
+    return out
 
 
 @dataclass(frozen=True)
