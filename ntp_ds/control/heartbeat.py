@@ -335,10 +335,17 @@ class LivenessMonitor:
     connects at once, and a dead process is seen by its launcher's exit mark whatever the bound. With
     `hang_timeout_s`, a rank that beats but whose training progress has stood still, outside any wait, for more than
     `hang_timeout_s` is hung (`hung`): a live process whose training makes no progress.
+
+    Only time the watcher watched counts against a peer. A gap between two observations longer than `blind_gap_s`
+    (default: half of `heartbeat_timeout_s`; the watcher's usual pause between looks must be shorter) is time it
+    could not see: its own process or the store stalled, and a stall of the store delays every peer's beats as much
+    as its reads. Such a gap counts for nothing, neither silence nor stalled progress (`blind_s` sums it). A dead
+    peer is then found that much later; its exit mark is not delayed.
     """
 
     def __init__(self, ranks: Iterable[int], heartbeat_timeout_s: float, clock: Callable[[], float] = time.monotonic,
-                 hang_timeout_s: float | None = None, first_beat_timeout_s: float | None = None):
+                 hang_timeout_s: float | None = None, first_beat_timeout_s: float | None = None,
+                 blind_gap_s: float | None = None):
         if not heartbeat_timeout_s > 0:
             raise ValueError(f"heartbeat_timeout_s={heartbeat_timeout_s} must be positive")
         if hang_timeout_s is not None and not hang_timeout_s > 0:
@@ -348,8 +355,14 @@ class LivenessMonitor:
                              f"{heartbeat_timeout_s} (or None: the same)")
         self.heartbeat_timeout_s, self.hang_timeout_s = heartbeat_timeout_s, hang_timeout_s
         self.first_beat_timeout_s = heartbeat_timeout_s if first_beat_timeout_s is None else first_beat_timeout_s
+        if blind_gap_s is not None and not blind_gap_s > 0:
+            raise ValueError(f"blind_gap_s={blind_gap_s} must be positive (or None: half of heartbeat_timeout_s)")
+        self.blind_gap_s = heartbeat_timeout_s / 2 if blind_gap_s is None else blind_gap_s
+        self.blind_s = 0.0
+        """Seconds of gaps between observations that did not count against the peers (see the class)."""
         self._clock = clock
         now = clock()
+        self._observed_at = now
         self._changed_at = {int(r): now for r in ranks}
         self._counter: dict[int, int] = {}
         self._exited: dict[int, str] = {}
@@ -362,6 +375,15 @@ class LivenessMonitor:
     def observe(self, beats: Mapping[int, Beat], exited: Mapping[int, str] | None = None) -> None:
         """Take in the beats read from the store and the ranks known to have exited; ignore ranks not watched."""
         now = self._clock()
+        gap, self._observed_at = now - self._observed_at, now
+        if gap > self.blind_gap_s:  # this watcher saw nothing meanwhile: the gap is not the peers' silence
+            self.blind_s += gap
+            log.warning("%.2f s between two looks at %d peer(s) (this process or the store stalled): that time does "
+                        "not count against them", gap, len(self._changed_at))
+            for rank in self._changed_at:
+                self._changed_at[rank] += gap
+            for rank, (progress, waiting, since) in self._progress.items():
+                self._progress[rank] = (progress, waiting, since + gap)
         for rank, beat in beats.items():
             if rank in self._changed_at and self._counter.get(rank) != beat.counter:
                 self._counter[rank], self._changed_at[rank] = beat.counter, now
@@ -451,7 +473,8 @@ class Heartbeat:
     With `monitor` and `on_dead`, the thread also polls the peers through `reader` (default: per rank) and calls
     `on_dead(new_dead, wall_time)` from the heartbeat thread once for each rank newly found dead. It polls
     WATCHES_PER_BEAT times per beat while something is news (a new death, exit or fence request, a peer silent for half
-    the timeout); otherwise it backs off, doubling the pause up to one beat interval. A second daemon thread, on a
+    the timeout); otherwise it backs off, doubling the pause up to one beat interval (the monitor's `blind_gap_s` is
+    raised to two beat intervals if it was shorter). A second daemon thread, on a
     clone of the store client, waits for the next alarm (`raise_alarm`) and wakes the first to poll at once.
 
     With `progress` (a callable returning this rank's training progress, `ntp_ds.comm.wire.progress`), each beat
@@ -468,6 +491,8 @@ class Heartbeat:
         if (monitor is None) != (on_dead is None):
             raise ValueError("pass monitor and on_dead together, or neither")
         self.store, self.rank, self.interval_s = store, rank, interval_s
+        if monitor is not None:  # it looks once a beat when all is quiet: a gap of two beats is not yet blindness
+            monitor.blind_gap_s = max(monitor.blind_gap_s, 2 * interval_s)
         self.monitor, self.on_dead = monitor, on_dead
         self.reader = reader if reader is not None else LivenessReader(store)
         self.polls = 0
@@ -638,7 +663,8 @@ class Heartbeat:
         with self._lock:
             previous = self.monitor
             self.monitor = LivenessMonitor(ranks, self.monitor.heartbeat_timeout_s, self.monitor._clock,
-                                           self.monitor.hang_timeout_s, self.monitor.first_beat_timeout_s)
+                                           self.monitor.hang_timeout_s, self.monitor.first_beat_timeout_s,
+                                           self.monitor.blind_gap_s)
             self._members = set(members)
             self._reported = set()
         return previous

@@ -50,7 +50,8 @@ class FakeClock:
 
 def test_silent_rank_is_dead_after_the_timeout():
     clock = FakeClock()
-    mon = LivenessMonitor([0, 1], heartbeat_timeout_s=2.0, clock=clock)
+    # (a watcher that looks only every 1.5 s or so: its gaps count, up to blind_gap_s)
+    mon = LivenessMonitor([0, 1], heartbeat_timeout_s=2.0, clock=clock, blind_gap_s=2.0)
     mon.observe({0: Beat(1, 50.0), 1: Beat(1, 50.0)})
     clock.now += 1.5
     mon.observe({0: Beat(2, 51.5), 1: Beat(1, 50.0)})  # rank 1's counter is stuck
@@ -65,6 +66,47 @@ def test_silent_rank_is_dead_after_the_timeout():
     assert mon.dead() == {0}
 
 
+def test_a_gap_the_watcher_could_not_see_does_not_count_against_its_peers():
+    # Every process stalled for 4.5 s (or the store did): the watcher's next look still shows the beats from before.
+    # That gap was nobody's silence; only time watched counts, so a peer that stays silent is dead a timeout later.
+    clock = FakeClock()
+    mon = LivenessMonitor([0, 1], heartbeat_timeout_s=2.0, clock=clock, hang_timeout_s=3.0)
+    assert mon.blind_gap_s == 1.0  # half the timeout
+    mon.observe({0: Beat(1, 50.0, 7, False), 1: Beat(1, 50.0, 7, False)})
+    clock.now += 0.5
+    mon.observe({0: Beat(2, 50.5, 7, False), 1: Beat(1, 50.0, 7, False)})
+    clock.now += 4.5
+    mon.observe({0: Beat(2, 50.5, 7, False), 1: Beat(1, 50.0, 7, False)})
+    assert mon.blind_s == 4.5
+    assert mon.dead() == set() and mon.hung() == set()
+    assert mon.silent_for(0) == 0.0 and mon.silent_for(1) == 0.5 and mon.stalled_for(1) == 0.5
+    for _ in range(3):  # looks at the usual pace: rank 0 beats, rank 1 stays silent and its training stands still
+        clock.now += 0.5
+        mon.observe({0: Beat(3 + _, 51.0, 8 + _, False), 1: Beat(1, 50.0, 7, False)})
+    assert mon.dead() == set() and mon.silent_for(1) == 2.0
+    clock.now += 0.25
+    mon.observe({1: Beat(1, 50.0, 7, False)})
+    assert mon.dead() == {1} and mon.hung() == set()
+    assert "no heartbeat for 2.25s" in mon.reason(1)
+    assert mon.blind_s == 4.5  # the usual gaps counted in full
+    clock.now += 1.0
+    mon.observe({1: Beat(1, 50.0, 7, False)})
+    assert mon.hung() == {1}  # 3.25 s of progress standing still, watched
+    with pytest.raises(ValueError, match="blind_gap_s=0 must be positive"):
+        LivenessMonitor([0], 2.0, blind_gap_s=0)
+
+
+def test_a_heartbeat_counts_a_gap_of_its_quiet_pace_as_watched():
+    # A heartbeat looks once a beat when all is quiet: its monitor's blind gap is at least two beat intervals.
+    store = dist.HashStore()
+    hb = Heartbeat(store, 0, 1.5, monitor=LivenessMonitor([1], heartbeat_timeout_s=4.0), on_dead=lambda r, w: None)
+    assert hb.monitor.blind_gap_s == 3.0
+    hb.watch([2])
+    assert hb.monitor.blind_gap_s == 3.0  # kept by a new watch
+    assert Heartbeat(store, 0, 0.5, monitor=LivenessMonitor([1], 4.0),
+                     on_dead=lambda r, w: None).monitor.blind_gap_s == 2.0
+
+
 def test_rank_never_heard_from_is_dead_after_the_timeout():
     clock = FakeClock()
     mon = LivenessMonitor([0, 1], heartbeat_timeout_s=1.0, clock=clock)
@@ -77,7 +119,7 @@ def test_a_rank_never_heard_from_has_its_first_beat_bound_then_the_heartbeat_tim
     # A peer still connecting its heartbeat's store clients when the watch starts has not beaten yet (CI saw a whole
     # job's connections take 3.4 s against a 2 s heartbeat timeout): it is judged by the first-beat bound.
     clock = FakeClock()
-    mon = LivenessMonitor([0, 1], heartbeat_timeout_s=2.0, clock=clock, first_beat_timeout_s=14.0)
+    mon = LivenessMonitor([0, 1], heartbeat_timeout_s=2.0, clock=clock, first_beat_timeout_s=14.0, blind_gap_s=14.0)
     mon.observe({0: Beat(1, 1.0)})
     clock.now += 3.0
     assert mon.dead() == {0}
