@@ -306,6 +306,56 @@ def _verdicts():
     return seen, done, on_dead
 
 
+class _StalledStore:
+    """A store client of a stalled server: while `reads` is clear its reads wait, while `writes` is clear its beats
+    (`set`) are not applied. Back, it answers the reads queued during the stall before any beat lands."""
+
+    clone = None  # no alarm thread: the heartbeat polls
+
+    def __init__(self, store, reads: threading.Event, writes: threading.Event):
+        self._store, self._reads, self._writes = store, reads, writes
+
+    def __getattr__(self, name):
+        method = getattr(self._store, name)
+
+        def gated(*args, **kwargs):
+            if name == "set":
+                return method(*args, **kwargs) if self._writes.is_set() else None
+            if not self._reads.wait(30.0):
+                raise TimeoutError(f"the stalled store never answered {name}")
+            return method(*args, **kwargs)
+        return gated
+
+
+@pytest.mark.parametrize("blind_gap_s", [None, 60.0], ids=["watched-time-only", "every-gap-counts"])
+def test_a_stalled_store_gets_no_live_rank_declared_dead(blind_gap_s):
+    # Two ranks watch each other (timeout 2 s) while the store stalls for 4 s. Their first looks after it still show
+    # the beats from before; only a watcher that counts the stall as its peers' silence (the rule switched off by a
+    # blind gap of a minute) declares them dead.
+    store = dist.HashStore()
+    reads, writes = threading.Event(), threading.Event()
+    reads.set(), writes.set()
+    seen, done, on_dead = _verdicts()
+    beats = [Heartbeat(_StalledStore(store, reads, writes), r, interval_s=0.1, on_dead=on_dead,
+                       monitor=LivenessMonitor([1 - r], 2.0, blind_gap_s=blind_gap_s)).start() for r in (0, 1)]
+    try:
+        time.sleep(0.5)
+        reads.clear(), writes.clear()
+        time.sleep(4.0)
+        reads.set()
+        time.sleep(0.3)
+        writes.set()
+        if blind_gap_s is None:
+            assert not done.wait(3.0), f"live ranks declared dead after the store's stall: {seen}"
+            assert all(b.monitor.blind_s >= 4.0 for b in beats)
+        else:
+            assert done.wait(5.0) and seen[0] in ({0}, {1})
+    finally:
+        reads.set(), writes.set()
+        for b in beats:
+            b.stop()
+
+
 def test_heartbeat_reports_each_dead_peer_once():
     store = dist.HashStore()
     seen, done, on_dead = _verdicts()
