@@ -339,8 +339,9 @@ class LivenessMonitor:
     Only time the watcher watched counts against a peer. A gap between two observations longer than `blind_gap_s`
     (default: half of `heartbeat_timeout_s`; the watcher's usual pause between looks must be shorter) is time it
     could not see: its own process or the store stalled, and a stall of the store delays every peer's beats as much
-    as its reads. Such a gap counts for nothing, neither silence nor stalled progress (`blind_s` sums it). A dead
-    peer is then found that much later; its exit mark is not delayed.
+    as its reads. For a peer not seen to beat since, the gap counts for nothing, neither silence nor standing
+    progress (`blind_s` sums such gaps); a dead peer is then found that much later (its exit mark is not delayed).
+    A peer whose counter moved was seen fresh: its progress standing still over the gap counts (a hung peer beats).
     """
 
     def __init__(self, ranks: Iterable[int], heartbeat_timeout_s: float, clock: Callable[[], float] = time.monotonic,
@@ -376,14 +377,22 @@ class LivenessMonitor:
         """Take in the beats read from the store and the ranks known to have exited; ignore ranks not watched."""
         now = self._clock()
         gap, self._observed_at = now - self._observed_at, now
-        if gap > self.blind_gap_s:  # this watcher saw nothing meanwhile: the gap is not the peers' silence
-            self.blind_s += gap
-            log.warning("%.2f s between two looks at %d peer(s) (this process or the store stalled): that time does "
-                        "not count against them", gap, len(self._changed_at))
-            for rank in self._changed_at:
+        if gap > self.blind_gap_s:
+            # This watcher saw nothing meanwhile. A peer whose counter moved was seen fresh (so was the store): its
+            # progress standing still over the gap is real. Any other peer is credited the gap: its silence may be
+            # the stall's (a stalled store holds every beat back, and answers the reads queued beside them first).
+            fresh = {r for r, b in beats.items() if r in self._changed_at and self._counter.get(r) != b.counter}
+            credited = [r for r in self._changed_at if r not in fresh]
+            if credited:
+                self.blind_s += gap
+                log.warning("%.2f s between two looks at %d peer(s) (this process or the store stalled): that time "
+                            "does not count against the %d not seen to beat since", gap, len(self._changed_at),
+                            len(credited))
+            for rank in credited:
                 self._changed_at[rank] += gap
-            for rank, (progress, waiting, since) in self._progress.items():
-                self._progress[rank] = (progress, waiting, since + gap)
+                if rank in self._progress:
+                    progress, waiting, since = self._progress[rank]
+                    self._progress[rank] = (progress, waiting, since + gap)
         for rank, beat in beats.items():
             if rank in self._changed_at and self._counter.get(rank) != beat.counter:
                 self._counter[rank], self._changed_at[rank] = beat.counter, now

@@ -107,12 +107,42 @@ def host_store(port: int = 0, host: str = "127.0.0.1",
     """Host a store in this process (the launcher, never a training rank); return it and its HOST:PORT.
 
     `port=0` takes a free ephemeral port. `host` is the name workers use to reach this machine; the store listens on
-    every interface.
+    every interface: every IPv4 one where `host` has IPv4 addresses only (see `_ipv4_listener`), else every one.
     """
     if not 0 <= port <= 65535:
         raise ValueError(f"port={port} must lie in 0..65535 (0 picks a free port)")
-    store = dist.TCPStore(host, port, is_master=True, timeout=_timedelta(timeout_s), wait_for_workers=False)
+    listener = _ipv4_listener(host, port)
+    if listener is None:
+        store = dist.TCPStore(host, port, is_master=True, timeout=_timedelta(timeout_s), wait_for_workers=False)
+    else:
+        store = dist.TCPStore(host, listener.getsockname()[1], is_master=True, timeout=_timedelta(timeout_s),
+                              wait_for_workers=False, master_listen_fd=listener.detach())
     return store, format_address(host, store.port)
+
+
+def _ipv4_listener(host: str, port: int) -> socket.socket | None:
+    """A listening IPv4 socket on every interface at `port`, for a `host` with IPv4 addresses only (else None).
+
+    The TCPStore server names every client it accepts for its log with a reverse lookup (`getnameinfo`), inside its
+    one event-loop thread. On its own dual-stack socket a client on an IPv4 address arrives as an IPv4-mapped IPv6
+    address, which no hosts file lists, so every connection asks DNS, and a DNS that drops a query holds the whole
+    store for the resolver's timeout: every rank's beats and waits with it (seen here: 5 s about every 25
+    connections). Accepted on an IPv4 socket, a client on this machine is the hosts file's `localhost`."""
+    try:
+        families = {info[0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except socket.gaierror:
+        return None
+    if families != {socket.AF_INET}:
+        return None
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("0.0.0.0", port))
+        listener.listen(socket.SOMAXCONN)
+    except OSError:
+        listener.close()
+        raise
+    return listener
 
 
 def generation_store(store: dist.Store, generation: int) -> dist.PrefixStore:

@@ -67,8 +67,10 @@ def test_silent_rank_is_dead_after_the_timeout():
 
 
 def test_a_gap_the_watcher_could_not_see_does_not_count_against_its_peers():
-    # Every process stalled for 4.5 s (or the store did): the watcher's next look still shows the beats from before.
-    # That gap was nobody's silence; only time watched counts, so a peer that stays silent is dead a timeout later.
+    # Every process stalled for 4.5 s (or the store did): the watcher's next look still shows rank 1's beat from
+    # before. That gap was not rank 1's silence; only time watched counts, so if it stays silent it is dead a timeout
+    # later. Rank 0 beat meanwhile (it was seen fresh, and so was the store), but its training stood still: that gap
+    # counts toward a hang, as for a hung rank, which beats on.
     clock = FakeClock()
     mon = LivenessMonitor([0, 1], heartbeat_timeout_s=2.0, clock=clock, hang_timeout_s=3.0)
     assert mon.blind_gap_s == 1.0  # half the timeout
@@ -76,22 +78,22 @@ def test_a_gap_the_watcher_could_not_see_does_not_count_against_its_peers():
     clock.now += 0.5
     mon.observe({0: Beat(2, 50.5, 7, False), 1: Beat(1, 50.0, 7, False)})
     clock.now += 4.5
-    mon.observe({0: Beat(2, 50.5, 7, False), 1: Beat(1, 50.0, 7, False)})
+    mon.observe({0: Beat(3, 55.0, 7, False), 1: Beat(1, 50.0, 7, False)})
     assert mon.blind_s == 4.5
-    assert mon.dead() == set() and mon.hung() == set()
-    assert mon.silent_for(0) == 0.0 and mon.silent_for(1) == 0.5 and mon.stalled_for(1) == 0.5
-    for _ in range(3):  # looks at the usual pace: rank 0 beats, rank 1 stays silent and its training stands still
+    assert mon.dead() == set() and mon.silent_for(1) == 0.5 and mon.stalled_for(1) == 0.5
+    assert mon.hung() == {0} and mon.stalled_for(0) == 5.0
+    for n in range(3):  # looks at the usual pace: rank 0 makes progress again, rank 1 stays silent
         clock.now += 0.5
-        mon.observe({0: Beat(3 + _, 51.0, 8 + _, False), 1: Beat(1, 50.0, 7, False)})
-    assert mon.dead() == set() and mon.silent_for(1) == 2.0
+        mon.observe({0: Beat(4 + n, 56.0, 8 + n, False), 1: Beat(1, 50.0, 7, False)})
+    assert mon.dead() == set() and mon.hung() == set() and mon.silent_for(1) == 2.0
     clock.now += 0.25
     mon.observe({1: Beat(1, 50.0, 7, False)})
-    assert mon.dead() == {1} and mon.hung() == set()
+    assert mon.dead() == {1}
     assert "no heartbeat for 2.25s" in mon.reason(1)
     assert mon.blind_s == 4.5  # the usual gaps counted in full
     clock.now += 1.0
     mon.observe({1: Beat(1, 50.0, 7, False)})
-    assert mon.hung() == {1}  # 3.25 s of progress standing still, watched
+    assert mon.stalled_for(1) == 3.25 and 1 in mon.hung()  # watched time only
     with pytest.raises(ValueError, match="blind_gap_s=0 must be positive"):
         LivenessMonitor([0], 2.0, blind_gap_s=0)
 
@@ -347,7 +349,8 @@ def test_a_stalled_store_gets_no_live_rank_declared_dead(blind_gap_s):
         writes.set()
         if blind_gap_s is None:
             assert not done.wait(3.0), f"live ranks declared dead after the store's stall: {seen}"
-            assert all(b.monitor.blind_s >= 4.0 for b in beats)
+            # (a watcher whose first look came after the beats resumed saw them fresh, and needed no credit)
+            assert any(b.monitor.blind_s >= 4.0 for b in beats)
         else:
             assert done.wait(5.0) and seen[0] in ({0}, {1})
     finally:
