@@ -375,3 +375,26 @@ def test_a_waiter_reads_each_report_once_and_a_counted_entry_not_yet_written_lat
     store.gets.clear()
     assert [r.reporter for r in watcher.reports(0)] == [0, 1, 2, 3]
     assert store.gets == ["membership/0/reports/4"], "only the new entry is fetched"
+
+
+def _listening_families(port: int) -> set[str]:
+    """Which of /proc/net/tcp (IPv4) and /proc/net/tcp6 list a socket listening on `port` (state 0A)."""
+    found = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
+                    found.add(table)
+    return found
+
+
+def test_a_store_hosted_on_an_ipv4_address_listens_on_ipv4_and_serves_its_clients():
+    # The TCPStore server names each client by a reverse lookup in its event loop; on a dual-stack socket a local
+    # client is an IPv4-mapped address no hosts file lists, so each connection asked DNS (store.py, `_ipv4_listener`).
+    store, address = host_store(0, "127.0.0.1", timeout_s=10.0)
+    assert _listening_families(store.port) == {"tcp"}
+    clients = [connect_store(address, 10.0) for _ in range(3)]
+    clients[0].set("k", "v")
+    assert [c.get("k") for c in clients] == [b"v"] * 3
+    assert clients[2].add("n", 2) == 2 and store.add("n", 0) == 2
