@@ -483,8 +483,8 @@ class Heartbeat:
     `on_dead(new_dead, wall_time)` from the heartbeat thread once for each rank newly found dead. It polls
     WATCHES_PER_BEAT times per beat while something is news (a new death, exit or fence request, a peer silent for half
     the timeout); otherwise it backs off, doubling the pause up to one beat interval (the monitor's `blind_gap_s` is
-    raised to two beat intervals if it was shorter). A second daemon thread, on a
-    clone of the store client, waits for the next alarm (`raise_alarm`) and wakes the first to poll at once.
+    raised to two beat intervals if it was shorter). A second daemon thread, on a clone of the store client, waits
+    for the next alarm (`raise_alarm`) and wakes the first to poll at once.
 
     With `progress` (a callable returning this rank's training progress, `ntp_ds.comm.wire.progress`), each beat
     carries it, and while this rank's training thread waits, a peer whose progress has stood still outside a wait for
