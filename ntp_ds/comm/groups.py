@@ -85,9 +85,9 @@ def unconnected_default_group(backend: str, world_size: int, fanout: int):
     of at most `fanout` ranks under gloo uses the default group as its control group, which stays eager: a peer that
     died before first contact is then seen at once, not at the group's timeout. Under NCCL torch creates the group
     unbound, with no communicator until its first op, which never comes. The NCCL model's gloo underneath stays
-    eager: made lazy, a recovery test saw every rank's beats stall for about 4.5 s, also when run alone (cause not
-    found; a CI run saw the same stall once with it eager). The model shows instead that no op runs on the group
-    (`nccl_model.communicator_sizes`)."""
+    eager: made lazy, a recovery test saw every rank's beats stall for about 4.5 s, as it later did eager too (the
+    store's reverse DNS lookups: `control.store._ipv4_listener`); lazy was not tried again. The model shows instead
+    that no op runs on the group (`nccl_model.communicator_sizes`)."""
     lazy = backend == "gloo" and world_size > fanout
     saved = os.environ.get(GLOO_LAZY_ENV)
     if lazy:
