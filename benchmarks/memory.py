@@ -138,7 +138,7 @@ def _recovery_worker(rank, world_size, args):
             for batch in engine.micro_batches(data, seed=0):
                 engine.backward(engine(batch))
                 engine.step()
-    peaks["after"] = _resident_peak()  # the steady state of the rank's new place
+    peaks["after"] = _resident_peak()  # its own steps after the recovery (with what the recovery left allocated)
     degrees = tuple(engine.ntp_groups.topology.degrees)
     engine.close()
     return {"peaks": peaks, "roles": roles, "events": events, "degrees": degrees}

@@ -74,13 +74,13 @@ TARGETS = {"plan_s": 1.0, "plan_rss_mb": 500.0, "store_ops": 100}
 SAMPLE_OTHERS = 5
 """Ranks sampled for the store load besides the three roles."""
 WATCH_BOUND_S = 600.0
+"""The sampled heartbeats' timeout and node-key staleness bound (see the module docstring): above the store case's
+bound, since a window longer than it makes every watched peer look silent (at W = 100,000 a 60 s bound was passed
+and the sampled ranks fenced ~1,100 healthy peers, which inflated their op counts)."""
 WINDOW_S = 1.0
 """Seconds from the crash over which a sampled rank's store calls are counted (longer when its failure path takes
 longer). Its heartbeat beats and polls on its own clock: a window of the same length at every size keeps that part of
 the count from following how long the harness's failure path happens to run (its 8 ranks share one interpreter)."""
-"""The sampled heartbeats' timeout and node-key staleness bound (see the module docstring): above the store case's
-bound, since a window longer than it makes every watched peer look silent (at W = 100,000 a 60 s bound was passed
-and the sampled ranks fenced ~1,100 healthy peers, which inflated their op counts)."""
 
 
 # -- the job ------------------------------------------------------------------------------------------------------
