@@ -79,10 +79,7 @@ def recut_zero(engine, mpu) -> None:
             zero.is_param_in_current_partition[zero.get_param_id(param)] = inside
     zero.initialize_gradient_partitioning_data_structures()
     zero.reset_partition_gradient_structures()
-    for group_params in zero.bit16_groups:
-        for p in group_params:
-            p._hp_mapping = None
-    zero._link_all_hp_params()
+    zero._link_all_hp_params()  # (it sets every parameter's `_hp_mapping` anew, None outside the partition)
     zero._hp_optimizer_states_linked = False
     zero._lazy_init_hp_params_optimizer_state()
     zero._param_slice_mappings = zero._create_param_mapping()
