@@ -33,6 +33,9 @@ def test_replicas_that_lost_nothing_keep_their_tp_groups(stage):
     assert kept == {0: healthy, 1: healthy, 2: healthy, 3: healthy, 4: []}
     # Each kept group counted once (by its lowest member): replicas 0 and 1's.
     assert event["communicators_kept"] == 2 * len(healthy)
+    # Replicas 0 and 1 keep their engines (their ZeRO partitions re-cut in place): only replica 2's survivor, now a
+    # contributor at TP 1, builds one.
+    assert event["engines_rebuilt"] == 1
     assert_no_world_communicator(results)
 
 
@@ -65,6 +68,9 @@ def test_and_keep_them_through_the_grow_back_that_follows(stage):
         assert {r: e["kept_here"] for r, e in events.items()} == {0: healthy, 1: healthy, 2: healthy, 3: healthy,
                                                                    4: []}
         assert events[0]["communicators_kept"] == 2 * len(healthy)
+        # The anchors of replicas 0 and 1 keep their engines both times; at the grow, replica 2's survivor (an anchor
+        # again, at TP 2) and the joiner build theirs.
+        assert events[0]["engines_rebuilt"] == (1 if kind == "recovery" else 2)
     assert_no_world_communicator(results)
 
 

@@ -87,7 +87,10 @@ class NTPEngine(DeepSpeedEngine):
     """DeepSpeedEngine API (`engine(batch)`, `backward`, `step`, checkpoints) over a nonuniform topology."""
 
     def __init__(self, *, ntp_groups: ReplicaGroups, batch_plan: BatchPlan, specs: dict[str, ParamSpec],
-                 full_shapes: dict[str, tuple[int, ...]], job, store, **deepspeed_kwargs):
+                 full_shapes: dict[str, tuple[int, ...]], job, store, resharded: bool = False, **deepspeed_kwargs):
+        """`resharded`: built by a recovery or a grow, whose shards are assembled from the job's live units (equal
+        on every member of a data-parallel group already), so DeepSpeed's broadcast of the model is skipped."""
+        self.__dict__["_resharded"] = resharded  # (read inside DeepSpeed's construction, before nn.Module's own)
         super().__init__(**deepspeed_kwargs)
         state.link_round_robin(self)
         # The global gradient norm (clipping, and the norm DeepSpeed reports) counts every element of the model once.
@@ -96,17 +99,8 @@ class NTPEngine(DeepSpeedEngine):
             clipping.count_once_in_zero_norm(self.optimizer)
         self.ntp_groups, self.batch_plan, self.job, self.store = ntp_groups, batch_plan, job, store
         """`job`: the validated JobSpec this engine was built from; `store`: the coordination store, if any."""
-        ntp = job.ntp
         self.param_specs, self.full_shapes = specs, full_shapes
-        plan, rank, topo = ntp_groups.plan, ntp_groups.rank, ntp_groups.topology
-        self._grads = same_layout(plan.grad_transfers, rank, topo, specs, full_shapes, ntp.bucket_size)
-        self._params = same_layout(plan.param_transfers, rank, topo, specs, full_shapes, ntp.bucket_size,
-                                   forward=True)
-        self._outgoing, self._incoming = OutgoingGradients(self._grads), IncomingGradients(self._grads)
-        # With two or more anchor replicas every anchor unit has another holder, so the copy to the contributors may
-        # travel during their next forward: an anchor lost meanwhile takes nothing that exists nowhere else.
-        self.stream_parameters = len(plan.anchors) >= 2 and bool(self._params.outgoing or self._params.incoming)
-        self._params_out, self._params_in = OutgoingParameters(self._params), IncomingParameters(self._params)
+        self._plan_transfers()
         self._loss_weight = None
         self._step_start_micro = 0
         """`micro_steps` when the current batch plan took effect: micro-batches are counted per step from there."""
@@ -119,9 +113,6 @@ class NTPEngine(DeepSpeedEngine):
         self.in_optimizer_step = False
         """Between the ready vote and the commit vote of a step: this rank's state may be partly updated."""
         self._before_step = None
-        self.copies = StateCopies(rank, job.buddies(topo, plan), list(specs),
-                                  on_host=ntp.redundancy_on_host, chunk=ntp.bucket_size,
-                                  keep_previous=ntp.redundancy_keep_previous)
         if not self.is_anchor:
             self.enable_backward_allreduce = False
         elif self.optimizer is not None:  # DeepSpeed steps its optimizer once per parameter group under ZeRO 1/2
@@ -131,6 +122,21 @@ class NTPEngine(DeepSpeedEngine):
         if self.stream_parameters and self._params.incoming:
             self._add_parameter_hooks()
 
+    def _plan_transfers(self) -> None:
+        """What the generation's plan sends between replicas: the contributors' gradients to their anchors, the
+        anchors' parameters back, and the redundant copies of the optimizer state."""
+        ntp, groups, specs, shapes = self.job.ntp, self.ntp_groups, self.param_specs, self.full_shapes
+        plan, rank, topo = groups.plan, groups.rank, groups.topology
+        self._grads = same_layout(plan.grad_transfers, rank, topo, specs, shapes, ntp.bucket_size)
+        self._params = same_layout(plan.param_transfers, rank, topo, specs, shapes, ntp.bucket_size, forward=True)
+        self._outgoing, self._incoming = OutgoingGradients(self._grads), IncomingGradients(self._grads)
+        # With two or more anchor replicas every anchor unit has another holder, so the copy to the contributors may
+        # travel during their next forward: an anchor lost meanwhile takes nothing that exists nowhere else.
+        self.stream_parameters = len(plan.anchors) >= 2 and bool(self._params.outgoing or self._params.incoming)
+        self._params_out, self._params_in = OutgoingParameters(self._params), IncomingParameters(self._params)
+        self.copies = StateCopies(rank, self.job.buddies(topo, plan), list(specs), on_host=ntp.redundancy_on_host,
+                                  chunk=ntp.bucket_size, keep_previous=ntp.redundancy_keep_previous)
+
     def _phase(self, step: int, phase: str) -> None:
         """A phase point: progress for the heartbeat (this rank's own work, even inside DeepSpeed's step), then the
         fault-injection seam."""
@@ -138,6 +144,13 @@ class NTPEngine(DeepSpeedEngine):
             self.on_phase(step, phase)
 
     # -- parameters --------------------------------------------------------------------------------------------
+    def _broadcast_model(self):
+        """DeepSpeed's copy of data-parallel rank 0's parameters over the group, at construction; not for an engine
+        a recovery or a grow builds (`resharded`): it would move a whole shard that every member holds already, and
+        a member that keeps its engine (`rebind`) does not construct one to take part."""
+        if not self.__dict__.get("_resharded"):
+            super()._broadcast_model()
+
     def named_shards(self) -> dict[str, torch.nn.Parameter]:
         return dict(self.module.named_parameters())
 
@@ -231,6 +244,10 @@ class NTPEngine(DeepSpeedEngine):
             raise ValueError(f"the plan has {len(plan.replicas)} replicas, the topology "
                              f"{len(self.batch_plan.replicas)}")
         self.batch_plan, self._step_start_micro = plan, self.micro_steps
+        self._configure_batch(plan)
+
+    def _configure_batch(self, plan: BatchPlan) -> None:
+        """DeepSpeed's batch fields for this replica's share of `plan`."""
         micro_sizes = plan.replicas[self.ntp_groups.replica].micro_sizes
         batch = deepspeed_batch(micro_sizes, len(self.ntp_groups.dp_ranks), self.is_anchor)
         self._config.train_micro_batch_size_per_gpu = batch["train_micro_batch_size_per_gpu"]
@@ -410,6 +427,66 @@ class NTPEngine(DeepSpeedEngine):
             self.optimizer.print_rank_0 = lambda *args, **kwargs: None
         self.destroy()
         self.__dict__.clear()
+
+    def detach(self) -> None:
+        """Let go of the generation's process groups but keep every tensor, as a failure's recovery starts: the
+        teardown can then close those groups (gloo closes one only once nothing references it, and a live peer still
+        waiting on this rank in it fails at once). The recovery either moves the engine onto the next generation's
+        groups (`rebind`) or releases it. The step under way is dropped: its gradients, DeepSpeed's reduction
+        bookkeeping of it and the loss weight of a forward not yet back-propagated (the step is run again)."""
+        self._drop_step()
+        self.module.set_tp_group(None)
+        self.mpu = self.data_parallel_group = self.seq_data_parallel_group = None
+        zero = self.optimizer
+        if isinstance(zero, DeepSpeedZeroOptimizer):
+            zero.mpu = zero.model_parallel_group = zero.dp_process_group = None
+            zero.real_dp_process_group[:] = [None] * len(zero.real_dp_process_group)
+        for p in self.module.parameters():
+            p.__dict__.pop("_dp_group", None)
+        # The transfers of the generation's plan, with whatever they still had in flight (the snapshot kept what
+        # arrived): `rebind` plans the next generation's.
+        self.ntp_groups = self.copies = self._grads = self._params = None
+        self._outgoing = self._incoming = self._params_out = self._params_in = None
+
+    def _drop_step(self) -> None:
+        """Forget the step under way, as DeepSpeed leaves nothing of a step once it is applied."""
+        self._loss_weight = None
+        self.in_optimizer_step = False
+        zero = self.optimizer
+        if isinstance(zero, DeepSpeedZeroOptimizer):
+            zero.zero_grad(set_to_none=True)
+            for bucket in zero.ipg_buckets.values():
+                bucket.clear()
+                bucket.index = 0
+            zero._release_ipg_buffers()
+            zero.params_already_reduced[:] = [False] * len(zero.params_already_reduced)
+            zero.previous_reduced_grads.clear()
+            zero.extra_large_param_to_reduce.clear()
+            zero.averaged_gradients, zero.all_grad_tensors, zero._muon_pending_momentum = {}, {}, {}
+            zero.clear_backward_seen_flag()
+        for p in self.module.parameters():
+            p.grad = None
+
+    def rebind(self, groups: ReplicaGroups, batch_plan: BatchPlan) -> None:
+        """Carry a detached anchor's engine into the next generation: it keeps its replica's layout and its place in
+        it, and `groups` are the new generation's. Its shard, optimizer and DeepSpeed's engine stay; the ZeRO
+        partitions are cut again for the new data-parallel group (`recut.recut_zero`: new fp32 partitions with
+        zeroed state, which the recovery then fills), and what follows from the plan is made anew: the batch, the
+        transfers to and from contributors, the redundant copies. Collective over the new groups as a fresh
+        engine's construction is (its parameter copy to the contributors): every rank builds or rebinds in step."""
+        from ntp_ds.comm.groups import NTPMpu
+        from ntp_ds.engine.recut import recut_zero
+
+        replica, tp_rank = groups.topology.locate(groups.rank)
+        if not groups.plan.is_anchor(replica) or groups.layout != self.module.layout or tp_rank != self.module.tp_rank:
+            raise ValueError(f"rank {groups.rank}: only an anchor keeping its layout and TP index is rebound")
+        self.module.set_tp_group(groups.tp_group)
+        recut_zero(self, NTPMpu(groups))  # (DeepSpeed's relink gives every parameter its data-parallel group again)
+        self.ntp_groups, self.batch_plan, self._step_start_micro = groups, batch_plan, self.micro_steps
+        self._configure_batch(batch_plan)
+        self._plan_transfers()
+        self._before_step = None
+        self.sync_parameters()
 
     def snapshot(self) -> "Snapshot":
         """Everything a survivor carries into recovery (views of live tensors: keep this engine until done)."""

@@ -184,14 +184,23 @@ def reset_state(engine, step: int, keys: tuple[str, ...]) -> None:
     if uses_hp_mapping(engine):
         if keys:
             for group in engine.optimizer.single_partition_of_fp32_groups:
-                inner.state[group] = {"step": torch.tensor(float(step))}
-                inner.state[group].update({k: torch.zeros_like(group) for k in keys})
+                held = inner.state.get(group, {})
+                # A tensor of the partition's size is zeroed where it is (no second copy of the state at once).
+                inner.state[group] = {"step": torch.tensor(float(step)), **{
+                    k: held[k].zero_() if _sized_as(held.get(k), group) else torch.zeros_like(group) for k in keys}}
+            # The fragments' links to the state tensors are made anew: they may point at tensors just replaced.
+            engine.optimizer._hp_optimizer_states_linked = False
             engine.optimizer._lazy_init_hp_params_optimizer_state()
         return
     if keys:
         for p in engine.module.parameters():
             inner.state[p] = {"step": torch.tensor(float(step))}
             inner.state[p].update({k: torch.zeros_like(p) for k in keys})
+
+
+def _sized_as(tensor, like: torch.Tensor) -> bool:
+    return torch.is_tensor(tensor) and tensor.shape == like.shape and tensor.dtype == like.dtype \
+        and tensor.device == like.device
 
 
 @torch.no_grad()

@@ -190,8 +190,9 @@ def join_world(ntp: NTPConfig, store=None, generation: int = 0, rank: int | None
 
 
 def build_engine(spec: JobSpec, topology: Topology, module_for: Callable[[ReplicaGroups], CausalLMShard],
-                 store=None) -> NTPEngine:
-    """Build this rank's groups, shard and NTPEngine for `topology` (the process group must exist)."""
+                 store=None, resharded: bool = False) -> NTPEngine:
+    """Build this rank's groups, shard and NTPEngine for `topology` (the process group must exist). `resharded`:
+    `module_for` assembles the shard from the job's live units, alike on every member (a recovery, a grow)."""
     sync, batch_plan = spec.plan(topology)
     groups = build_groups(topology, sync, dist.get_rank(), spec.ntp.timeout_s)
     module = module_for(groups)
@@ -203,10 +204,22 @@ def build_engine(spec: JobSpec, topology: Topology, module_for: Callable[[Replic
     anchor = groups.is_anchor
     return NTPEngine(ntp_groups=groups, batch_plan=batch_plan, specs={n: s for n, (s, _) in specs.items()},
                      full_shapes={n: shape for n, (_, shape) in specs.items()}, job=spec, store=store,
-                     args=None, model=module, optimizer=spec.optimizer if anchor else None,
+                     resharded=resharded, args=None, model=module, optimizer=spec.optimizer if anchor else None,
                      model_parameters=list(module.parameters()),
                      lr_scheduler=spec.lr_scheduler if anchor else None, mpu=mpu, dist_init_required=False,
                      config=rank_cfg, config_class=DeepSpeedConfig(rank_cfg, mpu))
+
+
+def rebind_engine(spec: JobSpec, topology: Topology, engine: NTPEngine, serve: Callable[[ReplicaGroups], None]) \
+        -> NTPEngine:
+    """Carry `engine` (detached, of a rank that keeps its place: `recovery.plan.keeps_place`) into `topology`: build
+    this rank's groups as `build_engine` does, run `serve(groups)` (this rank's part of the exchange in which the
+    others' `module_for` assembles their shards) and rebind the engine to them (`NTPEngine.rebind`)."""
+    sync, batch_plan = spec.plan(topology)
+    groups = build_groups(topology, sync, dist.get_rank(), spec.ntp.timeout_s)
+    serve(groups)
+    engine.rebind(groups, batch_plan)
+    return engine
 
 
 def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_len: int | None = None,

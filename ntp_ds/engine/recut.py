@@ -13,7 +13,7 @@ zeroed optimizer tensors with the step count kept: the caller then writes each f
 parameters' `_hp_mapping` (`fragments.local_fragments`), as it does into a freshly built engine.
 
 The fields, in the order `DeepSpeedZeroOptimizer.__init__` sets them:
-- groups: `dp_process_group`, `real_dp_process_group[i]`, `partition_count[i]`;
+- groups: `mpu`, `model_parallel_group`, `dp_process_group`, `real_dp_process_group[i]`, `partition_count[i]`;
 - flat layout: `round_robin_bit16_groups`, `_indices`, `_meta`, `_padding`, `_offsets`, `bit16_groups_flat` (the
   parameters' `.data` re-pointed into it, `_update_model_bit16_weights`), `parallel_partitioned_bit16_groups`,
   `groups_padding`;
@@ -44,6 +44,11 @@ class RecutError(RuntimeError):
     """The optimizer cannot be re-cut in place (not ZeRO 1/2, offloaded, or not at a step boundary)."""
 
 
+def recuttable(optimizer) -> bool:
+    """Whether `recut_zero` re-cuts this optimizer (ZeRO 1/2 on the device)."""
+    return isinstance(optimizer, DeepSpeedZeroOptimizer) and not optimizer.cpu_offload
+
+
 def recut_zero(engine, mpu) -> None:
     """Re-partition `engine`'s ZeRO 1/2 optimizer over the data-parallel group `mpu` now names, in place.
 
@@ -54,15 +59,16 @@ def recut_zero(engine, mpu) -> None:
     count kept: the caller writes the state the new cut assigns to this rank.
     """
     zero = engine.optimizer
-    if not isinstance(zero, DeepSpeedZeroOptimizer):
-        raise RecutError(f"only a ZeRO 1/2 optimizer is re-cut in place, not {type(zero).__name__}")
-    if zero.cpu_offload:
-        raise RecutError("an offloaded ZeRO optimizer is not re-cut in place")
+    if not recuttable(zero):
+        raise RecutError(f"only a ZeRO 1/2 optimizer on the device is re-cut in place, not {type(zero).__name__}"
+                         f"{' (offloaded)' if getattr(zero, 'cpu_offload', False) else ''}")
     if any(p.grad is not None or getattr(p, "grad_accum", None) is not None
            for group in zero.bit16_groups for p in group):
         raise RecutError("re-cut at a step boundary: a gradient is still accumulated")
     _rebind_engine(engine, mpu)
     group = mpu.get_data_parallel_group()
+    # The model-parallel group (its norms' reduction) may itself have been replaced; its size and rank stay.
+    zero.mpu, zero.model_parallel_group = mpu, mpu.get_model_parallel_group()
     zero.dp_process_group = group
     zero.real_dp_process_group[:] = [group] * len(zero.real_dp_process_group)
     zero.partition_count[:] = [ds_dist.get_world_size(group=group)] * len(zero.partition_count)

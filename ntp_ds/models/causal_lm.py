@@ -56,6 +56,22 @@ class CausalLMShard(nn.Module):
             out[name] = specs[attr] if specs else (ParamSpec("replicated"), tuple(p.shape))
         return out
 
+    def set_tp_group(self, group) -> None:
+        """Run the shard's TP collectives on `group` from now on: a recovery keeps a shard whose replica's TP group it
+        replaces (None in between, so that nothing of the shard holds the old group open). Every module attribute
+        that held the group the shard was built with follows it; hooks read it from the shard."""
+        holders = self.__dict__.get("_tp_holders")
+        if holders is None:
+            if self.tp_group is None:
+                raise RuntimeError("set_tp_group: the shard was built without a TP group")
+            # Names, not modules: a list of its own submodules would make the shard a reference cycle, freed only by
+            # a full garbage collection.
+            holders = self.__dict__["_tp_holders"] = [
+                (name, attr) for name, module in self.named_modules() for attr in ("tp_group", "group")
+                if vars(module).get(attr) is self.tp_group]
+        for name, attr in holders:
+            setattr(self.get_submodule(name), attr, group)
+
     def check_runnable(self) -> None:
         if self.layout.tp > 1 and self.tp_group is None:
             raise RuntimeError(f"a shard of a tp={self.layout.tp} layout needs its tp_group to run")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import weakref
 from functools import partial
 from pathlib import Path
 
@@ -78,8 +79,10 @@ def _matches(pattern: str, name: str) -> bool:
     return re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), name) is not None
 
 
-def _enter_tp(group, module, args, kwargs):
-    """Forward pre-hook of a module holding colwise projections: its hidden states enter the TP region here."""
+def _enter_tp(group_of, module, args, kwargs):
+    """Forward pre-hook of a module holding colwise projections: its hidden states enter the TP region here (on the
+    group `group_of()` names now)."""
+    group = group_of()
     if args:
         return (copy_to_tp(args[0], group),) + tuple(args[1:]), kwargs
     if "hidden_states" not in kwargs:
@@ -114,10 +117,11 @@ def _projection(linear: nn.Linear, style: str, kind: str, unit: int, layout: Sha
     return ColumnParallelLinear(*args, bias=bias)
 
 
-def apply_tp_plan(base: nn.Module, config: HFConfig, layout: ShardLayout, rank: int, group, device,
+def apply_tp_plan(base: nn.Module, config: HFConfig, layout: ShardLayout, rank: int, group, group_of, device,
                   dtype) -> list[str]:
     """Swap the planned modules of `base` (on meta) for this rank's TP layers; return the modules whose
-    parameter gradients must be summed over the TP group."""
+    parameter gradients must be summed over the TP group. `group_of()`: the TP group now, for the hooks (a recovery
+    may replace `group`: `CausalLMShard.set_tp_group`)."""
     plan = plan_of(base.config)
     kv_index = local_kv_index(layout, rank)
     n_q, n_kv = len(kv_index), max(kv_index) + 1
@@ -151,7 +155,7 @@ def apply_tp_plan(base: nn.Module, config: HFConfig, layout: ShardLayout, rank: 
                 raise ValueError(f"{parent_name} holds {name} but has no num_key_value_groups to set")
             parent.num_key_value_groups = n_q // n_kv if regular else 1
     for parent_name in entries:
-        base.get_submodule(parent_name).register_forward_pre_hook(partial(_enter_tp, group), with_kwargs=True)
+        base.get_submodule(parent_name).register_forward_pre_hook(partial(_enter_tp, group_of), with_kwargs=True)
     return grad_summed
 
 
@@ -170,8 +174,8 @@ def _materialize(base: nn.Module, device) -> None:
             base._init_weights(module)
 
 
-def _sum_over(group):
-    return lambda grad: wire.all_reduce(grad.contiguous().clone(), group)
+def _sum_over(group_of):
+    return lambda grad: wire.all_reduce(grad.contiguous().clone(), group_of())
 
 
 class HFCausalLM(CausalLMShard):
@@ -195,7 +199,12 @@ class HFCausalLM(CausalLMShard):
         with torch.device("meta"):
             hf = transformers.AutoModelForCausalLM.from_config(config.to_transformers(), dtype=dtype)
         self.model = getattr(hf, hf.base_model_prefix)
-        grad_summed = apply_tp_plan(self.model, config, layout, tp_rank, tp_group, device, dtype)
+        shard = weakref.ref(self)  # a hook holding the shard itself would make it a reference cycle
+
+        def group_of():
+            return shard().tp_group
+
+        grad_summed = apply_tp_plan(self.model, config, layout, tp_rank, tp_group, group_of, device, dtype)
         pad = self.model.config.pad_token_id
         self.model.set_input_embeddings(VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, layout, tp_rank, tp_group, device, dtype,
@@ -208,7 +217,7 @@ class HFCausalLM(CausalLMShard):
         if tp_group is not None and layout.tp > 1:
             for name in grad_summed:
                 for p in self.model.get_submodule(name).parameters():
-                    p.register_hook(_sum_over(tp_group))
+                    p.register_hook(_sum_over(group_of))
 
     def embedding(self) -> VocabParallelEmbedding:
         return self.model.get_input_embeddings()

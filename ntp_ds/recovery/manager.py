@@ -31,15 +31,16 @@ from ntp_ds.control.membership import BarrierWait, Membership, MembershipChange,
 from ntp_ds.engine.config import ConfigError
 from ntp_ds.engine.engine import Snapshot, write_hf_index, write_hf_shard
 from ntp_ds.engine.fragments import params_from_masters
-from ntp_ds.engine.initialize import JobSpec, build_engine, build_topology, join_world
+from ntp_ds.engine.initialize import JobSpec, build_engine, build_topology, join_world, rebind_engine
+from ntp_ds.engine.recut import recuttable
 from ntp_ds.layout import ShardLayout, Topology, plan_gradient_sync
 from ntp_ds.layout import units as U
 from ntp_ds.layout.sharding import gather_units, packed_numel, scatter_units
 from ntp_ds.models import CausalLMShard, empty_shard
 from ntp_ds.recovery.keep import close_hit, depart, departed, keep, positions, suspects
 from ntp_ds.recovery.placement import Placement
-from ntp_ds.recovery.plan import (collector_paused, old_ranks, plan_last_good, plan_unit_moves, rebalanced_moves,
-                                  rereplicated_moves)
+from ntp_ds.recovery.plan import (collector_paused, keeps_place, old_ranks, plan_last_good, plan_unit_moves,
+                                  rebalanced_moves, rereplicated_moves)
 from ntp_ds.recovery.reslice import reslice
 from ntp_ds.recovery.rollback import offered, roll_back
 
@@ -92,6 +93,9 @@ class Recovery:
         self.heartbeat_interval_s = heartbeat_interval_s
         self._kept_here: list[str] = []
         """Roles of the groups this rank kept in the recovery or grow under way (the event's `kept_here`)."""
+        self._held = None
+        """A member's engine during a recovery or a grow (detached from the old generation's groups): kept if this
+        rank keeps its place (`rebind`), else released once that is known."""
         self._candidates: list = []
         """Groups a recovery may keep (`keep.keep`), from its start to its first attempt's teardown."""
         self.declared: dict[int, str] = {}
@@ -219,9 +223,19 @@ class Recovery:
         old_members = self.members
         traceback.clear_frames(error.__traceback__)
         error.__traceback__ = error.__context__ = error.__cause__ = None
-        self.engine.release()
-        self.engine = None
+        self._hold_engine()
         return self._recover_from(snapshot, old_members, error, failed_at)
+
+    def _hold_engine(self) -> None:
+        """Detach the engine from the generation's groups (`NTPEngine.detach`) and hold it until the new topology
+        says whether this rank keeps it."""
+        self.engine.detach()
+        self._held, self.engine = self.engine, None
+
+    def _release_held(self) -> None:
+        if self._held is not None:
+            self._held.release()
+            self._held = None
 
     def _recover_from(self, snapshot, old_members, error, failed_at) -> RecoveryOutcome:
         for attempt in range(len(self.members)):
@@ -253,6 +267,8 @@ class Recovery:
         # communicators are aborted first). The groups that may be kept stay open until `keep.keep` decides (a peer
         # waiting in one of them stops once a member has departed: `keep.depart`); only the first attempt keeps any.
         candidates, self._candidates = self._candidates, []
+        if self._held is not None:  # an attempt before this one may have rebound it to its groups
+            self._held.detach()
         discard_unused()
         wire.teardown(keep=candidates)
         dead, reason = self._detect(error)
@@ -278,6 +294,7 @@ class Recovery:
                                 f"{sorted(gone)}; {saved}")
         if self.rank not in new_members:
             log.warning("rank %d: replica dropped (below min_tp=%d); leaving", self.rank, self.job.ntp.min_tp)
+            self._release_held()
             self.leave(f"replica below min_tp={self.job.ntp.min_tp}")
         new_topology = plan.topology(drop)
         placement = self.placement.after_loss(plan.lost, drop)
@@ -363,10 +380,20 @@ class Recovery:
         moved = {}
         rereplicated = rereplicated_moves(snapshot.topology, new_topology, old_rank_of, moves)
         rebalanced = rebalanced_moves(snapshot.topology, new_topology, old_rank_of, moves)
-        engine = build_engine(self.job, new_topology,
-                              lambda groups: self._reshard(groups, snapshot, moves, moved, rereplicated, rebalanced),
-                              self.store)
-        engines_built = 1
+        me = new_members.index(self.rank)
+        held = self._held
+        if held is None or not (recuttable(held.optimizer) and keeps_place(snapshot.topology, snapshot.rank,
+                                                                           new_topology, me)
+                                and not any(m.dst == me for m in moves)):
+            self._release_held()
+            engine = build_engine(self.job, new_topology,
+                                  lambda groups: self._reshard(groups, snapshot, moves, moved, rereplicated,
+                                                               rebalanced),
+                                  self.store, resharded=True)
+        else:
+            engine = rebind_engine(self.job, new_topology, held, lambda groups: self._serve(
+                held, groups, snapshot, moves, moved))
+        engines_built = int(engine is not held)
         created, kept = count_communicators()
         state = reslice(engine, snapshot, dead_owners, own=not snapshot.rolled_back)
         if snapshot.params_from_masters:
@@ -391,7 +418,7 @@ class Recovery:
         self._watch(self._peers(engine))
         barrier(self.store, f"recovery/{generation}/done/{_digest(new_members)}", self.rank, new_members,
                 self.job.ntp.timeout_s)
-        self.engine, self.placement = engine, placement
+        self.engine, self.placement, self._held = engine, placement, None
         event = {"generation": generation, **event,
                  "degrees_before": list(snapshot.topology.degrees), "degrees_after": list(new_topology.degrees),
                  "bytes_moved": int(totals[0]), "kv_rereplicated_bytes": int(totals[1]),
@@ -505,8 +532,7 @@ class Recovery:
             raise RuntimeError(f"a failure was reported at the join boundary: {committed.reason}")
         mark_communicators()
         snapshot, old_members = self.engine.snapshot(), self.members
-        self.engine.release()
-        self.engine = None
+        self._hold_engine()
         self.membership.adopt(change)
         try:
             return self._grow(snapshot, plan, t0, traffic_before)
@@ -739,6 +765,16 @@ class Recovery:
             moved[key] = sum(packed_numel(specs[n], tuple(new_params[n].shape), m.units) * width
                              for m in extra if m.dst == groups.rank for n in specs if specs[n].kind == m.kind)
         return module
+
+    def _serve(self, engine, groups, snapshot, moves, moved: dict) -> None:
+        """The unit exchange of a rank that keeps its shard (`keeps_place`): it lacks nothing, so it only sends."""
+        old_replica, old_tp = snapshot.topology.locate(snapshot.rank)
+        with torch.no_grad():
+            self._phase(snapshot.global_steps + 1, "transfer")  # its peers are blocked in this exchange with it
+            moved["bytes"] = self._exchange_units(moves, groups, snapshot, snapshot.topology.layouts[old_replica],
+                                                  old_tp, engine.param_specs, engine.full_shapes,
+                                                  engine.named_shards())
+        moved["kv_rereplicated"] = moved["rebalanced"] = 0
 
     def _exchange_units(self, moves, groups, snapshot, old_layout, old_tp, specs, full_shapes, new_params) -> int:
         """Pull the missing units: senders pack them out of their old layout, receivers unpack into the new one."""

@@ -10,7 +10,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ntp_ds.layout import KINDS, Topology
+from ntp_ds.layout import KINDS, Topology, plan_gradient_sync
 from ntp_ds.layout.shard_layout import OWNED_KINDS
 from ntp_ds.layout import units as U
 
@@ -49,6 +49,16 @@ def old_ranks(old_members, new_members) -> dict[int, int]:
     100K ranks."""
     old_position = {m: i for i, m in enumerate(old_members)}
     return {i: old_position[m] for i, m in enumerate(new_members) if m in old_position}
+
+
+def keeps_place(old: Topology, old_rank: int, new: Topology, new_rank: int) -> bool:
+    """Whether a rank (global rank `old_rank` of `old`, `new_rank` of `new`) holds the same place on both sides of
+    a change: an anchor before and after, of a replica with the same layout, at the same TP index. Its shard is then
+    the same, and only its ZeRO partition changes with its data-parallel group: the rank may keep its engine
+    (`NTPEngine.rebind`)."""
+    (old_replica, old_tp), (new_replica, new_tp) = old.locate(old_rank), new.locate(new_rank)
+    return (plan_gradient_sync(old).is_anchor(old_replica) and plan_gradient_sync(new).is_anchor(new_replica)
+            and old_tp == new_tp and old.layouts[old_replica] == new.layouts[new_replica])
 
 
 def plan_unit_moves(old: Topology, new: Topology, old_rank_of: dict[int, int],
