@@ -36,7 +36,23 @@ def test_replicas_that_lost_nothing_keep_their_tp_groups(stage):
     # Replicas 0 and 1 keep their engines (their ZeRO partitions re-cut in place): only replica 2's survivor, now a
     # contributor at TP 1, builds one.
     assert event["engines_rebuilt"] == 1
+    assert_keepers_receive_only_the_new_cut({r: res["events"][0] for r, res in results.items()}, (0, 1, 2, 3))
     assert_no_world_communicator(results)
+
+
+def assert_keepers_receive_only_the_new_cut(events, keepers):
+    """The ranks that kept their engines received no parameter, and of the optimizer state only what their new ZeRO
+    partition holds and they did not: every element their old partition held and the new one needs was installed
+    from themselves (measured per element in the re-slice, against the overlap of the two partitions' addresses)."""
+    for rank, event in events.items():
+        state = event["rank_state_elements"]
+        print(f"rank {rank}: parameter bytes received {event['rank_bytes_received']}, optimizer elements {state}")
+        if rank not in keepers:
+            assert state["keepable"] is None  # it built a new engine
+            continue
+        assert event["rank_bytes_received"] == 0
+        assert state["kept"] == state["keepable"] > 0
+        assert state["kept"] + state["from_copies"] + state["received"] == state["wanted"]
 
 
 def assert_no_world_communicator(results, largest=3):
@@ -71,6 +87,7 @@ def test_and_keep_them_through_the_grow_back_that_follows(stage):
         # The anchors of replicas 0 and 1 keep their engines both times; at the grow, replica 2's survivor (an anchor
         # again, at TP 2) and the joiner build theirs.
         assert events[0]["engines_rebuilt"] == (1 if kind == "recovery" else 2)
+        assert_keepers_receive_only_the_new_cut(events, (0, 1, 2, 3))
     assert_no_world_communicator(results)
 
 

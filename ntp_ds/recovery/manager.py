@@ -30,7 +30,7 @@ from ntp_ds.control.joins import (JoinFailed, JoinPlan, JoinRequest, JoinRequest
 from ntp_ds.control.membership import BarrierWait, Membership, MembershipChange, barrier, replica_membership
 from ntp_ds.engine.config import ConfigError
 from ntp_ds.engine.engine import Snapshot, write_hf_index, write_hf_shard
-from ntp_ds.engine.fragments import params_from_masters
+from ntp_ds.engine.fragments import fragment_addresses, params_from_masters
 from ntp_ds.engine.initialize import JobSpec, build_engine, build_topology, join_world, rebind_engine
 from ntp_ds.engine.recut import recuttable
 from ntp_ds.layout import ShardLayout, Topology, plan_gradient_sync
@@ -428,6 +428,8 @@ class Recovery:
                  "state_index": state["state_index"],
                  "engines_rebuilt": int(totals[7]), "communicators_created": int(totals[8]),
                  "communicators_kept": int(totals[9]), "kept_here": self._kept_here,
+                 "rank_state_elements": {k: state[k] for k in ("wanted", "kept", "from_copies", "received")}
+                 | {"keepable": _keepable(snapshot, engine) if not engines_built else None},
                  "traffic_bytes": dict(zip(received, map(int, totals[10:]))), "rolled_back": snapshot.rolled_back,
                  "lossless": int(totals[4]) == len(new_members)}
         return engine, event
@@ -789,6 +791,16 @@ TRAFFIC_KINDS = {"parameters": ("reshard", "param_sync"), "optimizer": ("reslice
                  "redundancy": ("copy_data", "copy_piece", "copy_layout"),
                  "objects": ("all_gather_object", "gather_object", "broadcast_object")}
 """How recovery's measured traffic is reported: call names of the wire layer by kind; the rest is "control"."""
+
+
+def _keepable(snapshot, engine) -> int:
+    """Elements of a kept engine's new fragments that its old ones held (the same shard, so the same coordinates):
+    what it installs from itself; none after a roll-back, which serves only the copies."""
+    if snapshot.rolled_back:
+        return 0
+    new = fragment_addresses(engine)
+    return sum(max(0, min(old.start + old.numel, start + numel) - max(old.start, start))
+               for name, old in snapshot.fragments.items() if name in new for start, numel in [new[name]])
 
 
 def _received_by_kind(traffic: dict[tuple[str, str], int]) -> dict[str, int]:

@@ -348,7 +348,8 @@ def intact(message: torch.Tensor) -> bool:
 @torch.no_grad()
 def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...], dead: set[int] = frozenset()) -> dict:
     """Run this rank's moves (one pairwise exchange on the data device) and install what arrives into this new
-    anchor's live optimizer state; return measured figures: bytes sent and received, elements covered, checksum
+    anchor's live optimizer state; return measured figures: bytes sent and received, elements covered (and of those,
+    how many this rank `kept` from its own old fragments, took `from_copies` it keeps, or `received`), checksum
     agreement, freshness; and this rank's share of the lost state's bytes and of those installed from the copies of
     `dead` owners (`count_lost_state`: summed over the ranks, each element counts once)."""
     me = engine.ntp_groups.rank
@@ -393,7 +394,7 @@ def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...], dea
     figures = {"bytes_sent": sum(t.numel() * t.element_size() for t in sends.values()),
                "bytes_received": sum(t.numel() * t.element_size() for t in recvs.values()),
                "checksums_ok": True, "covered": 0, "wanted": sum(n for _, n in wanted), "fresh": True,
-               "restored_bytes": 0, "lost_bytes": 0,
+               "restored_bytes": 0, "lost_bytes": 0, "kept": 0, "from_copies": 0, "received": 0,
                "state_index": index.source}
     if not engine.is_anchor:
         return figures
@@ -419,6 +420,8 @@ def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...], dea
             for t, piece in zip([target.tensors[S.MASTER]] + [target.tensors[k] for k in keys], pieces):
                 _region(t, target.start, g.width, m.block, m.block.dst_col).copy_(piece)
             _region(masks[m.name], target.start, g.width, m.block, m.block.dst_col).fill_(True)
+            # Elements by where they came from: this rank's own old fragment, a copy it keeps, another rank.
+            figures["kept" if src == me and m.owner == me else "from_copies" if src == me else "received"] += n
             if m.owner in dead:
                 from_dead[m.name].append(block_in_full(g, m.block))
             figures["fresh"] &= m.step == index.step
