@@ -57,3 +57,101 @@ def test_an_engine_not_detached_keeps_its_groups_open():
     # The check above bites: an engine left attached holds its TP and data-parallel groups through the teardown.
     results = run_ranks(_detached, 4, "llama", False, timeout=180)
     assert all(out["left"] > 0 for out in results), results
+
+
+GLOBAL_BATCH, MICRO = 12, 2
+
+
+def _state(engine) -> dict:
+    """This rank's parameters and, on an anchor, its fp32 partitions and their optimizer tensors (host copies)."""
+    from ntp_ds.engine.fragments import inner_optimizer
+
+    out = {f"param/{n}": p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    if engine.is_anchor:
+        inner = inner_optimizer(engine)
+        for i, flat in enumerate(engine.optimizer.single_partition_of_fp32_groups):
+            out[f"fp32/{i}"] = flat.detach().clone()
+            out.update({f"{k}/{i}": v.detach().clone() for k, v in inner.state[flat].items()})
+    return out
+
+
+def _one_step(engine, step: int) -> None:
+    from ntp_ds.batch.loader import GlobalBatchSampler, replica_micro_batches
+    from tests.training import dataset, tiny_config
+
+    data, sampler = dataset(tiny_config()), GlobalBatchSampler(256, seed=1)
+    for batch in replica_micro_batches(data, sampler, engine.batch_plan, engine.ntp_groups.replica, step):
+        engine.backward(engine(batch))
+        engine.step()
+
+
+def _recover_then_save(rank, world, stage, ckpt):
+    """3 replicas at TP 2; rank 5 dies in step 2's backward. After step 3 the survivors save a DeepSpeed
+    checkpoint, then train step 4."""
+    import ntp_ds
+    from ntp_ds.comm import wire
+    from ntp_ds.control.faults import FaultInjector, FaultSchedule
+    from ntp_ds.recovery.manager import Recovery
+    from tests.training import deepspeed_config, full_model, tiny_config
+
+    engine = ntp_ds.initialize(model=full_model(tiny_config()), config=deepspeed_config("adamw", stage, GLOBAL_BATCH,
+                                                                                        MICRO),
+                               ntp={"tp": 2, "replicas": 3, "timeout_s": 12.0})
+    recovery = Recovery(engine, engine.store, rank, heartbeat_timeout_s=2.0)
+    injector = FaultInjector(FaultSchedule.from_config([{"rank": 5, "step": 2, "phase": "backward",
+                                                         "kind": "crash"}], world), rank, engine.store)
+    engine.on_phase = recovery.on_phase = injector.check
+    first = engine
+    while engine.global_steps < 3:
+        try:
+            _one_step(engine, engine.global_steps)
+        except Exception as error:
+            if not wire.is_wire_failure(error):
+                raise
+            engine = recovery.recover(error).engine
+            engine.on_phase = injector.check
+    engine.save_checkpoint(ckpt, tag="after_recovery")
+    saved = _state(engine)
+    _one_step(engine, 3)
+    out = {"kept": engine is first, "saved": saved, "after": _state(engine),
+           "degrees": tuple(engine.ntp_groups.topology.degrees)}
+    wire.barrier()
+    recovery.close(finished=True)
+    return out
+
+
+def _load_and_step(rank, world, stage, ckpt):
+    """A fresh job at the recovered degrees: load the checkpoint, then train step 4."""
+    import ntp_ds
+    from tests.training import deepspeed_config, full_model, tiny_config
+
+    engine = ntp_ds.initialize(model=full_model(tiny_config(), seed=1),
+                               config=deepspeed_config("adamw", stage, GLOBAL_BATCH, MICRO),
+                               ntp={"tp": 2, "replicas": 3, "degrees": [2, 2, 1], "timeout_s": 12.0})
+    engine.load_checkpoint(ckpt, tag="after_recovery")
+    loaded = _state(engine)
+    _one_step(engine, 3)
+    return {"loaded": loaded, "after": _state(engine)}
+
+
+def _equal(a: dict, b: dict, what: str) -> None:
+    import torch
+
+    assert a.keys() == b.keys(), f"{what}: {sorted(a.keys() ^ b.keys())}"
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
+
+
+@pytest.mark.parametrize("stage", [2])
+def test_a_checkpoint_saved_by_kept_engines_after_a_recovery_loads_into_fresh_engines(tmp_path, stage):
+    # The anchors of replicas 0 and 1 keep their engines (ZeRO partitions re-cut from dp 3 to dp 2). DeepSpeed's own
+    # checkpoint of the recovered job loads into engines built fresh at the recovered degrees, with every
+    # parameter, fp32 partition and optimizer tensor equal, and the next step ends bit for bit equal on both.
+    recovered = run_ranks(_recover_then_save, 6, stage, str(tmp_path), timeout=200, store=True)
+    assert sorted(recovered) == [0, 1, 2, 3, 4]
+    assert [recovered[r]["kept"] for r in range(5)] == [True, True, True, True, False]
+    assert all(recovered[r]["degrees"] == (2, 2, 1) for r in range(5))
+    fresh = run_ranks(_load_and_step, 5, stage, str(tmp_path), timeout=200)
+    for rank in range(5):
+        _equal(recovered[rank]["saved"], fresh[rank]["loaded"], f"rank {rank}: the checkpoint loaded")
+        _equal(recovered[rank]["after"], fresh[rank]["after"], f"rank {rank}: the step after")
