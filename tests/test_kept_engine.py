@@ -155,3 +155,40 @@ def test_a_checkpoint_saved_by_kept_engines_after_a_recovery_loads_into_fresh_en
     for rank in range(5):
         _equal(recovered[rank]["saved"], fresh[rank]["loaded"], f"rank {rank}: the checkpoint loaded")
         _equal(recovered[rank]["after"], fresh[rank]["after"], f"rank {rank}: the step after")
+
+
+class _Group:
+    """A stand-in for a TP group of two (the shard only keeps it and hands it to collectives)."""
+
+
+@pytest.mark.parametrize("model", ["llama", "hf"])
+def test_set_tp_group_moves_every_reference_of_the_shard(monkeypatch, model):
+    # A kept shard whose replica's TP group is replaced: every module attribute and hook that used the old group
+    # must use the new one, and nothing of the shard may reference the old one (gloo would keep it open).
+    import gc
+    import weakref
+
+    from ntp_ds.layout import ShardLayout
+    from ntp_ds.models import HFCausalLM, HFConfig, Llama
+    from ntp_ds.models import tp_layers
+    from tests.training import tiny_config, tiny_qwen2
+
+    monkeypatch.setattr(tp_layers.dist, "get_world_size", lambda group=None: 2)
+    old, new = _Group(), _Group()
+    if model == "llama":
+        config = tiny_config()
+        shard = Llama(config, ShardLayout.balanced(config.units(), 2), 0, old, init=False)
+    else:
+        hf = tiny_qwen2()
+        shard = HFCausalLM(HFConfig.from_transformers(hf.config),
+                           ShardLayout.balanced(HFConfig.from_transformers(hf.config).units(), 2), 0, old)
+    holding = [name for name, m in shard.named_modules() if old in vars(m).values()]
+    assert len(holding) > 3  # the shard, its TP layers, the blocks entering the TP region
+    shard.set_tp_group(None)
+    gone = weakref.ref(old)
+    del old
+    gc.collect()
+    assert gone() is None, "something of the shard still holds the old group"
+    shard.set_tp_group(new)
+    assert [name for name, m in shard.named_modules() if new in vars(m).values()] == holding
+    assert shard.tp_group is new

@@ -28,11 +28,12 @@ from ntp_ds.batch import BatchPlan
 from ntp_ds.batch.loader import counted_tokens
 from ntp_ds.comm import wire
 from ntp_ds.comm.exchange import same_layout
-from ntp_ds.comm.groups import ReplicaGroups, ring_neighbours
+from ntp_ds.comm.groups import NTPMpu, ReplicaGroups, ring_neighbours
 from ntp_ds.comm.streams import IncomingGradients, IncomingParameters, OutgoingGradients, OutgoingParameters
 from ntp_ds.engine import clipping
 from ntp_ds.engine import fragments as state
 from ntp_ds.engine.copies import StateCopies
+from ntp_ds.engine.recut import recut_zero
 from ntp_ds.layout import ParamSpec
 from ntp_ds.layout.sharding import unshard_into
 from ntp_ds.models.checkpoint import write_hf_dir
@@ -474,9 +475,6 @@ class NTPEngine(DeepSpeedEngine):
         zeroed state, which the recovery then fills), and what follows from the plan is made anew: the batch, the
         transfers to and from contributors, the redundant copies. Collective over the new groups as a fresh
         engine's construction is (its parameter copy to the contributors): every rank builds or rebinds in step."""
-        from ntp_ds.comm.groups import NTPMpu
-        from ntp_ds.engine.recut import recut_zero
-
         replica, tp_rank = groups.topology.locate(groups.rank)
         if not groups.plan.is_anchor(replica) or groups.layout != self.module.layout or tp_rank != self.module.tp_rank:
             raise ValueError(f"rank {groups.rank}: only an anchor keeping its layout and TP index is rebound")

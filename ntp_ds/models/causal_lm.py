@@ -62,8 +62,10 @@ class CausalLMShard(nn.Module):
         that held the group the shard was built with follows it; hooks read it from the shard."""
         holders = self.__dict__.get("_tp_holders")
         if holders is None:
-            if self.tp_group is None:
-                raise RuntimeError("set_tp_group: the shard was built without a TP group")
+            if self.tp_group is None:  # built without one: a TP 1 shard, whose modules run no TP collective
+                if group is not None and self.layout.tp > 1:
+                    raise RuntimeError(f"set_tp_group: a tp={self.layout.tp} shard was built without a TP group")
+                return
             # Names, not modules: a list of its own submodules would make the shard a reference cycle, freed only by
             # a full garbage collection.
             holders = self.__dict__["_tp_holders"] = [
