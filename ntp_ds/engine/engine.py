@@ -434,7 +434,10 @@ class NTPEngine(DeepSpeedEngine):
         teardown can then close those groups (gloo closes one only once nothing references it, and a live peer still
         waiting on this rank in it fails at once). The recovery either moves the engine onto the next generation's
         groups (`rebind`) or releases it. The step under way is dropped: its gradients, DeepSpeed's reduction
-        bookkeeping of it and the loss weight of a forward not yet back-propagated (the step is run again)."""
+        bookkeeping of it and the loss weight of a forward not yet back-propagated (the step is run again). An engine
+        detached already (and not rebound since) is left as it is."""
+        if self.ntp_groups is None:
+            return
         self._drop_step()
         self.module.set_tp_group(None)
         self.mpu = self.data_parallel_group = self.seq_data_parallel_group = None

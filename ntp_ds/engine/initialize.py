@@ -189,12 +189,18 @@ def join_world(ntp: NTPConfig, store=None, generation: int = 0, rank: int | None
     start_generation(ntp.timeout_s, ntp.control_fanout, generation)
 
 
+def _groups_and_plan(spec: JobSpec, topology: Topology) -> tuple[ReplicaGroups, BatchPlan]:
+    """This rank's groups of `topology` and its batch plan: the same for an engine built and one rebound, whose
+    members must build their groups alike."""
+    sync, batch_plan = spec.plan(topology)
+    return build_groups(topology, sync, dist.get_rank(), spec.ntp.timeout_s), batch_plan
+
+
 def build_engine(spec: JobSpec, topology: Topology, module_for: Callable[[ReplicaGroups], CausalLMShard],
                  store=None, resharded: bool = False) -> NTPEngine:
     """Build this rank's groups, shard and NTPEngine for `topology` (the process group must exist). `resharded`:
     `module_for` assembles the shard from the job's live units, alike on every member (a recovery, a grow)."""
-    sync, batch_plan = spec.plan(topology)
-    groups = build_groups(topology, sync, dist.get_rank(), spec.ntp.timeout_s)
+    groups, batch_plan = _groups_and_plan(spec, topology)
     module = module_for(groups)
     if torch.cuda.is_available():
         module = module.to(torch.device("cuda", torch.cuda.current_device()))
@@ -215,8 +221,7 @@ def rebind_engine(spec: JobSpec, topology: Topology, engine: NTPEngine, serve: C
     """Carry `engine` (detached, of a rank that keeps its place: `recovery.plan.keeps_place`) into `topology`: build
     this rank's groups as `build_engine` does, run `serve(groups)` (this rank's part of the exchange in which the
     others' `module_for` assembles their shards) and rebind the engine to them (`NTPEngine.rebind`)."""
-    sync, batch_plan = spec.plan(topology)
-    groups = build_groups(topology, sync, dist.get_rank(), spec.ntp.timeout_s)
+    groups, batch_plan = _groups_and_plan(spec, topology)
     serve(groups)
     engine.rebind(groups, batch_plan)
     return engine
