@@ -243,7 +243,10 @@ class FaultTolerantEngine:
             self._stop.uninstall()
         # A peer that met us and left would otherwise be declared dead by a watcher still running here.
         self.recovery.heartbeat.watch([])
-        wire.barrier()
+        if self._engine is not None:
+            self._engine.close()  # the transfers in flight complete, then every rank meets
+        else:
+            wire.barrier()
         self.recovery.close(finished=True)
         wire.teardown()
         store = self.recovery.store

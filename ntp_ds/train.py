@@ -213,7 +213,7 @@ def run_worker(cfg, started: float, stop) -> int:
     if live:  # meet the peers after the job's last collective, stop beating, record this rank's exit
         engine.close()
     else:
-        wire.barrier()
+        engine.close()
         wire.teardown()
     return stop.exit_code if trainer.stopped_by is not None else 0
 

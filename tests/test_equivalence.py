@@ -37,13 +37,15 @@ def assert_matches_reference(results, reference: Llama, optim: str):
 reference_init = {}
 
 
-def run_case(degrees, stage, optim, policy="preserve_global_batch", global_batch=12, micro=2, tp=None, **ntp):
+def run_case(degrees, stage, optim, policy="preserve_global_batch", global_batch=12, micro=2, tp=None,
+             late_rank=None, **ntp):
     from tests.training import full_model, tiny_config
 
     reference_init.clear()
     reference_init.update({n: p.detach().clone() for n, p in full_model(tiny_config()).named_parameters()})
     ntp = {"tp": tp or max(degrees), "replicas": len(degrees), "degrees": degrees, "batch_policy": policy, **ntp}
-    results = run_ranks(train_ntp, sum(degrees), ntp, optim, stage, global_batch, micro, STEPS, timeout=240)
+    results = run_ranks(train_ntp, sum(degrees), ntp, optim, stage, global_batch, micro, STEPS, None, None, None,
+                        0.0, late_rank, timeout=240)
     assert all(r["global_steps"] == STEPS for r in results)
     # DeepSpeed's sample count (checkpointed, its monitor's x axis) counts the global batch on every rank.
     assert [r["samples_seen"] for r in results] == [STEPS * results[0]["global_samples"]] * len(results)
@@ -68,6 +70,13 @@ def test_tp2_tp1_adamw_streamed_in_small_buckets():
 
 def test_three_replicas_tp2_tp2_tp1():
     run_case((2, 2, 1), 1, "adamw")
+
+
+def test_a_contributor_that_ends_late_still_gets_its_last_parameters():
+    # The anchors finish first; their last parameter messages to the contributor (rank 4) are still queued behind the
+    # contributor's window of receives. `close()` holds everyone until they arrived; a rank that left at once would
+    # drop them (under nccl_model the contributor's receives then fail, the job's store gone with rank 0).
+    run_case((2, 2, 1), 1, "adamw", bucket_size=1500, late_rank=4)
 
 
 def test_proportional_unequal_local_batches():

@@ -66,6 +66,7 @@ def _state(engine) -> dict:
     """This rank's parameters and, on an anchor, its fp32 partitions and their optimizer tensors (host copies)."""
     from ntp_ds.engine.fragments import inner_optimizer
 
+    engine.settle_parameters()  # a contributor's parameters of the last step may still be on their way
     out = {f"param/{n}": p.detach().float().clone() for n, p in engine.module.named_parameters()}
     if engine.is_anchor:
         inner = inner_optimizer(engine)
@@ -115,7 +116,7 @@ def _recover_then_save(rank, world, stage, ckpt):
     _one_step(engine, 3)
     out = {"kept": engine is first, "saved": saved, "after": _state(engine),
            "degrees": tuple(engine.ntp_groups.topology.degrees)}
-    wire.barrier()
+    engine.close()
     recovery.close(finished=True)
     return out
 
@@ -131,7 +132,9 @@ def _load_and_step(rank, world, stage, ckpt):
     engine.load_checkpoint(ckpt, tag="after_recovery")
     loaded = _state(engine)
     _one_step(engine, 3)
-    return {"loaded": loaded, "after": _state(engine)}
+    out = {"loaded": loaded, "after": _state(engine)}
+    engine.close()
+    return out
 
 
 def _equal(a: dict, b: dict, what: str) -> None:

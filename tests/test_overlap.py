@@ -36,7 +36,7 @@ def _timed_run(rank, world_size, ntp):
                 boundary_start.append(started[n] if engine.is_anchor else None)
                 boundary_end.append(time.time())
             engine.step()
-    engine.settle_parameters()
+    engine.close()
     return {"replica": engine.ntp_groups.replica, "tp_rank": engine.ntp_groups.tp_rank,
             "layout": engine.ntp_groups.layout, "anchor": engine.is_anchor,
             "shards": host_shards(model),

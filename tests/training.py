@@ -77,11 +77,13 @@ def host_shards(module) -> dict:
 
 
 def train_ntp(rank, world_size, ntp: dict, optim: str, stage: int, global_batch: int, micro: int, steps: int,
-              model_overrides: dict | None = None, make_model=None, save_dir: str | None = None, clip: float = 0.0):
+              model_overrides: dict | None = None, make_model=None, save_dir: str | None = None, clip: float = 0.0,
+              late_rank: int | None = None):
     """One rank of an NTP run; returns its local shards and, on the consolidating rank, the full weights.
 
     `make_model`: a function building the unsharded model (default: the own Llama of `tiny_config`); `save_dir`:
-    where the engine writes the final weights with `save_pretrained`; `clip`: DeepSpeed's gradient_clipping."""
+    where the engine writes the final weights with `save_pretrained`; `clip`: DeepSpeed's gradient_clipping;
+    `late_rank`: a rank that ends 2 s after its last step (a contributor slow to take in its last parameters)."""
     import ntp_ds
 
     model = make_model() if make_model else full_model(tiny_config(**(model_overrides or {})))
@@ -97,7 +99,9 @@ def train_ntp(rank, world_size, ntp: dict, optim: str, stage: int, global_batch:
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach()))
-    engine.settle_parameters()  # a contributor's last parameter copy may still be streaming
+    if rank == late_rank:
+        time.sleep(2.0)
+    engine.close()  # the anchors' last parameter messages arrive before anyone leaves
     shards = host_shards(engine.module)
     full = engine.consolidated_state_dict()
     if save_dir:
@@ -170,7 +174,7 @@ def train_with_checkpoint(rank, world_size, ntp: dict, stage: int, steps: int, c
     if not resume:
         engine.save_checkpoint(ckpt_dir)
         engine.save_pretrained(f"{ckpt_dir}/hf")
-    engine.settle_parameters()
+    engine.close()
     return {"shards": host_shards(engine.module),
             "global_steps": engine.global_steps, "layout": engine.ntp_groups.layout,
             "tp_rank": engine.ntp_groups.tp_rank}
@@ -260,7 +264,7 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
     full = engine.consolidated_state_dict()
     fired = {r: json.loads(engine.store.get(fired_key(r)))["wall"] for r in range(world_size)
              if engine.store.check([fired_key(r)])}
-    wire.barrier()  # beat until every rank is done: a silent rank would be declared dead by a busy peer
+    engine.close()  # beat until every rank is done: a silent rank would be declared dead by a busy peer
     recovery.close(finished=True)
     return {"replica": engine.ntp_groups.replica, "tp_rank": engine.ntp_groups.tp_rank,
             "layout": engine.ntp_groups.layout, "shards": host_shards(engine.module),

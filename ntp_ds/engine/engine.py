@@ -187,6 +187,18 @@ class NTPEngine(DeepSpeedEngine):
         self._params_out.wait()
         self.copies.finish()
 
+    def close(self) -> None:
+        """End this rank's part of the job with every peer alive (every rank calls it, after its last step and
+        whatever it saves): complete the transfers in flight (`quiesce`), then meet every rank of the generation.
+
+        An anchor's last parameter messages to the contributors may still be queued on its communicators when its
+        loop ends, and a process that exits drops them: its contributor, settling its weights, would wait for ever.
+        After this no rank leaves while a peer still waits on its messages. The engine stays usable."""
+        if self.ntp_groups is None:  # detached: a recovery owns it
+            return
+        self.quiesce()
+        wire.barrier()
+
     def _add_parameter_hooks(self) -> None:
         """Before a module first uses its parameters in a forward, complete the buckets that hold them."""
         names = self._params_in.names
