@@ -110,7 +110,7 @@ def ntp_worker(rank, world_size, args):
     engine.on_phase = recovery.on_phase = injector.check
     data = SyntheticTokens(config.vocab_size, args.seq, size=4096, seed=0)
     sampler = GlobalBatchSampler(len(data), seed=0)
-    done, resumed_at_steps, noticed = {}, None, None
+    done, resumed_at_steps, noticed, recovered = {}, None, None, None
     while engine.global_steps < args.steps:
         step = engine.global_steps
         try:
@@ -120,13 +120,14 @@ def ntp_worker(rank, world_size, args):
         except (RuntimeError, TimeoutError, ConnectionError) as error:
             noticed = time.time()
             engine = recovery.recover(error).engine
+            recovered = time.time()
             engine.on_phase = injector.check
             resumed_at_steps = engine.global_steps
             continue
         done[step + 1] = time.time()
     recovery.close()
     return {"done": done, "resumed_at_steps": resumed_at_steps, "fired": _fired(engine.store), "noticed": noticed,
-            "bandwidth": bandwidth, "event": recovery.events[-1] if recovery.events else None}
+            "recovered": recovered, "bandwidth": bandwidth, "event": recovery.events[-1] if recovery.events else None}
 
 
 # -- DeepSpeed: checkpoint-restart -------------------------------------------------------------------------------
@@ -206,8 +207,14 @@ def measure_ntp(args) -> dict:
     floor = min(s["noticed"] - fired for s in survivors if s["noticed"] is not None)
     degraded_step = degraded[len(degraded) // 2] if degraded else float("nan")
     # A replica that lost nothing: from the crash to its own completion of the step the failure interrupted.
-    stall = max(out[r]["done"][args.fail_step] - fired for r in out if r // TP != CRASH_RANK // TP)
-    return {"seconds": first - fired, "healthy_stall_s": stall, "lost_steps": lost, "event": event, "step_s": healthy[len(healthy) // 2],
+    worst = max((r for r in out if r // TP != CRASH_RANK // TP), key=lambda r: out[r]["done"][args.fail_step])
+    stall = out[worst]["done"][args.fail_step] - fired
+    w = out[worst]
+    # Where that rank's stall went: its step went on until it noticed, then it recovered, then it re-ran the step.
+    parts = {"noticed_s": w["noticed"] - fired, "recovered_s": w["recovered"] - w["noticed"],
+             "rerun_s": w["done"][args.fail_step] - w["recovered"]}
+    return {"seconds": first - fired, "healthy_stall_s": stall, "stall_parts": parts, "lost_steps": lost,
+            "event": event, "step_s": healthy[len(healthy) // 2],
             "detection_floor_s": floor, "degraded_step_s": degraded_step, "lost_bytes": lost_bytes,
             "bandwidth": bandwidth, "bound_s": floor + degraded_step + lost_bytes / bandwidth}
 
@@ -276,6 +283,11 @@ def main(argv=None) -> int:
     print(f"bound: detection floor {ntp['detection_floor_s']:.2f} s + a degraded step {ntp['degraded_step_s']:.2f} s "
           f"+ {ntp['lost_bytes'] / 2**20:.1f} MiB lost at {ntp['bandwidth'] / 2**20:.0f} MiB/s point to point = "
           f"{ntp['bound_s']:.2f} s", flush=True)
+    parts = ntp["stall_parts"]
+    print(f"healthy replica: noticed the crash {parts['noticed_s']:.2f} s after it, recovered in "
+          f"{parts['recovered_s']:.2f} s, re-ran step {args.fail_step} in {parts['rerun_s']:.2f} s: a stall of "
+          f"{ntp['healthy_stall_s']:.2f} s against 1.2 x (detection floor + degraded step) = "
+          f"{1.2 * (ntp['detection_floor_s'] + ntp['degraded_step_s']):.2f} s", flush=True)
     restart = measure_restart(args)
     print(f"DeepSpeed checkpoint-restart (checkpoint every {args.checkpoint_every} steps): {restart['seconds']:.2f} s "
           f"from the crash to step {args.fail_step} completed ({restart['first_step_s']:.2f} s to the first step "
