@@ -125,6 +125,7 @@ def ntp_worker(rank, world_size, args):
             resumed_at_steps = engine.global_steps
             continue
         done[step + 1] = time.time()
+    engine.close()
     recovery.close()
     return {"done": done, "resumed_at_steps": resumed_at_steps, "fired": _fired(engine.store), "noticed": noticed,
             "recovered": recovered, "bandwidth": bandwidth, "event": recovery.events[-1] if recovery.events else None}
