@@ -197,6 +197,7 @@ class NTPEngine(DeepSpeedEngine):
         if self.ntp_groups is None:  # detached: a recovery owns it
             return
         self.quiesce()
+        wire.settle_device()  # NCCL: a completed wait only orders the stream; the transfers must be done, not queued
         wire.barrier()
 
     def _add_parameter_hooks(self) -> None:
