@@ -90,7 +90,8 @@ class NTPEngine(DeepSpeedEngine):
     def __init__(self, *, ntp_groups: ReplicaGroups, batch_plan: BatchPlan, specs: dict[str, ParamSpec],
                  full_shapes: dict[str, tuple[int, ...]], job, store, resharded: bool = False, **deepspeed_kwargs):
         """`resharded`: built by a recovery or a grow, whose shards are assembled from the job's live units (equal
-        on every member of a data-parallel group already), so DeepSpeed's broadcast of the model is skipped."""
+        on every member of a data-parallel group, and to the anchors' on a contributor, already), so DeepSpeed's
+        broadcast of the model and the parameter copy to the contributors are skipped."""
         self.__dict__["_resharded"] = resharded  # (read inside DeepSpeed's construction, before nn.Module's own)
         super().__init__(**deepspeed_kwargs)
         state.link_round_robin(self)
@@ -119,7 +120,8 @@ class NTPEngine(DeepSpeedEngine):
         elif self.optimizer is not None:  # DeepSpeed steps its optimizer once per parameter group under ZeRO 1/2
             state.inner_optimizer(self).register_step_post_hook(
                 lambda *_: self._phase(self.global_steps + 1, "in_optimizer"))
-        self.sync_parameters()
+        if not resharded:  # a recovery's or grow's engines all skip it (built so, or rebound): nobody posts it
+            self.sync_parameters()
         if self.stream_parameters and self._params.incoming:
             self._add_parameter_hooks()
 
@@ -489,8 +491,8 @@ class NTPEngine(DeepSpeedEngine):
         it, and `groups` are the new generation's. Its shard, optimizer and DeepSpeed's engine stay; the ZeRO
         partitions are cut again for the new data-parallel group (`recut.recut_zero`: new fp32 partitions with
         zeroed state, which the recovery then fills), and what follows from the plan is made anew: the batch, the
-        transfers to and from contributors, the redundant copies. Collective over the new groups as a fresh
-        engine's construction is (its parameter copy to the contributors): every rank builds or rebinds in step."""
+        transfers to and from contributors, the redundant copies. Like an engine a recovery builds, it makes no
+        parameter copy to the contributors: their shards were assembled from live units, equal to the anchors'."""
         replica, tp_rank = groups.topology.locate(groups.rank)
         if not groups.plan.is_anchor(replica) or groups.layout != self.module.layout or tp_rank != self.module.tp_rank:
             raise ValueError(f"rank {groups.rank}: only an anchor keeping its layout and TP index is rebound")
@@ -500,7 +502,6 @@ class NTPEngine(DeepSpeedEngine):
         self._configure_batch(batch_plan)
         self._plan_transfers()
         self._before_step = None
-        self.sync_parameters()
 
     def snapshot(self) -> "Snapshot":
         """Everything a survivor carries into recovery (views of live tensors: keep this engine until done)."""
