@@ -210,10 +210,10 @@ def run_worker(cfg, started: float, stop) -> int:
         if live:
             engine.recovery.close()
         raise
-    if live:  # meet the peers after the job's last collective, stop beating, record this rank's exit
-        engine.close()
-    else:
-        engine.close()
+    # Finish the transfers in flight and meet the peers after the job's last collective; the live handle also stops
+    # beating, records this rank's exit and leaves the groups, which the plain engine leaves here.
+    engine.close()
+    if not live:
         wire.teardown()
     return stop.exit_code if trainer.stopped_by is not None else 0
 

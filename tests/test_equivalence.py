@@ -1,5 +1,7 @@
 """Nonuniform training ends where one process training the unsharded model on the same samples ends."""
 
+import functools
+
 import pytest
 import torch
 
@@ -44,8 +46,8 @@ def run_case(degrees, stage, optim, policy="preserve_global_batch", global_batch
     reference_init.clear()
     reference_init.update({n: p.detach().clone() for n, p in full_model(tiny_config()).named_parameters()})
     ntp = {"tp": tp or max(degrees), "replicas": len(degrees), "degrees": degrees, "batch_policy": policy, **ntp}
-    results = run_ranks(train_ntp, sum(degrees), ntp, optim, stage, global_batch, micro, STEPS, None, None, None,
-                        0.0, late_rank, timeout=240)
+    train = functools.partial(train_ntp, late_rank=late_rank)
+    results = run_ranks(train, sum(degrees), ntp, optim, stage, global_batch, micro, STEPS, timeout=240)
     assert all(r["global_steps"] == STEPS for r in results)
     # DeepSpeed's sample count (checkpointed, its monitor's x axis) counts the global batch on every rank.
     assert [r["samples_seen"] for r in results] == [STEPS * results[0]["global_samples"]] * len(results)
