@@ -151,3 +151,25 @@ def test_sampler_needs_no_memory_for_a_huge_dataset_and_epochs_differ():
     small = GlobalBatchSampler(1000, seed=5)
     assert small.indices(0, 1000) != small.indices(1, 1000)
     assert small.indices(0, 1000) != GlobalBatchSampler(1000, seed=6).indices(0, 1000)
+
+
+def test_the_rest_of_an_interrupted_step_spreads_the_lost_samples_over_every_replica():
+    from ntp_ds.batch.planner import resume_plan
+
+    interrupted = plan_batch((1.0, 1.0, 1.0), 24, 2, "preserve_global_batch")  # [0, 8), [8, 16), [16, 24)
+    costs = [StepCost(0.0, 1.0), StepCost(0.0, 1.0), StepCost(0.0, 2.0)]  # replica 2 now at half the pace
+    rest = resume_plan(interrupted, (0, 1), costs, 2)
+    assert rest.kept == 16 and rest.global_samples == 24
+    # Replica 2's samples [16, 24), one range from its first, a share of every replica in replica order, at the
+    # least modelled time: 8 samples at paces (1, 1, 2) need 4 (the slower replica takes at most 2).
+    assert [r.offset for r in rest.replicas] == [16, 16 + rest.replicas[0].samples, 24 - rest.replicas[2].samples]
+    assert all(r.samples >= 1 for r in rest.replicas)
+    assert max(c.step_s(0, r.samples) for c, r in zip(costs, rest.replicas)) == 4.0
+    assert all(max(r.micro_sizes) <= 2 for r in rest.replicas)
+    # The lost samples are not one range (replicas 0 and 2 lost them around a kept one): the step is run again.
+    assert resume_plan(interrupted, (1,), costs, 2) is None
+    # Too few to give every replica a micro-batch, nothing kept, or a rest's rest: run again too.
+    small = plan_batch((1.0, 1.0, 1.0), 6, 2, "preserve_global_batch")
+    assert resume_plan(small, (0, 1), costs, 2) is None
+    assert resume_plan(interrupted, (), costs, 2) is None
+    assert resume_plan(rest, (0,), costs, 2) is None

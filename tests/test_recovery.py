@@ -358,6 +358,22 @@ def test_failures_in_two_replicas_one_during_recovery(phase):
     assert all(tuple(r["degrees"]) == (2, 2) for r in results.values())
 
 
+@pytest.mark.parametrize("degrees,victim,kept", [((2, 2), 3, 6), ((2, 2, 2), 5, 8)])
+def test_replicas_that_lost_nothing_keep_their_finished_backward_and_share_the_lost_samples(degrees, victim, kept):
+    # The healthy replicas' backward of step 3 outlasts the detection (they begin its last micro-batch once the death
+    # is declared): their gradients are whole when the reduction would start, so they keep them and, with the hit
+    # replica's survivor, run only the hit replica's samples of the step again. ZeRO 1 reduces at the boundary.
+    worker = functools.partial(train_with_recovery, reduce_after_verdict=3)
+    ntp = {"tp": max(degrees), "replicas": len(degrees), "min_tp": 1}
+    results = run_ranks(worker, sum(degrees), ntp, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS,
+                        [fault(victim, 3, "backward")], timeout=200, store=True)
+    assert_equivalent(results)
+    (copies,) = events_of(results)
+    print(f"samples_kept={copies[0]['samples_kept']} engines_rebuilt={copies[0]['engines_rebuilt']}")
+    assert {e["samples_kept"] for e in copies} == {kept}
+    assert copies[0]["engines_rebuilt"] == 1  # the hit replica's survivor alone
+
+
 def test_loss_of_a_whole_replica_holding_rank_0():
     results = run((2, 2, 2), 1, [fault(0, 3, "forward"), fault(1, 3, "forward")])
     assert set(results) == {2, 3, 4, 5}

@@ -184,7 +184,8 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
                         steps: int, faults: list, heartbeat_timeout_s: float = 2.0, zero_redundancy: int = 1,
                         last_good_dir: str | None = None, timeout_s: float = 12.0, joins: dict | None = None,
                         joiner_overrides: dict | None = None, make_model=None, zero: dict | None = None,
-                        hang_timeout_s: float | None = None, bf16: bool = False):
+                        hang_timeout_s: float | None = None, bf16: bool = False,
+                        reduce_after_verdict: int | None = None):
     """One rank of a run with injected faults and live recovery; returns its final state and recovery events.
 
     A joiner (`run_ranks(..., joiners=N)`: NTP_JOIN set) asks the running job for a place from step `joins[rank]`
@@ -193,6 +194,8 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
     `make_model` builds the unsharded model (default: the tiny Llama); `zero`: more `zero_optimization` settings.
     `hang_timeout_s`: declare a peer that beats without training progress hung after this long (None: never).
     `bf16`: train in bf16 (DeepSpeed's bf16 with fp32 masters).
+    `reduce_after_verdict`: a step whose last backward (and so its gradient reduction) every rank that reaches it
+    begins only once a peer's failure is declared (bounded): a replica's backward that outlasts the detection.
     """
     import os
 
@@ -225,7 +228,12 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
         recovery = Recovery(engine, engine.store, rank, heartbeat_timeout_s=heartbeat_timeout_s,
                             hang_timeout_s=hang_timeout_s, last_good_dir=last_good_dir)
         injector = FaultInjector(schedule, rank, engine.store)
-    engine.on_phase = recovery.on_phase = injector.check
+    def on_phase(step: int, phase: str) -> None:
+        if phase == "grad_sync" and step == reduce_after_verdict:
+            wire.verdict(timeout_s)
+        injector.check(step, phase)
+
+    engine.on_phase = recovery.on_phase = on_phase
     if joins and not os.environ.get("NTP_JOIN"):
         _await_join_requests(engine.store, len(joins))
     data, sampler = dataset(config), GlobalBatchSampler(256, seed=1)
@@ -235,7 +243,7 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
         try:
             if step > 0 and (grown := recovery.at_boundary(step, steps)) is not None:
                 engine = grown.engine
-                engine.on_phase = injector.check
+                engine.on_phase = on_phase
             for batch in replica_micro_batches(data, sampler, engine.batch_plan, engine.ntp_groups.replica,
                                                engine.global_steps):
                 engine.backward(engine(batch))
@@ -260,7 +268,7 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
             except RecoveryImpossible as stop:
                 recovery.close(finished=True)
                 return {"stopped": str(stop), "events": recovery.events}
-            engine.on_phase = injector.check
+            engine.on_phase = on_phase
     full = engine.consolidated_state_dict()
     fired = {r: json.loads(engine.store.get(fired_key(r)))["wall"] for r in range(world_size)
              if engine.store.check([fired_key(r)])}

@@ -51,10 +51,13 @@ class ReplicaBatch:
 @dataclass(frozen=True)
 class BatchPlan:
     replicas: tuple[ReplicaBatch, ...]
+    kept: int = 0
+    """Samples of the step whose gradients some replicas already hold (the rest of an interrupted step,
+    `resume_plan`): counted in the global batch, run by nobody."""
 
     @property
     def global_samples(self) -> int:
-        return sum(r.samples for r in self.replicas)
+        return sum(r.samples for r in self.replicas) + self.kept
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,36 @@ def split_micro_batches(samples, micro_batch: int, lockstep: tuple[int, ...] = (
         out.append(ReplicaBatch(offset, _split(n, micro_steps[r])))
         offset += n
     return BatchPlan(tuple(out))
+
+
+def resume_plan(interrupted: BatchPlan, kept: Sequence[int], costs: Sequence[StepCost], micro_batch: int,
+                micro_limits: tuple[int, ...] | None = None) -> BatchPlan | None:
+    """The rest of an `interrupted` step whose `kept` replicas hold their share's gradients whole: the samples of the
+    other replicas, spread over every replica of the step's new topology at its cost (`balance_samples`), in replica
+    order from the first of them. None where those samples are not one range of the global batch, or too few to give
+    every replica a micro-batch: the whole step is then run again.
+
+    `costs` (and `micro_limits`) are the new topology's, one per replica; its replicas are the interrupted plan's,
+    in the same order (a recovery that dropped one does not resume). Without lockstep: only a replica that reduces
+    nothing inside its backward (ZeRO 0 or 1) can hold its gradients back from a reduction.
+    """
+    if len(costs) != len(interrupted.replicas) or interrupted.kept:
+        return None
+    rest = sorted((interrupted.replicas[r].offset, interrupted.replicas[r].samples)
+                  for r in range(len(costs)) if r not in set(kept))
+    if not rest or not kept:
+        return None
+    start, end = rest[0][0], rest[0][0]
+    for offset, samples in rest:
+        if offset != end:
+            return None
+        end += samples
+    samples = balance_samples(costs, end - start, micro_batch, (), micro_limits)
+    if samples is None:
+        return None
+    plan = split_micro_batches(samples, micro_batch, (), micro_limits)
+    return BatchPlan(tuple(ReplicaBatch(start + r.offset, r.micro_sizes) for r in plan.replicas),
+                     kept=interrupted.global_samples - (end - start))
 
 
 def _work(cost: StepCost, shared: int, micro: int, samples: int) -> float:

@@ -577,6 +577,18 @@ def _suspect(group) -> bool:
         return True
 
 
+def verdict(timeout_s: float = 0.0) -> bool:
+    """Whether a peer's failure has been declared in this generation (`peer_failed`), waiting up to `timeout_s`."""
+    return _state.failed.wait(timeout_s) if timeout_s > 0 else _state.failed.is_set()
+
+
+def check_verdict(group, what: str) -> None:
+    """Raise `PeerFailure` before `what` starts when a verdict has already broken this generation for `group`: a
+    collective begun on it would only fail later, having changed its tensors meanwhile."""
+    if _suspect(group):
+        raise PeerFailure(f"{what} not started: {_state.reason}")
+
+
 DEPARTURE_POLL_S = 0.25
 """Under NCCL, how often the abort thread looks at the departures from the spared groups (one store request per
 group while nobody has left it), until the training thread reaches the recovery (at most `arrival_s`)."""

@@ -76,6 +76,13 @@ class Snapshot:
     """Filled in by recovery: the members return to the state the last step began from (`recovery.rollback`)."""
     order: object = None
     """An anchor's `layout.zero.FlatOrder`: how its optimizer laid out the state its fragments are part of."""
+    batch_plan: BatchPlan | None = None
+    """The plan of the step the failure interrupted."""
+    whole_grads: bool = False
+    """This rank holds the interrupted step's gradients of its whole share, none reduced yet
+    (`NTPEngine.allreduce_gradients`): a recovery that keeps its replica's engines may keep them."""
+    whole_by_rank: dict = field(default_factory=dict)
+    """Filled in by recovery: `whole_grads` of every new rank."""
 
     @property
     def params_from_masters(self) -> bool:
@@ -115,6 +122,11 @@ class NTPEngine(DeepSpeedEngine):
         self.in_optimizer_step = False
         """Between the ready vote and the commit vote of a step: this rank's state may be partly updated."""
         self._before_step = None
+        self._whole_grads_step = None
+        """The step whose accumulated gradients this rank holds whole: its reduction found a verdict already in and
+        never started (`allreduce_gradients`)."""
+        self._plan_after_step = None
+        """The plan the step under way hands over to at its end (after the rest of an interrupted step: `resume`)."""
         if not self.is_anchor:
             self.enable_backward_allreduce = False
         elif self.optimizer is not None:  # DeepSpeed steps its optimizer once per parameter group under ZeRO 1/2
@@ -283,7 +295,15 @@ class NTPEngine(DeepSpeedEngine):
         return self.batch_plan.replicas[self.ntp_groups.replica].micro_steps
 
     def allreduce_gradients(self, *args, **kwargs):
-        """DeepSpeed's reduction over the anchors, timed into `sync_wait_s`."""
+        """DeepSpeed's reduction over the anchors, timed into `sync_wait_s`. When a peer's failure is already known it
+        does not start: it would fail, and would have changed the gradients first (ZeRO scales them in place). Where
+        nothing else has touched them since the backward, the step's gradients are then whole, and a recovery that
+        keeps this replica may keep them (`resume`)."""
+        if self.is_gradient_accumulation_boundary():  # (DeepSpeed calls this after every micro-batch's backward)
+            if self._grads_held_back():
+                self._whole_grads_step = self.global_steps + 1
+            wire.check_verdict(self.data_parallel_group, "the gradient reduction")
+            self._whole_grads_step = None
         start = time.perf_counter()
         try:
             with wire.waiting():
@@ -330,6 +350,14 @@ class NTPEngine(DeepSpeedEngine):
             self._incoming.finish()
             self.sync_wait_s += time.perf_counter() - start
         return loss
+
+    def _grads_held_back(self) -> bool:
+        """Whether this anchor's accumulated gradients are all in its parameters' `.grad`, untouched by any reduction
+        until DeepSpeed's boundary one: ZeRO 1 without overlap or gradient-accumulation attributes, and no
+        contributor whose gradients were added in this backward."""
+        zero = self.optimizer
+        return (isinstance(zero, DeepSpeedZeroOptimizer) and not zero.partition_gradients and not zero.overlap_comm
+                and not zero.use_grad_accum_attribute and not self._grads.incoming)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """The last micro-batch of this replica's share of the step, counted from when the plan took effect."""
@@ -388,6 +416,9 @@ class NTPEngine(DeepSpeedEngine):
             self._copy_parameters()
         if not self.is_anchor:
             self.micro_steps += 1
+        if boundary and self._plan_after_step is not None:
+            plan, self._plan_after_step = self._plan_after_step, None
+            self.set_batch_plan(plan)
 
     def clip_fp32_gradients(self):
         """Stage 0 in fp32: clip by the norm of the whole model, every element counted once (`engine.clipping`)."""
@@ -453,7 +484,7 @@ class NTPEngine(DeepSpeedEngine):
         detached already (and not rebound since) is left as it is."""
         if self.ntp_groups is None:
             return
-        self._drop_step()
+        self._drop_step(keep_grads=self._whole_grads_step == self.global_steps + 1)
         self.module.set_tp_group(None)
         self.mpu = self.data_parallel_group = self.seq_data_parallel_group = None
         zero = self.optimizer
@@ -467,13 +498,16 @@ class NTPEngine(DeepSpeedEngine):
         self.ntp_groups = self.copies = self._grads = self._params = None
         self._outgoing = self._incoming = self._params_out = self._params_in = None
 
-    def _drop_step(self) -> None:
-        """Forget the step under way, as DeepSpeed leaves nothing of a step once it is applied."""
+    def _drop_step(self, keep_grads: bool = False) -> None:
+        """Forget the step under way, as DeepSpeed leaves nothing of a step once it is applied; `keep_grads`: but for
+        its whole gradients (`take_grads`)."""
         self._loss_weight = None
         self.in_optimizer_step = False
+        self._whole_grads_step = self._plan_after_step = None
         zero = self.optimizer
         if isinstance(zero, DeepSpeedZeroOptimizer):
-            zero.zero_grad(set_to_none=True)
+            if not keep_grads:
+                zero.zero_grad(set_to_none=True)
             for bucket in zero.ipg_buckets.values():
                 bucket.clear()
                 bucket.index = 0
@@ -483,8 +517,9 @@ class NTPEngine(DeepSpeedEngine):
             zero.extra_large_param_to_reduce.clear()
             zero.averaged_gradients, zero.all_grad_tensors, zero._muon_pending_momentum = {}, {}, {}
             zero.clear_backward_seen_flag()
-        for p in self.module.parameters():
-            p.grad = None
+        if not keep_grads:
+            for p in self.module.parameters():
+                p.grad = None
 
     def rebind(self, groups: ReplicaGroups, batch_plan: BatchPlan) -> None:
         """Carry a detached anchor's engine into the next generation: it keeps its replica's layout and its place in
@@ -503,6 +538,28 @@ class NTPEngine(DeepSpeedEngine):
         self._plan_transfers()
         self._before_step = None
 
+    def take_grads(self) -> dict[str, torch.Tensor]:
+        """Detach the gradients kept through a `detach` from the parameters (a re-cut needs none) and return them by
+        name; empty when the interrupted step's gradients were not whole."""
+        grads = {n: p.grad for n, p in self.module.named_parameters() if p.grad is not None}
+        for p in self.module.parameters():
+            p.grad = None
+        self._whole_grads_step = None
+        return grads
+
+    def resume(self, plan: BatchPlan, grads: dict[str, torch.Tensor], scale: float) -> None:
+        """Run the rest of an interrupted step (`plan`, whose `kept` samples this replica's gradients hold, from
+        `take_grads`) and then the generation's own plan. `scale`: the new anchors' count over the old, by which the
+        gradients' loss weighting changes (each micro-batch's loss is scaled by the count of anchors that average
+        it)."""
+        after = self.batch_plan
+        self.set_batch_plan(plan)
+        self._plan_after_step = after
+        params = dict(self.module.named_parameters())
+        with torch.no_grad():
+            for name, grad in grads.items():
+                params[name].grad = grad.mul_(scale) if scale != 1.0 else grad
+
     def snapshot(self) -> "Snapshot":
         """Everything a survivor carries into recovery (views of live tensors: keep this engine until done)."""
         try:
@@ -519,7 +576,8 @@ class NTPEngine(DeepSpeedEngine):
             held=dict(self.copies.held), global_steps=self.global_steps, global_samples=self.global_samples,
             mid_step=self.in_optimizer_step, stale=stale, lr_state=self._lr_state(),
             before_step=self._before_step, previous=dict(self.copies.previous),
-            order=state.flat_order(self) if self.is_anchor else None)
+            order=state.flat_order(self) if self.is_anchor else None, batch_plan=self.batch_plan,
+            whole_grads=self._whole_grads_step == self.global_steps + 1)
 
     def _lr_state(self) -> tuple | None:
         if not self.is_anchor or self.optimizer is None:

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.config import DeepSpeedConfig
 
-from ntp_ds.batch import BatchPlan, lockstep_replicas, max_micro_batch, plan_batch
+from ntp_ds.batch import BatchPlan, StepCost, lockstep_replicas, max_micro_batch, plan_batch
+from ntp_ds.batch.planner import resume_plan
 from ntp_ds.batch.straggler import Replan, rebalance
 from ntp_ds.comm import wire
 from ntp_ds.comm.groups import (NTPMpu, ReplicaGroups, backend_for_device, build_groups, prepare_backend,
@@ -58,6 +59,16 @@ class JobSpec:
                            self.ds_config["train_micro_batch_size_per_gpu"], self.ntp.batch_policy,
                            lockstep_replicas(sync.anchors, self.zero_stage), limits)
         return sync, batch
+
+    def resume_plan(self, topology: Topology, interrupted: BatchPlan, kept: tuple[int, ...]) -> BatchPlan | None:
+        """The rest of the `interrupted` step in `topology`, whose `kept` replicas hold their share's gradients whole
+        (`ntp_ds.batch.planner.resume_plan`); None: run the whole step again. Only under `preserve_global_batch`:
+        the step then has the same samples in any topology."""
+        if self.ntp.batch_policy != "preserve_global_batch" or self.zero_stage > 1:
+            return None
+        costs = [StepCost(0.0, pace) for pace in replica_paces(topology.layouts, self.ntp.tp)]
+        return resume_plan(interrupted, kept, costs, self.ds_config["train_micro_batch_size_per_gpu"],
+                           _micro_limits(self, topology))
 
     def buddies(self, topology: Topology, sync=None) -> dict[int, tuple[int, ...]]:
         """For every anchor rank of `topology`, the ranks keeping copies of its optimizer state (`plan_buddies`;

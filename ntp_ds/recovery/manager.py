@@ -248,6 +248,7 @@ class Recovery:
                 if isinstance(again, RecoveryImpossible) or not retry:
                     raise
                 self.failed_attempts.append(time.time())
+                snapshot.whole_grads = False  # what an attempt took of them is gone with it
                 log.warning("rank %d: recovery attempt %d failed (%s); retrying", self.rank, attempt + 1, again)
                 error = again
         raise RecoveryImpossible(f"rank {self.rank}: recovery did not converge after {len(self.members)} attempts "
@@ -338,7 +339,9 @@ class Recovery:
     def _share_context(self, snapshot, dead: frozenset = frozenset()):
         """Every member's stale units, and what a joiner lacks (the old topology, steps, learning-rate state) from
         the lowest rank that held an optimizer; return the snapshot completed with it."""
-        mine = {"stale": snapshot.stale if snapshot is not None else {},
+        whole = (snapshot is not None and snapshot.whole_grads and self._held is not None
+                 and recuttable(self._held.optimizer))
+        mine = {"stale": snapshot.stale if snapshot is not None else {}, "whole": whole,
                 "lr": snapshot is not None and snapshot.lr_state is not None, **offered(snapshot)}
         gathered = wire.all_gather_object(mine)
         rolled_back = snapshot is not None and roll_back(self.job.buddies(snapshot.topology), gathered, dead)
@@ -362,6 +365,7 @@ class Recovery:
                                 global_samples=context["global_samples"], mid_step=False, stale={}, lr_state=None)
             self.placement = context["placement"]
         snapshot.stale_by_rank = {i: g["stale"] for i, g in enumerate(gathered)}
+        snapshot.whole_by_rank = {i: g["whole"] for i, g in enumerate(gathered)}
         snapshot.rolled_back = rolled_back
         snapshot.any_mid_step = any(g["mid_step"] for g in gathered)
         snapshot.carried_lr = context["lr_state"]
@@ -382,6 +386,7 @@ class Recovery:
         rebalanced = rebalanced_moves(snapshot.topology, new_topology, old_rank_of, moves)
         me = new_members.index(self.rank)
         held = self._held
+        grads = held.take_grads() if held is not None else {}
         if held is None or not (recuttable(held.optimizer) and keeps_place(snapshot.topology, snapshot.rank,
                                                                            new_topology, me)
                                 and not any(m.dst == me for m in moves)):
@@ -401,6 +406,7 @@ class Recovery:
             engine.sync_parameters()
         engine.global_steps, engine.global_samples = snapshot.global_steps, snapshot.global_samples
         restore_learning_rate(engine, snapshot.carried_lr)
+        kept_samples = self._resume(engine, snapshot, new_topology, old_rank_of, moves, grads)
         # Before any optimizer step there is no state to copy (the first step sends it, layout included). The new
         # layout's copies travel during the step that follows, off the recovery's critical path, and are awaited
         # before its optimizer step: a failure before they land is recovered as not lossless.
@@ -431,8 +437,39 @@ class Recovery:
                  "rank_state_elements": {k: state[k] for k in ("wanted", "kept", "from_copies", "received")}
                  | {"keepable": _keepable(snapshot, engine) if not engines_built else None},
                  "traffic_bytes": dict(zip(received, map(int, totals[10:]))), "rolled_back": snapshot.rolled_back,
+                 "samples_kept": kept_samples,
                  "lossless": int(totals[4]) == len(new_members)}
         return engine, event
+
+    def _resume(self, engine, snapshot, new_topology, old_rank_of, moves, grads) -> int:
+        """Where replicas that lost nothing hold the interrupted step's gradients whole on every rank, and every rank
+        of theirs keeps its engine, keep those gradients and run only the rest of the step: the other replicas'
+        samples spread over all of them (`JobSpec.resume_plan`). Decided alike on every rank from what each one
+        told (`_share_context`). Return the samples kept (0: the whole step is run again)."""
+        old = snapshot.topology
+        if (snapshot.rolled_back or snapshot.any_mid_step or snapshot.batch_plan is None
+                or len(new_topology.layouts) != len(old.layouts)):
+            return 0
+        destinations = {m.dst for m in moves}
+
+        def keeps(replica: int) -> bool:
+            if new_topology.layouts[replica] != old.layouts[replica]:
+                return False
+            ranks = new_topology.ranks_of(replica)
+            return all(snapshot.whole_by_rank.get(i) and i in old_rank_of and i not in destinations
+                       and old.locate(old_rank_of[i])[0] == replica
+                       and keeps_place(old, old_rank_of[i], new_topology, i) for i in ranks)
+
+        kept = tuple(r for r in range(len(new_topology.layouts)) if keeps(r))
+        plan = self.job.resume_plan(new_topology, snapshot.batch_plan, kept) if kept else None
+        if plan is None:
+            return 0
+        mine = engine.ntp_groups.replica in kept
+        if mine and not grads:
+            raise RecoveryImpossible(f"rank {self.rank}: told its gradients were whole but holds none")
+        scale = len(plan_gradient_sync(new_topology).anchors) / len(plan_gradient_sync(old).anchors)
+        engine.resume(plan, grads if mine else {}, scale)
+        return plan.kept
 
     # -- growing back -------------------------------------------------------------------------------------------
     def at_boundary(self, completed: int, last_step: int | None = None) -> RecoveryOutcome | None:
