@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import numpy as np
+import numpy.ma  # noqa: F401 (np.unique imports it on its first call, which would be inside a recovery's critical path)
 
 Ranges = tuple[tuple[int, int], ...]
 
