@@ -2,6 +2,8 @@
 DeepSpeed-style loop over `train_steps`, `attempt` and `micro_batches`, judged by final state: after a lost GPU the
 weights equal one process training the unsharded model on the same samples."""
 
+import functools
+
 import pytest
 
 from ntp_ds.engine import ConfigError
@@ -12,11 +14,15 @@ STEPS, GLOBAL_BATCH, MICRO = 5, 12, 2
 
 
 def user_loop(rank, world_size, ntp: dict, stage: int, steps: int, faults: list, joins: dict | None = None,
-              own_loss: bool = False):
+              own_loss: bool = False, reduce_after_verdict: int | None = None):
     """A user's script: their model, DeepSpeed config and dataset; the loop reads like DeepSpeed's. `joins`: the
     step from which each joiner (started with NTP_JOIN, as a launcher starts a repaired GPU's worker) trains;
-    `own_loss`: the script computes its own loss (a per-token mean cross-entropy) from `engine.logits(batch)`."""
+    `own_loss`: the script computes its own loss (a per-token mean cross-entropy) from `engine.logits(batch)`;
+    `reduce_after_verdict`: a step whose last backward every rank that reaches it begins only once a peer's failure
+    is declared (as `tests.training.train_with_recovery` does)."""
     import os
+
+    from ntp_ds.comm import wire
 
     import torch.nn.functional as F
 
@@ -27,10 +33,20 @@ def user_loop(rank, world_size, ntp: dict, stage: int, steps: int, faults: list,
     if joining:
         os.environ["NTP_JOIN_STEP"] = str(joins[rank])  # what the launcher tells a replacement
     model = full_model(tiny_config())
-    seen = []
+    seen, kept = [], []
     engine = ntp_ds.initialize(model=model, config=deepspeed_config("adamw", stage, GLOBAL_BATCH, MICRO),
                                ntp={**ntp, "fault_tolerance": {"heartbeat_timeout_s": 2.0, "faults": faults}},
-                               on_event=lambda kind, step, fields: seen.append((kind, step, fields.get("dead"))))
+                               on_event=lambda kind, step, fields: seen.append((kind, step, fields.get("dead")))
+                               or kept.append(fields.get("samples_kept")))
+    if reduce_after_verdict is not None:
+        check = engine.injector.check
+
+        def hold(step, phase):
+            if phase == "grad_sync" and step == reduce_after_verdict:
+                wire.verdict(12.0)
+            check(step, phase)
+
+        engine.injector.check = engine.engine.on_phase = hold  # (the handle hooks it to each engine it holds)
     data = dataset(model.config)
     first_engine = engine.engine
     if joins and not joining:  # when a joiner is taken in depends on the step it asked for, not on its start-up
@@ -53,7 +69,7 @@ def user_loop(rank, world_size, ntp: dict, stage: int, steps: int, faults: list,
               "full": engine.consolidated_state_dict(), "global_steps": engine.global_steps,
               "degrees": tuple(engine.ntp_groups.topology.degrees), "events": seen, "attempts": attempts,
               "engine_replaced": engine.engine is not first_engine,
-              "samples": [part.samples for part in engine.batch_plan.replicas]}
+              "samples": [part.samples for part in engine.batch_plan.replicas], "samples_kept": kept}
     engine.close()
     return result
 
@@ -70,6 +86,20 @@ def test_a_crash_in_the_users_loop_is_recovered_and_ends_equal_to_the_failure_fr
         # The same handle throughout. Replica 0's anchors keep their engine (its ZeRO partitions re-cut in place);
         # rank 2's replica falls to TP 1, and the handle holds its new engine.
         assert res["engine_replaced"] == (rank == 2)
+
+
+def test_the_users_loop_runs_only_the_rest_of_a_step_whose_backward_the_healthy_replica_finished():
+    # The healthy replica's backward of step 3 outlasts the detection: it keeps its gradients, and the loop's next
+    # `micro_batches` hands each replica its share of the hit replica's samples only (the user's own loss too).
+    faults = [{"rank": 3, "step": 3, "phase": "backward", "kind": "crash"}]
+    worker = functools.partial(user_loop, own_loss=True, reduce_after_verdict=3)
+    results = run_ranks(worker, 4, {"tp": 2, "replicas": 2}, 1, STEPS, faults, timeout=200, store=True)
+    assert sorted(results) == [0, 1, 2]
+    assert_equivalent(results, GLOBAL_BATCH, STEPS)
+    for res in results.values():
+        assert res["events"] == [("recovery", 2, [3])]
+        assert res["samples_kept"] == [GLOBAL_BATCH // 2]  # replica 0's half of the step
+        assert res["attempts"] == [0, 1, 2, 2, 3, 4]
 
 
 def test_a_repaired_gpu_joins_the_users_loop_between_steps_with_the_users_own_loss_function():
