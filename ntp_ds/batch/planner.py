@@ -208,8 +208,9 @@ def resume_plan(interrupted: BatchPlan, kept: Sequence[int], costs: Sequence[Ste
     """
     if len(costs) != len(interrupted.replicas) or interrupted.kept:
         return None
+    kept = set(kept)
     rest = sorted((interrupted.replicas[r].offset, interrupted.replicas[r].samples)
-                  for r in range(len(costs)) if r not in set(kept))
+                  for r in range(len(costs)) if r not in kept)
     if not rest or not kept:
         return None
     start, end = rest[0][0], rest[0][0]

@@ -66,7 +66,8 @@ class JobSpec:
         the step then has the same samples in any topology."""
         if self.ntp.batch_policy != "preserve_global_batch" or self.zero_stage > 1:
             return None
-        costs = [StepCost(0.0, pace) for pace in replica_paces(topology.layouts, self.ntp.tp)]
+        by_pace = {}  # a few distinct paces among thousands of replicas
+        costs = [by_pace.setdefault(pace, StepCost(0.0, pace)) for pace in replica_paces(topology.layouts, self.ntp.tp)]
         return resume_plan(interrupted, kept, costs, self.ds_config["train_micro_batch_size_per_gpu"],
                            _micro_limits(self, topology))
 

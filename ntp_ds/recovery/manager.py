@@ -451,14 +451,17 @@ class Recovery:
                 or len(new_topology.layouts) != len(old.layouts)):
             return 0
         destinations = {m.dst for m in moves}
+        old_sync, new_sync = plan_gradient_sync(old), plan_gradient_sync(new_topology)
 
         def keeps(replica: int) -> bool:
-            if new_topology.layouts[replica] != old.layouts[replica]:
+            """An anchor before and after with the same layout (so each rank keeps its place, as `keeps_place`
+            says), every rank of it the same worker at the same TP index, none receiving a unit, all whole."""
+            if (new_topology.layouts[replica] != old.layouts[replica] or not old_sync.is_anchor(replica)
+                    or not new_sync.is_anchor(replica)):
                 return False
-            ranks = new_topology.ranks_of(replica)
-            return all(snapshot.whole_by_rank.get(i) and i in old_rank_of and i not in destinations
-                       and old.locate(old_rank_of[i])[0] == replica
-                       and keeps_place(old, old_rank_of[i], new_topology, i) for i in ranks)
+            return all(snapshot.whole_by_rank.get(i) and i not in destinations and i in old_rank_of
+                       and old.locate(old_rank_of[i]) == new_topology.locate(i)
+                       for i in new_topology.rank_range(replica))
 
         kept = tuple(r for r in range(len(new_topology.layouts)) if keeps(r))
         plan = self.job.resume_plan(new_topology, snapshot.batch_plan, kept) if kept else None
@@ -467,7 +470,7 @@ class Recovery:
         mine = engine.ntp_groups.replica in kept
         if mine and not grads:
             raise RecoveryImpossible(f"rank {self.rank}: told its gradients were whole but holds none")
-        scale = len(plan_gradient_sync(new_topology).anchors) / len(plan_gradient_sync(old).anchors)
+        scale = len(new_sync.anchors) / len(old_sync.anchors)
         engine.resume(plan, grads if mine else {}, scale)
         return plan.kept
 
