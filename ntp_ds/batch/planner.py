@@ -124,12 +124,17 @@ def plan_batch(paces: Sequence[float], global_batch: int, micro_batch: int, poli
                 raise BatchError(f"{what} leaves replica {r} (pace {paces[r]:.3f}) no sample; use a global batch of "
                                  f"at least {replicas * math.ceil(paces[r])}")
     else:
-        by_pace = {p: StepCost(0.0, p) for p in set(paces)}  # a few distinct paces among thousands of replicas
-        costs = [by_pace[p] for p in paces]
-        samples = balance_samples(costs, global_batch, micro_batch, lockstep, micro_limits)
+        samples = balance_samples(pace_costs(paces), global_batch, micro_batch, lockstep, micro_limits)
         if samples is None:
             raise BatchError(f"{what} cannot be split over {replicas} replicas' micro-batches")
     return split_micro_batches(samples, micro_batch, lockstep, micro_limits, what)
+
+
+def pace_costs(paces: Sequence[float]) -> list[StepCost]:
+    """The modelled cost of replicas at predicted `paces`: per sample, no fixed cost (one object per distinct pace:
+    a few among thousands of replicas)."""
+    by_pace = {p: StepCost(0.0, p) for p in set(paces)}
+    return [by_pace[p] for p in paces]
 
 
 def balance_samples(costs: Sequence[StepCost], total: int, micro_batch: int, lockstep: tuple[int, ...] = (),

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.config import DeepSpeedConfig
 
-from ntp_ds.batch import BatchPlan, StepCost, lockstep_replicas, max_micro_batch, plan_batch
-from ntp_ds.batch.planner import resume_plan
+from ntp_ds.batch import BatchPlan, lockstep_replicas, max_micro_batch, plan_batch
+from ntp_ds.batch.planner import pace_costs, resume_plan
 from ntp_ds.batch.straggler import Replan, rebalance
 from ntp_ds.comm import wire
 from ntp_ds.comm.groups import (NTPMpu, ReplicaGroups, backend_for_device, build_groups, prepare_backend,
@@ -66,10 +66,8 @@ class JobSpec:
         the step then has the same samples in any topology."""
         if self.ntp.batch_policy != "preserve_global_batch" or self.zero_stage > 1:
             return None
-        by_pace = {}  # a few distinct paces among thousands of replicas
-        costs = [by_pace.setdefault(pace, StepCost(0.0, pace)) for pace in replica_paces(topology.layouts, self.ntp.tp)]
-        return resume_plan(interrupted, kept, costs, self.ds_config["train_micro_batch_size_per_gpu"],
-                           _micro_limits(self, topology))
+        return resume_plan(interrupted, kept, pace_costs(replica_paces(topology.layouts, self.ntp.tp)),
+                           self.ds_config["train_micro_batch_size_per_gpu"], _micro_limits(self, topology))
 
     def buddies(self, topology: Topology, sync=None) -> dict[int, tuple[int, ...]]:
         """For every anchor rank of `topology`, the ranks keeping copies of its optimizer state (`plan_buddies`;
