@@ -320,3 +320,15 @@ def assert_same_final_weights(run_dir, reference_dir, atol: float = 1e-5) -> Non
     for name, tensor in want.items():
         diff = (got[name] - tensor).abs().max().item()
         assert diff <= atol, f"{name}: max abs difference {diff:.3g}"
+
+
+def wait_for_lines(log_path, lines: list[str], procs, deadline: float) -> None:
+    """Until every line of `lines` is in the log at `log_path`, a process of `procs` ends, or `deadline`
+    (monotonic); fail unless every line is there."""
+    def found() -> bool:
+        text = log_path.read_text() if log_path.exists() else ""
+        return all(x in text for x in lines)
+
+    while not found() and time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        time.sleep(0.1)
+    assert found(), (log_path.read_text() if log_path.exists() else f"no {log_path}")[-4000:]
