@@ -372,6 +372,10 @@ def test_replicas_that_lost_nothing_keep_their_finished_backward_and_share_the_l
     print(f"samples_kept={copies[0]['samples_kept']} engines_rebuilt={copies[0]['engines_rebuilt']}")
     assert {e["samples_kept"] for e in copies} == {kept}
     assert copies[0]["engines_rebuilt"] == 1  # the hit replica's survivor alone
+    # Every rank of a healthy replica says which step's gradients it carries (a loop's loss counts them), until the
+    # step ends; the hit replica's survivor carries none.
+    assert {r: res["kept_grads_steps"] for r, res in results.items()} == \
+        {r: [3 if r // 2 != victim // 2 else None] for r in results}
 
 
 def test_loss_of_a_whole_replica_holding_rank_0():

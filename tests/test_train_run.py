@@ -297,6 +297,48 @@ def test_a_rank_that_becomes_the_writer_takes_over_the_records(tmp_path):
     assert events == ["recovery", "run_end"] and (tmp_path / "summary.json").is_file()
 
 
+class KeptBackwardRecovery(FakeRecovery):
+    """A recovery in which this rank's replica (0) kept its finished backward of the interrupted step: the new engine
+    runs only the rest of that step (replica 1's samples spread over both replicas), then the step's own plan."""
+
+    def recover(self, error):
+        from ntp_ds.batch.planner import pace_costs, resume_plan
+
+        interrupted = self.engine.batch_plan
+        outcome = super().recover(error)
+        engine, after = outcome.engine, outcome.engine.batch_plan
+        engine.batch_plan = resume_plan(interrupted, [0], pace_costs([1.0, 2.0]), 2)
+        engine.kept_grads_step = engine.global_steps + 1
+        step = engine.step
+
+        def step_then_plan():
+            step()
+            engine.batch_plan, engine.kept_grads_step = after, None
+
+        engine.step = step_then_plan
+        self.plans = (interrupted, engine.batch_plan)
+        return outcome
+
+
+def test_a_replica_that_kept_its_backward_counts_those_micro_batches_losses_in_the_step(tmp_path, monkeypatch):
+    """The step's loss is over every sample whose gradients the step applies: the micro-batches run before the
+    failure (their backward kept) and the rest run after the recovery, not the rest alone."""
+    from ntp_ds.batch.loader import replica_micro_batches
+
+    monkeypatch.setattr(FakeEngine, "__call__", lambda self, batch: batch["input_ids"][:, 0].float().mean())
+    trainer = fake_trainer(tmp_path, KeptBackwardRecovery)
+    trainer.train()
+    interrupted, rest = trainer.engine.recovery.plans
+    assert rest.kept == 2 and rest.replicas[0].samples == 1, rest
+    firsts = [t for plan in (interrupted, rest)
+              for batch in replica_micro_batches(trainer.dataset, trainer.sampler, plan, 0, 1)
+              for t in batch["input_ids"][:, 0].tolist()]
+    assert len(firsts) == 3
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert metrics[1]["loss"] == pytest.approx(sum(firsts) / 3)
+
+
 def test_a_writer_that_loses_the_role_hands_its_records_over(tmp_path):
     from ntp_ds.run.records import RunRecorder
 

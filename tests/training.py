@@ -237,7 +237,7 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
     if joins and not os.environ.get("NTP_JOIN"):
         _await_join_requests(engine.store, len(joins))
     data, sampler = dataset(config), GlobalBatchSampler(256, seed=1)
-    noticed, recovered = [], []
+    noticed, recovered, kept_grads = [], [], []
     while engine.global_steps < steps:
         step = engine.global_steps
         try:
@@ -265,6 +265,7 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
             try:
                 engine = recovery.recover(error).engine
                 recovered.append(time.time())
+                kept_grads.append(engine.kept_grads_step)
             except RecoveryImpossible as stop:
                 recovery.close(finished=True)
                 return {"stopped": str(stop), "events": recovery.events}
@@ -278,6 +279,7 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
             "layout": engine.ntp_groups.layout, "shards": host_shards(engine.module),
             "full": full, "events": recovery.events, "global_steps": engine.global_steps,
             "degrees": engine.ntp_groups.topology.degrees, "noticed": noticed, "recovered": recovered, "fired": fired,
+            "kept_grads_steps": kept_grads,
             "failed_attempts": recovery.failed_attempts, "communicators": communicators_created()}
 
 

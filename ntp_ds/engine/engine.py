@@ -127,6 +127,10 @@ class NTPEngine(DeepSpeedEngine):
         never started (`allreduce_gradients`)."""
         self._plan_after_step = None
         """The plan the step under way hands over to at its end (after the rest of an interrupted step: `resume`)."""
+        self.kept_grads_step = None
+        """The step whose gradients from before a failure this rank carries (its replica kept its finished backward:
+        `resume`), until that step ends: a loop that sums its own figures over the step (the loss) keeps those of
+        the micro-batches that made them."""
         if not self.is_anchor:
             self.enable_backward_allreduce = False
         elif self.optimizer is not None:  # DeepSpeed steps its optimizer once per parameter group under ZeRO 1/2
@@ -416,6 +420,8 @@ class NTPEngine(DeepSpeedEngine):
             self._copy_parameters()
         if not self.is_anchor:
             self.micro_steps += 1
+        if boundary:
+            self.kept_grads_step = None
         if boundary and self._plan_after_step is not None:
             plan, self._plan_after_step = self._plan_after_step, None
             self.set_batch_plan(plan)
@@ -503,7 +509,7 @@ class NTPEngine(DeepSpeedEngine):
         its whole gradients (`take_grads`)."""
         self._loss_weight = None
         self.in_optimizer_step = False
-        self._whole_grads_step = self._plan_after_step = None
+        self._whole_grads_step = self._plan_after_step = self.kept_grads_step = None
         zero = self.optimizer
         if isinstance(zero, DeepSpeedZeroOptimizer):
             if not keep_grads:
@@ -555,6 +561,7 @@ class NTPEngine(DeepSpeedEngine):
         after = self.batch_plan
         self.set_batch_plan(plan)
         self._plan_after_step = after
+        self.kept_grads_step = self.global_steps + 1 if grads else None
         params = dict(self.module.named_parameters())
         with torch.no_grad():
             for name, grad in grads.items():

@@ -110,6 +110,9 @@ class Trainer:
         self.step_samples: list[int] = []
         """Samples each replica ran in the last step (a re-plan at its end changes the next step's)."""
         self._replan: dict | None = None
+        self._losses: tuple[int, list] = (0, [])
+        """(step, [(loss, samples)]) of the micro-batches the step under way has run its forward on; after a recovery
+        in which this rank's replica kept its finished backward (`kept_grads_step`), the step's rest adds to them."""
         """The `replan` event of the last step, recorded after its metrics."""
         self._stall: float | None = None
         """`healthy_stall_s` of the recovery whose re-run step just completed (None: no such step)."""
@@ -183,18 +186,20 @@ class Trainer:
         """Run one optimizer step over this replica's micro-batches; return its timing and mean loss."""
         engine, clock = self.engine, self.clock
         compute_s = comm_s = 0.0
-        loss_sum, samples = 0.0, 0
+        kept = self._losses[1] if self._losses[0] == step and getattr(engine, "kept_grads_step", None) == step else []
+        losses = self._losses = (step, list(kept))  # a replica that kept its backward: those micro-batches' losses
         plan, replica = engine.batch_plan, engine.ntp_groups.replica
         for batch in replica_micro_batches(self.dataset, self.sampler, plan, replica, step - 1):
             t = clock()
             loss = engine(batch)  # the handle measures each micro-batch's work (and a `slow` fault stretches it)
+            losses[1].append((loss.detach(), int(batch["input_ids"].shape[0])))  # before a failure in its backward
             engine.backward(loss)
             t2 = clock()
             engine.step()
             end = clock()
-            n = int(batch["input_ids"].shape[0])
             compute_s, comm_s = compute_s + t2 - t, comm_s + end - t2
-            loss_sum, samples = loss_sum + float(loss.detach()) * n, samples + n
+        loss_sum = sum(float(value) * n for value, n in losses[1])
+        samples = sum(n for _, n in losses[1])
         self.global_loss = self._global_loss(loss_sum, samples)
         self._stall = self._healthy_stall()
         self.step_samples = [part.samples for part in plan.replicas]
