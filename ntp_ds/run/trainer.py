@@ -110,10 +110,10 @@ class Trainer:
         self.step_samples: list[int] = []
         """Samples each replica ran in the last step (a re-plan at its end changes the next step's)."""
         self._replan: dict | None = None
+        """The `replan` event of the last step, recorded after its metrics."""
         self._losses: tuple[int, list] = (0, [])
         """(step, [(loss, samples)]) of the micro-batches the step under way has run its forward on; after a recovery
         in which this rank's replica kept its finished backward (`kept_grads_step`), the step's rest adds to them."""
-        """The `replan` event of the last step, recorded after its metrics."""
         self._stall: float | None = None
         """`healthy_stall_s` of the recovery whose re-run step just completed (None: no such step)."""
 
