@@ -186,20 +186,21 @@ class Trainer:
         """Run one optimizer step over this replica's micro-batches; return its timing and mean loss."""
         engine, clock = self.engine, self.clock
         compute_s = comm_s = 0.0
-        kept = self._losses[1] if self._losses[0] == step and getattr(engine, "kept_grads_step", None) == step else []
-        losses = self._losses = (step, list(kept))  # a replica that kept its backward: those micro-batches' losses
+        if not (self._losses[0] == step and getattr(engine, "kept_grads_step", None) == step):
+            self._losses = (step, [])  # else its replica kept its backward: those micro-batches' losses stay
+        losses = self._losses[1]
         plan, replica = engine.batch_plan, engine.ntp_groups.replica
         for batch in replica_micro_batches(self.dataset, self.sampler, plan, replica, step - 1):
             t = clock()
             loss = engine(batch)  # the handle measures each micro-batch's work (and a `slow` fault stretches it)
-            losses[1].append((loss.detach(), int(batch["input_ids"].shape[0])))  # before a failure in its backward
+            losses.append((loss.detach(), int(batch["input_ids"].shape[0])))  # before a failure in its backward
             engine.backward(loss)
             t2 = clock()
             engine.step()
             end = clock()
             compute_s, comm_s = compute_s + t2 - t, comm_s + end - t2
-        loss_sum = sum(float(value) * n for value, n in losses[1])
-        samples = sum(n for _, n in losses[1])
+        loss_sum = sum(float(value) * n for value, n in losses)
+        samples = sum(n for _, n in losses)
         self.global_loss = self._global_loss(loss_sum, samples)
         self._stall = self._healthy_stall()
         self.step_samples = [part.samples for part in plan.replicas]
