@@ -70,7 +70,10 @@ def _records(run_dir: Path, name: str) -> list[dict]:
 def _max_weight_difference(a: Path, b: Path) -> float:
     from safetensors.torch import load_file
 
-    x, y = load_file(a / "final" / "model.safetensors"), load_file(b / "final" / "model.safetensors")
+    def weights(run_dir: Path) -> dict:  # one safetensors file, or one per writer
+        return {k: v for f in sorted((run_dir / "final").glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    x, y = weights(a), weights(b)
     return max((x[k] - y[k]).abs().max().item() for k in x)
 
 

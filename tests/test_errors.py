@@ -70,3 +70,15 @@ def test_each_rank_of_a_node_takes_its_own_cuda_device(env, devices, index):
 def test_ranks_that_would_share_a_cuda_device_are_refused(env, devices, message):
     with pytest.raises(ConfigError, match=message):
         cuda_device_index(env, devices)
+
+
+@pytest.mark.parametrize("name, value", [("TORCH_NCCL_BLOCKING_WAIT", "1"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")])
+def test_nccl_settings_recovery_cannot_run_under_are_refused_by_name(monkeypatch, name, value):
+    monkeypatch.setenv("NTP_TEST_BACKEND", "nccl_model")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=rf"^{name}={value} is not supported with ntp_ds: "):
+        init(monkeypatch, {"tp": 2})
+    assert not dist.is_initialized()
+    monkeypatch.setenv(name, "0")  # the harmless value passes this check
+    from ntp_ds.engine.initialize import check_nccl_environment
+    check_nccl_environment()

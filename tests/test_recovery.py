@@ -337,6 +337,38 @@ def test_anchor_lost_while_its_parameters_stream_to_the_contributor():
     assert event["bytes_moved"] - event["kv_rereplicated_bytes"] > event["lost_shard_bytes"]
 
 
+@pytest.mark.parametrize("victim, phase, what", [
+    # Anchor rank 0 dies as step 3's forward starts: the contributor's receives of its parameter buckets are cut
+    # (its units of those buckets are stale, fetched again from the other anchor replica).
+    (0, "forward", "param_buckets"),
+    # The contributor dies as step 3's copies set off: every anchor's batch of copies (its sends to the contributor,
+    # its receive of another anchor's copy) is cut, so each drops the copy of a live owner (sent afresh after the
+    # recovery; the owner's state is its own).
+    (4, "refresh", "copies"),
+])
+def test_transfers_cut_by_the_abort_are_refused_and_fetched_again(victim, phase, what):
+    # (2, 2, 1). Under NCCL the abort ends every receive still pending as if it had completed, its buffer holding
+    # part of the message at most (nccl_model: some chunks, poison elsewhere). Nothing of it may be kept: the run ends
+    # equal to the failure-free one, lossless, and the event says what was refused. gloo ends such receives with an
+    # error, so nothing is refused there.
+    ntp = {"tp": 2, "replicas": 3, "degrees": (2, 2, 1), "min_tp": 1, "bucket_size": 500}
+    results = run_ranks(train_with_recovery, 5, ntp, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS,
+                        [fault(victim, 3, phase)], 2.0, 2, timeout=200, store=True)
+    assert set(results) == {0, 1, 2, 3, 4} - {victim}
+    assert_equivalent(results)
+    (copies,) = events_of(results)
+    assert all(e["lossless"] for e in copies)
+    assert len({tuple(sorted(e["refused"].items())) for e in copies}) == 1, "ranks disagree on what was refused"
+    refused = copies[0]["refused"]
+    print("refused:", refused, [e["rank_refused"] for e in copies])
+    if os.environ.get("NTP_TEST_BACKEND") == "nccl_model":
+        assert refused[what] > 0, refused
+    else:
+        assert refused == {"param_buckets": 0, "copies": 0, "grads": 0}, refused
+    if what == "param_buckets":  # the refused units came again: more than the lost shard moved
+        assert copies[0]["bytes_moved"] - copies[0]["kv_rereplicated_bytes"] > copies[0]["lost_shard_bytes"]
+
+
 @pytest.mark.long  # .ci/run: on gloo in the long stage, and in the nccl_model stage (README suite under 15 minutes)
 def test_second_failure_in_the_same_replica():
     results = run((3, 3), 1, [fault(4, 2, "forward"), fault(5, 4, "backward")])

@@ -97,13 +97,13 @@ def test_the_planner_matches_its_rule_written_plainly(degrees, data):
     assert plan_unit_moves(old, new, old_rank_of, stale) == expected
 
 
-def test_last_good_writers_share_the_model_and_fetch_every_unit_once():
+def test_whole_tensor_writers_share_the_model_and_fetch_every_unit_once():
     import math
 
     import pytest
 
     from ntp_ds.models import Llama, LlamaConfig
-    from ntp_ds.recovery.plan import plan_last_good
+    from ntp_ds.layout import plan_whole_tensors
 
     config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)
@@ -111,7 +111,7 @@ def test_last_good_writers_share_the_model_and_fetch_every_unit_once():
     shapes = {n: shape for n, (_, shape) in Llama(config, init=False, device="meta").param_specs().items()}
     old = Topology.from_degrees(config.units(), (2, 2))
     # Survivors: TP rank 0 of replica 0 and TP rank 1 of replica 1 hold every unit between them.
-    writer, moves = plan_last_good(old, [0, 3], specs, shapes)
+    writer, moves = plan_whole_tensors(old, [0, 3], specs, shapes)
     load = [sum(math.prod(shapes[n]) for n, w in writer.items() if w == i) for i in (0, 1)]
     assert max(load) < sum(load) * 0.75, load
     for name, spec in specs.items():
@@ -121,7 +121,7 @@ def test_last_good_writers_share_the_model_and_fetch_every_unit_once():
         total = config.units().count(spec.kind)
         assert sum(U.count(r) for r in units) == total and U.union(*units) == ((0, total),), name
     with pytest.raises(LookupError, match="no longer hold all of"):
-        plan_last_good(old, [0, 2], specs, shapes)  # both TP rank 0: the units of TP rank 1 are gone
+        plan_whole_tensors(old, [0, 2], specs, shapes)  # both TP rank 0: the units of TP rank 1 are gone
 
 
 def test_a_state_message_checksum_is_exact_and_compared_as_bits():

@@ -25,7 +25,10 @@ ARGS = ("parallel.tp=1", "parallel.replicas=2", "parallel.timeout_s=20", "train.
 
 
 def weights_hash(run_dir) -> str:
-    return hashlib.sha256((run_dir / "final" / "model.safetensors").read_bytes()).hexdigest()
+    digest = hashlib.sha256()
+    for f in sorted((run_dir / "final").glob("*.safetensors")):
+        digest.update(f.read_bytes())
+    return digest.hexdigest()
 
 
 def lines(path) -> list[dict]:

@@ -296,9 +296,8 @@ def test_a_slowed_replica_gets_fewer_samples_and_the_weights_stay_the_failure_fr
         tmp_path, topology, slow_rank, slow_replica, base):
     """Under preserve_global_batch one rank runs 4x slower from step 1. The planner moves samples away from its
     replica at a step boundary; the final weights equal the run without the fault or the re-plan."""
-    from safetensors.torch import load_file
-
     from tests.test_cli import ntp_ds
+    from tests.training import final_weights
 
     slowed, clean = tmp_path / "slowed", tmp_path / "clean"
     result = ntp_ds("train", *COMMON, *topology,
@@ -324,7 +323,7 @@ def test_a_slowed_replica_gets_fewer_samples_and_the_weights_stay_the_failure_fr
 
     result = ntp_ds("train", *COMMON, *topology, "fault=none", f"hydra.run.dir={clean}", timeout=120)
     assert result.returncode == 0, result.stderr[-5000:]
-    ours, reference = load_file(slowed / "final" / "model.safetensors"), load_file(clean / "final" / "model.safetensors")
+    ours, reference = final_weights(slowed), final_weights(clean)
     assert ours.keys() == reference.keys()
     for name, tensor in reference.items():
         diff = (ours[name] - tensor).abs().max().item()

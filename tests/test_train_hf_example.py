@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from ntp_ds.batch.token_file import write_token_file
 from tests.test_cli import REPO, run
-from tests.training import tiny_qwen2
+from tests.training import hf_weights, tiny_qwen2
 
 STEPS = 10
 FAULTS = [{"rank": 3, "step": 5, "phase": "forward", "kind": "crash"}, {"rank": 3, "step": 9, "kind": "repair"}]
@@ -49,7 +49,7 @@ def train(root, launcher: str, out: str, faults: list):
         "--deepspeed_config", str(root / "ds.json"), "--faults", json.dumps(faults), "--out", str(root / out)]
     result = run(command, timeout=280)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return load_file(root / out / "model.safetensors"), result
+    return hf_weights(root / out), result
 
 
 def check_through_crash_and_repair(job, launcher: str):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -304,15 +305,20 @@ def _await_join_requests(store, n: int, timeout_s: float = 90.0) -> None:
         time.sleep(0.05)
 
 
-def final_weights(run_dir) -> dict:
-    """The weights a run of `ntp-ds train` wrote to RUN_DIR/final (HF safetensors), by name."""
+def hf_weights(directory) -> dict:
+    """Every tensor of an HF directory (one safetensors file or several), by name."""
     from safetensors.torch import load_file
 
     tensors = {}
-    for f in sorted((run_dir / "final").glob("*.safetensors")):
+    for f in sorted(Path(directory).glob("*.safetensors")):
         tensors.update(load_file(f))
-    assert tensors, f"no weights in {run_dir / 'final'}"
+    assert tensors, f"no weights in {directory}"
     return tensors
+
+
+def final_weights(run_dir) -> dict:
+    """The weights a run of `ntp-ds train` wrote to RUN_DIR/final (HF safetensors), by name."""
+    return hf_weights(run_dir / "final")
 
 
 def assert_same_final_weights(run_dir, reference_dir, atol: float = 1e-5) -> None:

@@ -11,7 +11,7 @@ sender can send a bucket as soon as its gradients exist, and no buffer exceeds a
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -124,19 +124,31 @@ class UnitExchange:
 
     # -- whole exchanges -------------------------------------------------------------------------------------------
     def run(self, send: dict[str, torch.Tensor] | None, receive: dict[str, torch.Tensor] | None,
-            dtype=None, device=None, op: str = "exchange") -> int:
+            dtype=None, device=None, op: str = "exchange", proofs: list | None = None, group=None) -> int:
         """Send every outgoing bucket out of `send` and receive every incoming one into `receive`, bucket round by
-        bucket round (each round posts both directions together); return the bytes received."""
+        bucket round (each round posts both directions together); return the bytes received.
+
+        What arrives must be proven to have arrived (`wire.Exchange.proven`) before it is kept: with `proofs`, the
+        rounds' exchanges are appended to it for the caller to check later; without, this waits for the device and
+        raises `PeerFailure` if a transfer was cut. `group`: the group every transfer runs on (default: each peer's
+        route, `wire.set_routes`)."""
         rounds = max([len(b) for b in self.outgoing.values()] + [len(b) for b in self.incoming.values()] + [0])
-        received = 0
+        received, pending = 0, []
         for k in range(rounds):
             sends = {p: self.pack(bs[k], send, dtype) for p, bs in self.outgoing.items() if k < len(bs)}
             recvs = {p: self.receive_buffer(bs[k], receive, dtype, device)
                      for p, bs in self.incoming.items() if k < len(bs)}
-            wire.exchange(sends, recvs, op=op).wait()
+            pending.append(wire.exchange(sends, recvs, group=group, op=op))
+            pending[-1].wait()
             for p, buf in recvs.items():
                 self.unpack(self.incoming[p][k], buf, receive)
                 received += buf.numel() * buf.element_size()
+        if proofs is not None:
+            proofs += pending
+        elif self.incoming:
+            wire.settle_device()
+            if not all(e.proven() for e in pending):
+                raise wire.PeerFailure(f"{op}: a transfer was cut by an abort before it arrived")
         return received
 
 
@@ -156,3 +168,23 @@ def same_layout(transfers, rank: int, topology, specs, full_shapes, bucket_numel
     replica, tp_rank = topology.locate(rank)
     side = Side(topology.layouts[replica], tp_rank)
     return UnitExchange(transfers, rank, specs, full_shapes, side, side, bucket_numel, forward)
+
+
+@torch.no_grad()
+def assemble_whole(moves, writer: dict[str, int], me: int, ranks: list[int], specs: dict[str, ParamSpec],
+                   full_shapes: dict[str, tuple[int, ...]], side: Side, params: dict[str, torch.Tensor],
+                   bucket_numel: int | None, device, op: str, group=None) -> dict[str, torch.Tensor]:
+    """The whole tensors (fp32) that holder `me` writes (`layout.plan_whole_tensors`: `writer`, and `moves` between
+    holders, `ranks[i]` being holder i's global rank): the units it holds copied in, the rest received from the
+    holders that have them, over `group` (default: the routes). `side`: how `params`, this holder's shards, hold
+    units."""
+    whole = Side(ShardLayout.balanced(side.layout.units, 1), 0)
+    full = {n: torch.empty(full_shapes[n], dtype=torch.float32, device=device) for n, w in writer.items() if w == me}
+    for m in moves:
+        if m.src == me and m.dst == me:
+            buf = gather_units(params[m.name], specs[m.name], side.layout, side.tp_rank, m.units)
+            scatter_units(full[m.name], buf.float(), specs[m.name], whole.layout, 0, m.units)
+    moves = [replace(m, src=ranks[m.src], dst=ranks[m.dst]) for m in moves]
+    UnitExchange(moves, ranks[me], specs, full_shapes, side, whole, bucket_numel).run(
+        params, full, dtype=torch.float32, device=device, op=op, group=group)
+    return full

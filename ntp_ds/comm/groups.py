@@ -42,8 +42,8 @@ def prepare_backend() -> None:
     """Set what the backend needs before the first process group.
 
     Under NCCL, the abort that ends a kernel blocked on a dead peer is documented for
-    TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (the default, 3, would tear the surviving process down instead). And unless
-    the user asked for them, no flight-recorder dumps on a failed op (TORCH_NCCL_DUMP_ON_TIMEOUT=0): with them on,
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (the default, 3, would tear the surviving process down instead). And no
+    flight-recorder dumps on a failed op (TORCH_NCCL_DUMP_ON_TIMEOUT=0; `initialize.prepare` refuses a 1): with them on,
     a rank whose op fails (as every survivor's does at a peer's death) writes a dump signal into the store, and the
     monitor thread of every process's first NCCL group polls the store for it, then dumps and ends its process one
     heartbeat timeout later (torch's ProcessGroupNCCL.cpp, `HeartbeatMonitor::runLoop`). A survivor aborts the
@@ -52,7 +52,7 @@ def prepare_backend() -> None:
     """
     if backend_for_device() in wire.NCCL_LIKE:
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
-        os.environ.setdefault(NCCL_DUMP_ENV, "0")
+        os.environ[NCCL_DUMP_ENV] = "0"
     skip_shm_comm_op()
 
 

@@ -168,8 +168,10 @@ class IncomingParameters(_Inbox):
 
     `post` (after the step) posts the first `window` receives per anchor peer; `settle_for(names)` (a module's
     forward pre-hook) completes, in order, every bucket up to the last one holding those parameters and writes
-    them in; `settle` completes the rest. With `salvage` (at a failure) a bucket that cannot arrive is left out and
-    its units are returned as stale: this rank still holds the previous step's values for them.
+    them in; `settle` completes the rest. With `salvage` (at a failure) a bucket not proven to have arrived
+    (`wire.Exchange.proven`: under NCCL an aborted receive reports complete, its buffer part written) is left out,
+    or, written in already, taken back: its units are returned as stale, to be fetched again from a live holder.
+    `refused` counts the buckets whose wait returned but whose arrival was not proven.
     """
 
     op = "param_bucket"
@@ -177,6 +179,7 @@ class IncomingParameters(_Inbox):
     def __init__(self, exchange: UnitExchange, window: int = 2):
         super().__init__(exchange, window)
         self._done: dict[int, int] = {}
+        self.refused = 0
 
     @property
     def names(self) -> set[str]:
@@ -201,6 +204,9 @@ class IncomingParameters(_Inbox):
             self._post_until(peer, j)
             pending, buf = self._posted[peer][j]
             pending.wait_received(peer, heed_failure=not salvage)
+            if salvage and not pending.proven(peer):
+                self.refused += 1
+                raise wire.PeerFailure(f"parameter bucket {j} from rank {peer} was cut before it arrived")
             with torch.no_grad():
                 self.exchange.unpack(buckets[j], buf, self._like)
             self._posted[peer][j] = (pending, None)
@@ -208,8 +214,10 @@ class IncomingParameters(_Inbox):
             self._post_until(peer, min(j + self.window, len(buckets) - 1))
 
     def settle(self, salvage: bool = False) -> dict[str, U.Ranges]:
-        """Complete every bucket; return the units (by kind) whose bucket could not arrive (salvage only)."""
-        stale: dict[str, list[int]] = defaultdict(list)
+        """Complete every bucket; return the units (by kind) whose bucket is not proven to have arrived (salvage
+        only: a bucket written in during the forward counts only if its receive was seen complete before any
+        abort)."""
+        lost = []
         for peer, buckets in self.exchange.incoming.items():
             if not self._done:
                 break
@@ -218,8 +226,19 @@ class IncomingParameters(_Inbox):
             except RuntimeError:
                 if not salvage:
                     raise
-                for bucket in buckets[self._done[peer]:]:
-                    for name, units in bucket.items:
-                        stale[self.exchange.specs[name].kind] += list(U.units_of(units))
+            if salvage:
+                posted = self._posted[peer]
+                cut = [j for j in range(self._done[peer]) if not posted[j][0].proven(peer)]
+                self.refused += len(cut)  # written in during the forward, then found cut
+                lost += [buckets[j] for j in cut] + buckets[self._done[peer]:]
         self._done, self._posted = {}, {}
-        return {kind: U.from_units(sorted(set(us))) for kind, us in stale.items()}
+        return stale_units(self.exchange, lost)
+
+
+def stale_units(exchange: UnitExchange, buckets) -> dict[str, U.Ranges]:
+    """The units (by kind) the incoming `buckets` of `exchange` carry."""
+    stale: dict[str, list[int]] = defaultdict(list)
+    for bucket in buckets:
+        for name, units in bucket.items:
+            stale[exchange.specs[name].kind] += list(U.units_of(units))
+    return {kind: U.from_units(sorted(set(us))) for kind, us in stale.items()}

@@ -14,6 +14,12 @@ The rules NCCL imposes, kept on gloo too, so one code path is right on both:
   NCCL work's `wait` only orders the current stream; a blocked NCCL kernel is ended by aborting the communicators
   (`peer_failed`).
 
+Nothing received is used on the strength of its wait alone. Under NCCL an op cut by an abort reports complete and
+its wait returns without raising, its buffer holding part of the message; so every data op is entered in a ledger,
+and its arrival counts as proven only once its completion was seen while its communicator was live (`Posted`):
+whoever consumes received data asks `Exchange.proven` or `proven(entries)`, and every abort first looks at the
+ops still in flight on the communicators it aborts.
+
 Every call is offered to the recorders (`recording()`), which tests use to check the rules above on real runs,
 and counted by the traffic meter (`traffic()`): bytes this rank posted to send and to receive, per call name,
 measured on the tensors (and pickled objects) handed to torch.distributed, so a report never quotes a plan.
@@ -23,12 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 import pickle
 import threading
 import time
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Mapping, Sequence
@@ -104,6 +111,9 @@ class _State:
     """group -> its place in the order every rank posts an exchange's batches in (a family's TP index)."""
     open_pair: Callable | None = None
     """open_pair(peer): a group of this rank and `peer` alone, for a peer no route reaches (built at first use)."""
+    ledger: dict = field(default_factory=dict)
+    """group -> the data ops posted on it in this generation whose arrival is not proven yet (`Posted`), oldest
+    first."""
 
 
 _state = _State()
@@ -134,6 +144,7 @@ def configure(timeout_s: float, control_group=None, tree=None) -> None:
     _state.spared = []
     _state.arrived.clear()
     _state.routes, _state.route_order, _state.open_pair = None, {}, None
+    _state.ledger = {}
     _state.generation += 1
     _state.failed.clear()
     _state.reason = ""
@@ -215,13 +226,21 @@ _WIRE_FILES = ("/torch/distributed/", "/deepspeed/comm/", "/ntp_ds/comm/wire.py"
 """Where an error raised by a collective or point-to-point op comes from (its traceback passes through one)."""
 
 
+_OWN_DEVICE_ERRORS = tuple(t for t in (getattr(torch, "AcceleratorError", None),) if t is not None)
+"""Errors of this rank's own device, never the wire's."""
+
+
 def is_wire_failure(error: BaseException) -> bool:
     """Whether `error` is a failure of the wire (a collective or point-to-point op that failed, timed out or was
     aborted: a peer's failure, to recover from) rather than this rank's own error (out of memory, a shape or dtype
     bug, an assertion, a device error: this rank ends, its peers recover without it).
 
     Once the generation is broken (a peer was declared dead, the communicators aborted), whatever fails next is its
-    consequence: DeepSpeed's own calls, for one, assert on an aborted world."""
+    consequence: DeepSpeed's own calls, for one, assert on an aborted world. But an error of this rank's own device
+    (`torch.AcceleratorError`: an Xid, an illegal address, an uncorrectable ECC error) is its own wherever it
+    surfaces, a collective's frame included: the context is dead, and a recovery on it would fail or hang."""
+    if isinstance(error, _OWN_DEVICE_ERRORS):
+        return False
     if _state.failed.is_set() or _state.aborted or isinstance(error, (PeerFailure, TimeoutError, ConnectionError)):
         return True
     if not isinstance(error, RuntimeError) or isinstance(error, torch.OutOfMemoryError):
@@ -253,6 +272,7 @@ def abort_all(generation: int | None = None, spare=()) -> None:
             if spare:  # each alone, all registered still: the spared ones are never out of torch's registry
                 _abort_groups(left)
             elif dist.is_initialized():
+                _observe(None)
                 dist.distributed_c10d._abort_process_group()
             else:  # the world already aborted, groups spared then left: each alone
                 _abort_groups(left)
@@ -263,7 +283,8 @@ def abort_all(generation: int | None = None, spare=()) -> None:
 def _abort_groups(groups) -> None:
     """Abort `groups`, within one NCCL group call where NCCL is underneath (as torch aborts its world, so that no
     two communicators' aborts wait on each other, pytorch#119797). They stay in torch's registry, marked aborted
-    here (`_check` refuses them) until the teardown discards them."""
+    here (`_check` refuses them) until the teardown discards them. What completed on them by now is proven first."""
+    _observe(groups)
     nccl = None
     if dist.is_nccl_available():
         for group in groups:
@@ -350,6 +371,7 @@ def teardown(keep=()) -> None:
 def _teardown(keep) -> None:
     from deepspeed.utils import groups as ds_groups
 
+    _state.ledger = {}  # (the groups it names would not close; what was unproven stays unproven: `_prove`)
     keep = [g for g in keep if g in dist.distributed_c10d._world.pg_map]
     groups = [weakref.ref(g) for g in dist.distributed_c10d._world.pg_map if g not in keep]
     with set_aside(keep):
@@ -537,8 +559,114 @@ def _check(op: str, group, tensors, sends=(), recvs=()) -> None:
                              f"whose tensors must live on {expected}")
 
 
+# -- proofs of arrival -------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Posted:
+    """A data op this rank posted, and whether its completion was seen while its communicator was live.
+
+    That sighting is the only proof that the op's outputs hold its whole result: once a communicator is aborted,
+    an NCCL op it cut reports complete and its wait returns without raising (torch 2.13's `WorkNCCL::isCompleted`
+    skips the error check of an aborted communicator; `WorkNCCL::wait` only orders the stream), while its buffers
+    hold the chunks that arrived and old bytes elsewhere. An op not seen complete before its communicator's abort
+    is `cut` for good."""
+
+    work: object
+    """The Work, until its arrival is settled (proven or cut)."""
+    group: object
+    generation: int
+    seq: int
+    """Its place among every data op this process posted (`mark`)."""
+    writes: bool
+    """It writes this rank's buffers (a collective, or a batch with a receive); a send alone writes nothing here."""
+    proven: bool = False
+    cut: bool = False
+
+
+_posted_seq = itertools.count()
+
+
+def mark() -> int:
+    """A point in the sequence of data ops: `outstanding(since=mark())` later covers the ops posted after it."""
+    with _abort_lock:
+        return next(_posted_seq)
+
+
+def _enter(work, group, writes: bool = True) -> Posted:
+    """Enter a data op in the ledger; drop from its group's front the ops seen complete meanwhile."""
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    with _abort_lock:
+        entry = Posted(work, group, _state.generation, next(_posted_seq), writes)
+        queue = _state.ledger.setdefault(group, deque())
+        while queue and _prove(queue[0]):
+            queue.popleft()
+        queue.append(entry)
+    return entry
+
+
+def _live(group) -> bool:
+    """Whether `group`'s communicator has not been aborted (call with `_abort_lock` held)."""
+    if group in _state.aborted_groups:
+        return False
+    return not (_state.aborted and group not in dist.distributed_c10d._world.pg_map)
+
+
+def _prove(entry: Posted) -> bool:
+    """Whether `entry`'s op is proven to have completed; look at it now if its communicator is still live (call
+    with `_abort_lock` held, so that no abort falls between the look at the group and the look at the op)."""
+    if entry.proven or entry.cut:
+        return entry.proven
+    if entry.generation != _state.generation or not _live(entry.group):
+        entry.cut = True  # its communicator was aborted (or left) before anyone saw it complete
+    elif not entry.work.is_completed():
+        return False
+    elif entry.work.exception() is not None:
+        entry.cut = True  # failed: nothing of it counts
+    else:
+        entry.proven = True
+    entry.work = entry.group = None  # settled: a Work holds its buffers, a group its connections
+    return entry.proven
+
+
+def _observe(groups) -> None:
+    """Before `groups` (None: every group) are aborted, look at each of their ops still unproven: what has completed
+    by now is proven, the rest will be cut.
+
+    NCCL's groups only: an abort cuts nothing of a gloo op (it fails, or completes whole). And a gloo send's wait
+    holds its Work's mutex while it blocks, which `is_completed` takes with the GIL held: asked from this (the
+    abort's) thread while the training thread waits, it would stop the whole process, heartbeat included."""
+    with _abort_lock:
+        chosen = None if groups is None else {id(g) for g in groups}
+        for group, queue in _state.ledger.items():
+            if (chosen is None or id(group) in chosen) and is_nccl(group):
+                for entry in queue:
+                    _prove(entry)
+
+
+def outstanding(since: int = 0) -> list[Posted]:
+    """The data ops posted in this generation after the mark `since` that write this rank's buffers and whose
+    arrival is not proven yet (to prove later, with `proven`, that what they wrote arrived whole)."""
+    with _abort_lock:
+        return [e for queue in _state.ledger.values() for e in queue
+                if e.writes and e.seq >= since and not _prove(e)]
+
+
+def proven(entries) -> bool:
+    """Whether every op of `entries` (`Posted`) is proven to have completed (looking at those still in flight)."""
+    with _abort_lock:
+        return all([_prove(e) for e in entries])
+
+
+def require_proven(entries, what: str) -> None:
+    """Raise `PeerFailure` unless every op of `entries` is proven to have completed, waiting for the device first:
+    for data a host is about to keep whose ops may have been cut by an abort."""
+    settle_device()
+    if not proven(entries):
+        raise PeerFailure(f"{what}: a transfer was cut by an abort before it completed ({_state.reason or 'aborted'})")
+
+
 # -- waiting -----------------------------------------------------------------------------------------------------
-def wait(works, group=None, what: str = "collective", p2p: bool = False, heed_failure: bool = True) -> None:
+def wait(works, group=None, what: str = "collective", p2p: bool = False, heed_failure: bool = True,
+         proofs=None) -> None:
     """Wait for `works` within the bound, raising PeerFailure as soon as a peer is declared dead (unless
     `heed_failure` is False: salvaging transfers from live peers after a failure).
 
@@ -548,7 +676,7 @@ def wait(works, group=None, what: str = "collective", p2p: bool = False, heed_fa
     watcher asks for it to be fenced (its connections close, and the wait fails at once).
     """
     with waiting():
-        _wait(works, group, what, p2p, heed_failure)
+        _wait(works, group, what, p2p, heed_failure, proofs)
 
 
 def on_departure(check: Callable | None) -> None:
@@ -616,15 +744,23 @@ def _departed(group) -> bool:
 _departure_lock = threading.Lock()
 
 
-def _wait(works, group, what: str, p2p: bool, heed_failure: bool) -> None:
+def _wait(works, group, what: str, p2p: bool, heed_failure: bool, proofs=None) -> None:
     nccl = is_nccl(group)
     deadline = time.monotonic() + _state.timeout_s
     look = time.monotonic() + DEPARTURE_CHECK_S
-    for work in works if isinstance(works, (list, tuple)) else [works]:
+    works = works if isinstance(works, (list, tuple)) else [works]
+    for i, work in enumerate(works):
         if heed_failure and _suspect(group):
             raise PeerFailure(f"{what} abandoned: {_state.reason}")
         if nccl or p2p:
             work.wait()  # NCCL: orders the current stream after the work; an abort ends a kernel blocked on a peer
+            if nccl and heed_failure and _state.failed.is_set() and not (proofs is not None and proven([proofs[i]])):
+                # An op the abort cut looks finished (its wait returned, its buffers hold part of the result); one seen
+                # complete before the abort (`Posted`) stands.
+                with _abort_lock:
+                    cut = _suspect(group) or not _live(group)
+                if cut:
+                    raise PeerFailure(f"{what} abandoned: {_state.reason}")
             continue
         while True:
             try:
@@ -655,7 +791,8 @@ def all_reduce(tensor: torch.Tensor, group, op: str = "sum", name: str = "all_re
         return tensor
     _check(name, group, [tensor])
     _count(name, _nbytes([tensor]), _nbytes([tensor]))
-    wait(dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=True), group, name)
+    work = dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=True)
+    wait(work, group, name, proofs=[_enter(work, group)])
     return tensor
 
 
@@ -666,7 +803,8 @@ def broadcast(tensor: torch.Tensor, src: int, group, name: str = "broadcast") ->
     _check(name, group, [tensor])
     mine = _nbytes([tensor])
     _count(name, mine if dist.get_rank() == src else 0, 0 if dist.get_rank() == src else mine)
-    wait(dist.broadcast(tensor, src=src, group=group, async_op=True), group, name)
+    work = dist.broadcast(tensor, src=src, group=group, async_op=True)
+    wait(work, group, name, proofs=[_enter(work, group)])
     return tensor
 
 
@@ -718,6 +856,8 @@ def _route(peers) -> dict:
         if group is None:
             if _state.open_pair is None:
                 raise RuntimeError(f"no group of this generation joins rank {dist.get_rank()} and rank {p}")
+            if _state.failed.is_set():  # no communicator is created in a broken generation: its peer may be dead
+                raise PeerFailure(f"no group opened with rank {p}: {_state.reason}")
             group = _state.routes[p] = _state.open_pair(p)
         out.setdefault(group, []).append(p)
     return dict(sorted(out.items(), key=lambda item: (_state.route_order.get(item[0], len(_state.route_order)),
@@ -733,34 +873,50 @@ class Exchange:
     """
 
     def __init__(self, batches: list[tuple[list, list[tuple[str, int]], object]]):
-        self._works = []  # ((kind, peer), work, group)
+        self._works = []  # ((kind, peer), work, group, Posted), until waited
+        self._entries = []  # ((kind, peer), Posted): what proves each transfer arrived
         for works, peers, group in batches:
             if works and len(works) != len(peers):
                 if len(works) != 1:
                     raise RuntimeError(f"batch_isend_irecv returned {len(works)} Works for {len(peers)} ops")
                 works = works * len(peers)
-            self._works += [(p, w, group) for p, w in zip(peers, works)]
+            writes = any(kind == "recv" for kind, _ in peers)
+            entries = {id(w): _enter(w, group, writes) for w in _distinct(works)}
+            self._works += [(p, w, group, entries[id(w)]) for p, w in zip(peers, works)]
+            self._entries += [(p, entries[id(w)]) for p, w in zip(peers, works)]
+
+    def proven(self, peer: int | None = None) -> bool:
+        """Whether the receives from `peer` (None: every transfer) are proven to have arrived: each op carrying them
+        was seen complete while its communicator was live (`Posted`). A wait that returned is no such proof under
+        NCCL; call this before keeping what arrived, once the device has run the receives (`settle_device`)."""
+        return proven([e for p, e in self._entries if peer is None or p == ("recv", peer)])
+
+    def wait_proven(self, what: str) -> None:
+        """Complete every transfer, let the device run them, and raise `PeerFailure` unless each is proven to have
+        arrived: for transfers whose data is kept at once (a recovery's)."""
+        self.wait()
+        require_proven([e for _, e in self._entries], what)
 
     def wait(self) -> None:
-        """Complete every transfer (raises on the first that fails)."""
-        works, self._works = self._works, []
-        _wait_by_group(works, True)
+        """Complete every transfer (raises on the first that fails, and again at a later wait)."""
+        _wait_by_group(self._works, True)
+        self._works = []
 
     def wait_received(self, peer: int, heed_failure: bool = True) -> None:
         """Complete the receives from `peer` (with a coalesced batch: its whole batch), after a failure too, with
         `heed_failure=False`: a live peer's transfer still completes, a dead one's fails (and, coalesced, the
         batch with it)."""
-        mine = [e for e in self._works if e[0] == ("recv", peer)]
-        self._works = [e for e in self._works if e[0] != ("recv", peer)]
-        _wait_by_group(mine, heed_failure)
+        _wait_by_group([e for e in self._works if e[0] == ("recv", peer)], heed_failure)
+        self._works = [e for e in self._works if e[0] != ("recv", peer)]  # (a failed wait keeps them: it fails again)
 
 
 def _wait_by_group(entries, heed_failure: bool) -> None:
     by_group: dict = {}
-    for _, work, group in entries:
-        by_group.setdefault(group, []).append(work)
+    for _, work, group, posted in entries:
+        by_group.setdefault(group, {}).setdefault(id(work), (work, posted))  # a coalesced Work once
     for group, works in by_group.items():
-        wait(_distinct(works), group, "exchange", p2p=True, heed_failure=heed_failure)
+        works, proofs = zip(*works.values())
+        wait(list(works), group, "exchange", p2p=True, heed_failure=heed_failure, proofs=list(proofs))
 
 
 def _distinct(works) -> list:

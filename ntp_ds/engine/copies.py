@@ -5,8 +5,10 @@ After every optimizer step the owner posts, to each buddy, its step count and th
 next optimizer step, which waits for the transfer). The buddy receives straight into the buffers of the copy it
 keeps (sizes and fragment addresses are exchanged once per engine, as the copies travel), so a copy costs its
 own bytes and nothing more. While a transfer is in flight the copy is marked incomplete; `finish` (before the next
-optimizer step, or at a failure) completes it. A copy whose transfer failed is dropped: its owner's state of the
-last step survives nowhere else, and recovery says so (`lossless: false`).
+optimizer step, or at a failure) completes it, and keeps it only once its arrival is proven (`wire.Exchange.proven`:
+under NCCL a receive cut by an abort reports complete, its buffers part written). A copy whose transfer failed, or
+whose arrival was not proven (`refused`), is dropped: its owner's state of the last step survives nowhere else, and
+recovery says so (`lossless: false`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class StateCopies:
         self._layouts: dict[int, torch.Tensor] | None = None
         self._buffers: dict[int, list[torch.Tensor]] = {}
         self._in_flight: tuple[wire.Exchange, list] | None = None
+        self.refused: list[int] = []
+        """Owners whose copy arrived by a wait that returned but was not proven to have arrived (cut by an abort)."""
 
     def peers(self) -> set[int]:
         return set(self.targets) | set(self.owners)
@@ -101,14 +105,27 @@ class StateCopies:
         if self.on_host:
             self._transfer_pieces(outgoing, salvage)
             return
-        lost = []
-        for o, bufs in self._buffers.items():
+        lost, arrived = [], []
+        for o in self._buffers:
             try:
                 pending.wait_received(o, heed_failure=not salvage)
             except RuntimeError as err:  # its owner (or the link to it) failed mid-transfer (coalesced: the batch)
+                if not salvage and wire.verdict():
+                    # A wait that ends at a verdict says nothing of the transfer (it may have completed long since):
+                    # the snapshot's salvage takes the copies, by their proofs.
+                    self._in_flight = (pending, outgoing)
+                    raise
                 lost.append(err)
                 continue
-            self.held[o] = self._view(o, bufs)
+            arrived.append(o)
+        if arrived and not salvage:
+            wire.settle_device()  # a wait only orders the stream: the device runs the receives before they are proven
+        for o in arrived:
+            if not pending.proven(o):
+                self.refused.append(o)
+                lost.append(wire.PeerFailure(f"the copy of rank {o}'s state was cut before it arrived"))
+                continue
+            self.held[o] = self._view(o, self._buffers[o])
         if not salvage:
             try:
                 pending.wait()  # this rank's own sends: a buddy that failed keeps no copy, nothing is lost here
@@ -148,6 +165,16 @@ class StateCopies:
 
         for j in range(min(2, rounds)):
             post(j)
+        rounds_of: dict[int, list[wire.Exchange]] = {o: [] for o in in_pieces}
+
+        def keep(owners) -> None:  # the host buffers were filled by non-blocking copies from the device
+            wire.settle_device()
+            for o in owners:
+                if all(e.proven(o) for e in rounds_of[o]):
+                    self.held[o] = self._view(o, self._buffers[o])
+                else:
+                    self.refused.append(o)
+
         try:
             while posted:
                 j, pending, recvs = posted.pop(0)
@@ -157,19 +184,15 @@ class StateCopies:
                 else:
                     pending.wait()
                 for o, view in recvs.items():
+                    rounds_of[o].append(pending)
                     i, lo, hi = in_pieces[o][j]
                     self._buffers[o][i][lo:hi].copy_(view, non_blocking=True)  # the next receive is ordered after
                 if j + 2 < rounds:
                     post(j + 2)
         except RuntimeError:  # round j did not arrive: the owners still receiving are dropped
-            wire.settle_device()
-            for o, ps in in_pieces.items():
-                if len(ps) <= j:
-                    self.held[o] = self._view(o, self._buffers[o])
+            keep([o for o, ps in in_pieces.items() if len(ps) <= j])
             raise
-        wire.settle_device()  # the host buffers were filled by non-blocking copies from the device
-        for o, bufs in self._buffers.items():
-            self.held[o] = self._view(o, bufs)
+        keep(list(self._buffers))
 
     def _exchange_layouts(self, keys, sources, device) -> None:
         """Tell each buddy, once per engine, the sizes of this rank's sources and where each fragment lies: int64
@@ -184,10 +207,10 @@ class StateCopies:
             layout = torch.tensor(layout, dtype=torch.int64, device=device)
         heads = {t: layout[:2] for t in self.targets}
         sizes = {o: torch.empty(2, dtype=torch.int64, device=device) for o in self.owners}
-        wire.exchange(heads, sizes, op="copy_layout").wait()
+        wire.exchange(heads, sizes, op="copy_layout").wait_proven("the copies' layouts")
         layouts = {o: torch.empty(2 + int(n[1]) + 4 * len(self.names), dtype=torch.int64, device=device)
                    for o, n in sizes.items()}
-        wire.exchange({t: layout for t in self.targets}, layouts, op="copy_layout").wait()
+        wire.exchange({t: layout for t in self.targets}, layouts, op="copy_layout").wait_proven("the copies' layouts")
         self._layouts = {o: lay.cpu() for o, lay in layouts.items()}
 
     def _view(self, owner: int, bufs: list[torch.Tensor]) -> HeldCopy:

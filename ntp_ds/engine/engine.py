@@ -11,6 +11,7 @@ A new batch plan (different samples and micro-batches per replica, same topology
 from __future__ import annotations
 
 import contextlib
+import hashlib
 
 import json
 import logging
@@ -22,21 +23,22 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-from safetensors.torch import save_file
 
 from ntp_ds.batch import BatchPlan
 from ntp_ds.batch.loader import counted_tokens
 from ntp_ds.comm import wire
-from ntp_ds.comm.exchange import same_layout
+from ntp_ds.comm.exchange import Side, assemble_whole, same_layout
 from ntp_ds.comm.groups import NTPMpu, ReplicaGroups, ring_neighbours
-from ntp_ds.comm.streams import IncomingGradients, IncomingParameters, OutgoingGradients, OutgoingParameters
+from ntp_ds.comm.streams import (IncomingGradients, IncomingParameters, OutgoingGradients, OutgoingParameters,
+                                 stale_units)
 from ntp_ds.engine import clipping
 from ntp_ds.engine import fragments as state
 from ntp_ds.engine.copies import StateCopies
 from ntp_ds.engine.recut import recut_zero
-from ntp_ds.layout import ParamSpec
+from ntp_ds.layout import ParamSpec, plan_whole_tensors
+from ntp_ds.layout import units as U
 from ntp_ds.layout.sharding import unshard_into
-from ntp_ds.models.checkpoint import write_hf_dir
+from ntp_ds.models.checkpoint import write_whole_tensors
 
 
 TOPOLOGY_FILE = "ntp_topology.json"
@@ -83,6 +85,10 @@ class Snapshot:
     (`NTPEngine.allreduce_gradients`): a recovery that keeps its replica's engines may keep them."""
     whole_by_rank: dict = field(default_factory=dict)
     """Filled in by recovery: `whole_grads` of every new rank."""
+    refused: dict = field(default_factory=dict)
+    """What arrived by a wait that returned but was not proven to have arrived (cut by an abort) and was refused:
+    `param_buckets` (their units are stale), `copies` (the owners whose copy was dropped), `grads` (the kept
+    gradients, dropped)."""
 
     @property
     def params_from_masters(self) -> bool:
@@ -125,6 +131,12 @@ class NTPEngine(DeepSpeedEngine):
         self._whole_grads_step = None
         """The step whose accumulated gradients this rank holds whole: its reduction found a verdict already in and
         never started (`allreduce_gradients`)."""
+        self._grads_proof: list = []
+        """The ops of the step still in flight when its whole gradients were found (`wire.outstanding`): they are
+        whole only once every one of those is proven to have completed (the step's TP all-reduces, the parameter and
+        gradient buckets it received)."""
+        self._synced: list = []
+        """The exchanges of the last `sync_parameters` (a contributor's weights are theirs only once proven)."""
         self._plan_after_step = None
         """The plan the step under way hands over to at its end (after the rest of an interrupted step: `resume`)."""
         self.kept_grads_step = None
@@ -155,6 +167,9 @@ class NTPEngine(DeepSpeedEngine):
         self._params_out, self._params_in = OutgoingParameters(self._params), IncomingParameters(self._params)
         self.copies = StateCopies(rank, self.job.buddies(topo, plan), list(specs), on_host=ntp.redundancy_on_host,
                                   chunk=ntp.bucket_size, keep_previous=ntp.redundancy_keep_previous)
+        self._step_mark = wire.mark()
+        """Where the ops the step under way depends on begin (`wire.mark`): here for a new or rebound engine, then
+        before each step's parameter copy to the contributors."""
 
     def _phase(self, step: int, phase: str) -> None:
         """A phase point: progress for the heartbeat (this rank's own work, even inside DeepSpeed's step), then the
@@ -182,7 +197,8 @@ class NTPEngine(DeepSpeedEngine):
         """Copy the anchors' parameters onto the contributor replicas, now."""
         self.settle_parameters()
         params = {n: p.data for n, p in self.named_shards().items()}
-        self._params.run(params, params, op="param_sync")
+        self._synced = []
+        self._params.run(params, params, op="param_sync", proofs=self._synced)
 
     def settle_parameters(self) -> None:
         """Complete the parameter copy still in flight to this contributor (streamed during its forward).
@@ -306,6 +322,7 @@ class NTPEngine(DeepSpeedEngine):
         if self.is_gradient_accumulation_boundary():  # (DeepSpeed calls this after every micro-batch's backward)
             if self._grads_held_back():
                 self._whole_grads_step = self.global_steps + 1
+                self._grads_proof = wire.outstanding(since=self._step_mark)
             wire.check_verdict(self.data_parallel_group, "the gradient reduction")
             self._whole_grads_step = None
         start = time.perf_counter()
@@ -417,6 +434,7 @@ class NTPEngine(DeepSpeedEngine):
             wire.vote(True, name="commit_vote")
             self.in_optimizer_step = False
             self.refresh_copies()  # before the parameters: an anchor's messages to a contributor go in this order
+            self._step_mark = wire.mark()  # what the next step's gradients may depend on is posted from here on
             self._copy_parameters()
         if not self.is_anchor:
             self.micro_steps += 1
@@ -503,6 +521,7 @@ class NTPEngine(DeepSpeedEngine):
         # arrived): `rebind` plans the next generation's.
         self.ntp_groups = self.copies = self._grads = self._params = None
         self._outgoing = self._incoming = self._params_out = self._params_in = None
+        self._synced, self._grads_proof = [], []  # (they name the generation's groups)
 
     def _drop_step(self, keep_grads: bool = False) -> None:
         """Forget the step under way, as DeepSpeed leaves nothing of a step once it is applied; `keep_grads`: but for
@@ -510,6 +529,7 @@ class NTPEngine(DeepSpeedEngine):
         self._loss_weight = None
         self.in_optimizer_step = False
         self._whole_grads_step = self._plan_after_step = self.kept_grads_step = None
+        self._grads_proof = []
         zero = self.optimizer
         if isinstance(zero, DeepSpeedZeroOptimizer):
             if not keep_grads:
@@ -574,6 +594,15 @@ class NTPEngine(DeepSpeedEngine):
         except Exception as err:  # a copy in flight did not arrive whole: it is dropped, and recovery says so
             log.warning("a redundant copy in flight was lost (%s)", err)
         stale = self._params_in.settle(salvage=True)
+        if not all(e.proven() for e in self._synced):  # the last copy of the anchors' parameters was cut
+            synced = stale_units(self._params, [b for bs in self._params.incoming.values() for b in bs])
+            stale = {k: U.union(stale.get(k, ()), synced.get(k, ())) for k in stale.keys() | synced.keys()}
+        whole = self._whole_grads_step == self.global_steps + 1
+        grads_proven = not whole or wire.proven(self._grads_proof)
+        refused = {"param_buckets": self._params_in.refused, "copies": sorted(self.copies.refused),
+                   "grads": not grads_proven}
+        if any(refused.values()):
+            log.warning("rank %d: refused what was not proven to have arrived: %s", self.ntp_groups.rank, refused)
         keys = self.optimizer_keys()
         return Snapshot(
             topology=self.ntp_groups.topology, rank=self.ntp_groups.rank,
@@ -584,7 +613,7 @@ class NTPEngine(DeepSpeedEngine):
             mid_step=self.in_optimizer_step, stale=stale, lr_state=self._lr_state(),
             before_step=self._before_step, previous=dict(self.copies.previous),
             order=state.flat_order(self) if self.is_anchor else None, batch_plan=self.batch_plan,
-            whole_grads=self._whole_grads_step == self.global_steps + 1)
+            whole_grads=whole and grads_proven, refused=refused)
 
     def _lr_state(self) -> tuple | None:
         if not self.is_anchor or self.optimizer is None:
@@ -600,7 +629,7 @@ class NTPEngine(DeepSpeedEngine):
             self.save_non_zero_checkpoint = False
             self.save_zero_checkpoint = False
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
-        with wire.waiting():  # DeepSpeed's barriers around every rank's writes
+        with wire.waiting(), _barriers_along_the_control_tree():  # DeepSpeed's barriers around every rank's writes
             ok = super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         if self.global_rank == self.ntp_groups.topology.ranks_of(self.ntp_groups.plan.anchors[0])[0]:
             meta = {"degrees": list(self.ntp_groups.topology.degrees), "global_steps": self.global_steps,
@@ -608,6 +637,22 @@ class NTPEngine(DeepSpeedEngine):
             (Path(save_dir) / tag / TOPOLOGY_FILE).write_text(json.dumps(meta))
         wire.barrier()
         return ok
+
+    def _checkpoint_tag_validation(self, tag) -> None:
+        """DeepSpeed's check that every rank saves under the same tag, along the control tree: DeepSpeed's own
+        all-reduces the tag's digest on the default group, which under NCCL creates a communicator of the world."""
+        if not self.checkpoint_tag_validation_enabled():
+            return
+        digest = torch.tensor(list(hashlib.sha1(tag.encode()).digest()), dtype=torch.int32)
+        highest = wire.control_all_reduce(digest.clone(), "max", "tag_check")
+        lowest = wire.control_all_reduce(digest.clone(), "min", "tag_check")
+        if torch.equal(highest, digest) and torch.equal(lowest, digest):
+            return
+        message = (f"rank {self.global_rank}: the checkpoint tag {tag!r} differs between ranks; every rank must save "
+                   "under the same tag")
+        if self.checkpoint_tag_validation_fail():
+            raise ValueError(message)
+        log.warning(message)
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         """Load a checkpoint written by the same topology; contributors then copy their anchors' parameters."""
@@ -630,7 +675,8 @@ class NTPEngine(DeepSpeedEngine):
     # -- consolidated weights ----------------------------------------------------------------------------------
     @torch.no_grad()
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Unsharded weights, assembled on TP rank 0 of the first anchor replica (None elsewhere).
+        """Unsharded weights, assembled on TP rank 0 of the first anchor replica (None elsewhere), through pickled
+        objects: for tests and small models (`save_pretrained` never gathers the whole model on one host).
 
         Collective over that replica's TP group; every rank may call it, the others return at once.
         """
@@ -651,12 +697,38 @@ class NTPEngine(DeepSpeedEngine):
             full[name] = out
         return full
 
+    @torch.no_grad()
     def save_pretrained(self, path) -> None:
-        """Write the consolidated weights as an HF directory (config.json + model.safetensors)."""
-        state = self.consolidated_state_dict()
-        if state is not None:
-            write_hf_dir(path, self.module.config, state)
-        wire.barrier(self.ntp_groups.tp_control)
+        """Write the weights as a sharded HF directory (config.json, an index, a safetensors file per writer; fp32),
+        which `from_pretrained` loads. The first anchor replica's ranks write: each assembles about 1/tp of the
+        tensors whole, the units it lacks sent by its TP peers over the TP group, so no rank holds the whole model
+        and no tensor is pickled. Every rank calls it; the other replicas' return at once."""
+        self.settle_parameters()
+        g = self.ntp_groups
+        if g.replica == g.plan.anchors[0]:
+            wire.open_for_batches(g.tp_group)  # (NCCL: a group's first op must involve every member)
+            holders = list(g.topology.ranks_of(g.replica))
+            writer, moves = plan_whole_tensors(g.topology, holders, self.param_specs, self.full_shapes)
+            full = assemble_whole(moves, writer, g.tp_rank, holders, self.param_specs, self.full_shapes,
+                                  Side(g.layout, g.tp_rank), {n: p.detach() for n, p in self.named_shards().items()},
+                                  self.job.ntp.bucket_size, wire.device_of(), "save_pretrained", group=g.tp_group)
+            write_whole_tensors(path, self.module.config, {n: t.cpu() for n, t in full.items()}, g.tp_rank, writer,
+                                self.full_shapes)
+        wire.barrier(g.tp_control)
+
+
+@contextlib.contextmanager
+def _barriers_along_the_control_tree():
+    """Run DeepSpeed's `dist.barrier()` (two in `save_checkpoint`, on the default group: under NCCL a communicator of
+    the world) as the generation's barrier along the control tree, for the block."""
+    import deepspeed.comm
+
+    own = deepspeed.comm.barrier
+    deepspeed.comm.barrier = lambda *args, **kwargs: wire.barrier()
+    try:
+        yield
+    finally:
+        deepspeed.comm.barrier = own
 
 
 def deepspeed_batch(micro_sizes: tuple[int, ...], dp_size: int, anchor: bool) -> dict:
@@ -668,19 +740,3 @@ def deepspeed_batch(micro_sizes: tuple[int, ...], dp_size: int, anchor: bool) ->
                 "train_batch_size": max(micro_sizes)}
     return {"train_micro_batch_size_per_gpu": max(micro_sizes), "gradient_accumulation_steps": len(micro_sizes),
             "train_batch_size": max(micro_sizes) * len(micro_sizes) * dp_size}
-
-
-def write_hf_shard(path, tensors: dict[str, torch.Tensor], file: str) -> None:
-    """Write whole tensors into one file of a sharded HF directory."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / file), metadata={"format": "pt"})
-
-
-def write_hf_index(path, config, weight_map: dict[str, str], total_size: int) -> None:
-    """Write config.json and the index of a sharded HF directory (what `from_pretrained` reads first)."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
-    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

@@ -20,8 +20,8 @@ from ntp_ds.batch import BatchPlan, lockstep_replicas, max_micro_batch, plan_bat
 from ntp_ds.batch.planner import pace_costs, resume_plan
 from ntp_ds.batch.straggler import Replan, rebalance
 from ntp_ds.comm import wire
-from ntp_ds.comm.groups import (NTPMpu, ReplicaGroups, backend_for_device, build_groups, prepare_backend,
-                                start_generation, unconnected_default_group)
+from ntp_ds.comm.groups import (NCCL_DUMP_ENV, NTPMpu, ReplicaGroups, backend_for_device, build_groups,
+                                prepare_backend, start_generation, unconnected_default_group)
 from ntp_ds.engine.config import (ConfigError, NTPConfig, check_batch, cuda_device_index, env_world_size,
                                   load_deepspeed_config)
 from ntp_ds.engine.engine import NTPEngine, deepspeed_batch
@@ -153,8 +153,27 @@ def _rank_deepspeed_config(ds_config: dict, groups: ReplicaGroups, micro_sizes: 
     return cfg
 
 
+REFUSED_NCCL_ENV = {
+    "TORCH_NCCL_BLOCKING_WAIT": ("1", "a blocking wait ends a slow peer's op at the process-group timeout and tears "
+                                      "the communicator down itself; ntp_ds bounds waits and aborts on a verdict"),
+    NCCL_DUMP_ENV: ("1", "a failed op leaves a dump signal in the store, and a worker that joins later finds it and "
+                         "is ended by its own NCCL monitor"),
+}
+"""Environment settings the product cannot run under NCCL with: variable -> (refused value, why)."""
+
+
+def check_nccl_environment() -> None:
+    """Refuse, before any process group exists, the NCCL settings recovery cannot run under (`REFUSED_NCCL_ENV`)."""
+    if backend_for_device() not in wire.NCCL_LIKE:
+        return
+    for name, (refused, why) in REFUSED_NCCL_ENV.items():
+        if os.environ.get(name, "").strip() == refused:
+            raise ConfigError(f"{name}={refused} is not supported with ntp_ds: {why}; unset it or set it to 0")
+
+
 def prepare(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_len=None) -> tuple[JobSpec, Topology]:
     """Every check that can fail on user input, before any process group exists."""
+    check_nccl_environment()
     ds_config = load_deepspeed_config(config)
     ntp = NTPConfig.from_any(ntp)
     ntp.validate(env_world_size())

@@ -5,6 +5,7 @@ Pure logic, no torch. Global ranks are numbered replica after replica: replica 0
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass
@@ -181,3 +182,44 @@ def _plan_buddies(topology: Topology, plan: SyncPlan, zero_stage: int, copies: i
         for tp_rank, rank in enumerate(topology.ranks_of(a)):
             out[rank] = tuple(starts[r] + tp_rank % degrees[r] for r in others)
     return out
+
+
+@dataclass(frozen=True)
+class TensorMove:
+    """Units `units` of parameter `name` (of `kind`) go from holder `src` to the holder `dst` that writes it."""
+
+    src: int
+    dst: int
+    kind: str
+    units: U.Ranges
+    name: str
+
+
+def plan_whole_tensors(old: Topology, holders: list[int], specs,
+                       full_shapes) -> tuple[dict[str, int], list[TensorMove]]:
+    """Who writes each whole tensor of a sharded HF directory (the final weights, the last good state), and the units
+    each writer fetches.
+
+    `holders[i]` is holder i's global rank in `old`. Tensors go to holders by size, largest first to the least
+    loaded, so each writes about 1/n of the model and none holds it whole; a writer takes the units it holds itself,
+    then the rest from the lowest holder holding them. Raises LookupError naming the first tensor some of whose
+    units no holder holds.
+    """
+    writer, load = {}, [0] * len(holders)
+    for name in sorted(specs, key=lambda n: (-math.prod(full_shapes[n]), n)):
+        writer[name] = min(range(len(holders)), key=lambda i: (load[i], i))
+        load[writer[name]] += math.prod(full_shapes[name])
+    places = [old.locate(h) for h in holders]
+    moves = []
+    for name, spec in specs.items():
+        w = writer[name]
+        missing = ((0, old.layouts[0].units.count(spec.kind)),)
+        for i in sorted(range(len(holders)), key=lambda i: (i != w, i)):
+            replica, tp_rank = places[i]
+            piece = U.intersect(missing, old.layouts[replica].owned(spec.kind, tp_rank))
+            if piece:
+                moves.append(TensorMove(i, w, spec.kind, piece, name))
+                missing = U.subtract(missing, piece)
+        if missing:
+            raise LookupError(f"the holders no longer hold all of {name}")
+    return writer, moves

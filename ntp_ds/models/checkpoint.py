@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -68,3 +69,25 @@ def write_hf_dir(path, config, state: dict[str, torch.Tensor]) -> None:
     (path / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
     save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"),
               metadata={"format": "pt"})
+
+
+def write_whole_tensors(path, config, tensors: dict[str, torch.Tensor], me: int, writer: dict[str, int],
+                        full_shapes: dict[str, tuple[int, ...]]) -> None:
+    """Writer `me`'s part of an HF directory whose tensors `layout.plan_whole_tensors` gave to writers: its whole
+    tensors in a file of their own, and, from writer 0, config.json and the index (fp32 sizes) that
+    `from_pretrained` reads first. A single writer writes `model.safetensors` and no index."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    writers = sorted(set(writer.values()))
+    file_of = {w: f"model-{i + 1:05d}-of-{len(writers):05d}.safetensors" for i, w in enumerate(writers)}
+    if len(writers) == 1:
+        file_of = {writers[0]: "model.safetensors"}
+    if tensors:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / file_of[me]), metadata={"format": "pt"})
+    if me == 0:
+        (path / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
+        if len(writers) == 1:
+            return
+        total = sum(math.prod(full_shapes[n]) * 4 for n in writer)
+        index = {"metadata": {"total_size": total}, "weight_map": {n: file_of[w] for n, w in sorted(writer.items())}}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

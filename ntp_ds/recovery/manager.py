@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import time
 import traceback
 from array import array
@@ -20,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ntp_ds.comm import wire
-from ntp_ds.comm.exchange import Side, UnitExchange
+from ntp_ds.comm.exchange import Side, UnitExchange, assemble_whole
 from ntp_ds.comm.groups import (adopt, count_communicators, discard_unused, keepable, mark_communicators,
                                 ring_neighbours, role_of)
 from ntp_ds.control.heartbeat import (Heartbeat, LivenessMonitor, LivenessReader, mark_exited,
@@ -29,18 +28,19 @@ from ntp_ds.control.joins import (JoinFailed, JoinPlan, JoinRequest, JoinRequest
                                   await_verdict, fingerprint, propose_join, read_join_plan, refuse, request_join)
 from ntp_ds.control.membership import BarrierWait, Membership, MembershipChange, barrier, replica_membership
 from ntp_ds.engine.config import ConfigError
-from ntp_ds.engine.engine import Snapshot, write_hf_index, write_hf_shard
+from ntp_ds.engine.engine import Snapshot
 from ntp_ds.engine.fragments import fragment_addresses, params_from_masters
 from ntp_ds.engine.initialize import JobSpec, build_engine, build_topology, join_world, rebind_engine
 from ntp_ds.engine.recut import recuttable
-from ntp_ds.layout import ShardLayout, Topology, plan_gradient_sync
+from ntp_ds.layout import Topology, plan_gradient_sync, plan_whole_tensors
 from ntp_ds.layout import units as U
 from ntp_ds.layout.sharding import gather_units, packed_numel, scatter_units
 from ntp_ds.models import CausalLMShard, empty_shard
+from ntp_ds.models.checkpoint import write_whole_tensors
 from ntp_ds.recovery.keep import close_hit, depart, departed, keep, positions, suspects
 from ntp_ds.recovery.placement import Placement
-from ntp_ds.recovery.plan import (collector_paused, keeps_place, old_ranks, plan_last_good, plan_unit_moves,
-                                  rebalanced_moves, rereplicated_moves)
+from ntp_ds.recovery.plan import (collector_paused, keeps_place, old_ranks, plan_unit_moves, rebalanced_moves,
+                                  rereplicated_moves)
 from ntp_ds.recovery.reslice import reslice
 from ntp_ds.recovery.rollback import offered, roll_back
 
@@ -420,7 +420,9 @@ class Recovery:
         received = _received_by_kind(wire.traffic_since(traffic_before))
         totals = wire.sum_counts([moved.get("bytes", 0), moved.get("kv_rereplicated", 0), state["bytes_received"],
                                   state["restored_bytes"], int(whole), moved.get("rebalanced", 0),
-                                  state["lost_bytes"], engines_built, created, kept] + list(received.values()))
+                                  state["lost_bytes"], engines_built, created, kept,
+                                  snapshot.refused.get("param_buckets", 0), len(snapshot.refused.get("copies", ())),
+                                  int(bool(snapshot.refused.get("grads")))] + list(received.values()))
         self._watch(self._peers(engine))
         barrier(self.store, f"recovery/{generation}/done/{_digest(new_members)}", self.rank, new_members,
                 self.job.ntp.timeout_s)
@@ -436,7 +438,9 @@ class Recovery:
                  "communicators_kept": int(totals[9]), "kept_here": self._kept_here,
                  "rank_state_elements": {k: state[k] for k in ("wanted", "kept", "from_copies", "received")}
                  | {"keepable": _keepable(snapshot, engine) if not engines_built else None},
-                 "traffic_bytes": dict(zip(received, map(int, totals[10:]))), "rolled_back": snapshot.rolled_back,
+                 "traffic_bytes": dict(zip(received, map(int, totals[13:]))), "rolled_back": snapshot.rolled_back,
+                 "refused": {"param_buckets": int(totals[10]), "copies": int(totals[11]), "grads": int(totals[12])},
+                 "rank_refused": snapshot.refused,
                  "samples_kept": kept_samples,
                  "lossless": int(totals[4]) == len(new_members)}
         return engine, event
@@ -675,31 +679,17 @@ class Recovery:
         specs = {n: s for n, (s, _) in model.param_specs().items()}
         shapes = {n: shape for n, (_, shape) in model.param_specs().items()}
         try:
-            writer, moves = plan_last_good(snapshot.topology, holders, specs, shapes)
+            writer, moves = plan_whole_tensors(snapshot.topology, holders, specs, shapes)
         except LookupError as missing:  # every survivor computes the same plan, so all stop here alike
             return f"{missing}, so no last good state was written"
         join_world(self.job.ntp, self.store, change.generation, me, len(survivors))
         wire.open_for_batches(None)  # the moves run on the default group (the job ends here)
         replica, tp = snapshot.topology.locate(snapshot.rank)
-        unsharded = Side(ShardLayout.balanced(self.job.model_config.units(), 1), 0)
-        device = wire.device_of()
-        full = {n: torch.empty(shapes[n], device=device) for n, w in writer.items() if w == me}
-        params = {n: t.float() for n, t in snapshot.params.items()}
-        with torch.no_grad():
-            for m in moves:
-                if m.src == me and m.dst == me:
-                    buf = gather_units(params[m.name], specs[m.name], snapshot.topology.layouts[replica], tp, m.units)
-                    scatter_units(full[m.name], buf, specs[m.name], unsharded.layout, 0, m.units)
-            UnitExchange(moves, me, specs, shapes, Side(snapshot.topology.layouts[replica], tp), unsharded,
-                         self.job.ntp.bucket_size).run(params, full, dtype=torch.float32, device=device,
-                                                       op="last_good")
-        files = {w: i for i, w in enumerate(sorted(set(writer.values())))}
-        name_of = {w: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for w, i in files.items()}
-        if full:
-            write_hf_shard(self.last_good_dir, {n: t.cpu() for n, t in full.items()}, name_of[me])
-        if me == 0:
-            write_hf_index(self.last_good_dir, self.job.model_config, {n: name_of[w] for n, w in writer.items()},
-                           sum(math.prod(s) * 4 for s in shapes.values()))
+        full = assemble_whole(moves, writer, me, list(range(len(survivors))), specs, shapes,
+                              Side(snapshot.topology.layouts[replica], tp), snapshot.params, self.job.ntp.bucket_size,
+                              wire.device_of(), "last_good")
+        write_whole_tensors(self.last_good_dir, self.job.model_config, {n: t.cpu() for n, t in full.items()}, me,
+                            writer, shapes)
         wire.barrier()
         wire.teardown()
         return f"the last good state is in {self.last_good_dir}"

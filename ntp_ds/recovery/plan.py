@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import math
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -132,43 +131,6 @@ def _by_load(survivors: list[int], load: dict[int, int], same_replica) -> Iterat
     for own in (False, True):
         yield from (h for h in survivors if h not in load and bool(same_replica(h)) == own)
         yield from (h for h in loaded if bool(same_replica(h)) == own)
-
-
-@dataclass(frozen=True)
-class TensorMove:
-    """Units `units` of parameter `name` (of `kind`) go from survivor `src` to the survivor `dst` that writes it."""
-
-    src: int
-    dst: int
-    kind: str
-    units: U.Ranges
-    name: str
-
-
-def plan_last_good(old: Topology, holders: list[int], specs, full_shapes) -> tuple[dict[str, int], list[TensorMove]]:
-    """Who writes each whole tensor of the last good weights, and the units each writer fetches.
-
-    `holders[i]` is survivor i's global rank in `old`. Tensors go to survivors by size, largest first to the least
-    loaded, so each writes about 1/n of the model and none holds it whole; a writer takes the units it holds itself,
-    then the rest from the lowest survivor holding them. Raises LookupError naming the first tensor some of whose
-    units no survivor holds.
-    """
-    writer, load = {}, [0] * len(holders)
-    for name in sorted(specs, key=lambda n: (-math.prod(full_shapes[n]), n)):
-        writer[name] = min(range(len(holders)), key=lambda i: (load[i], i))
-        load[writer[name]] += math.prod(full_shapes[name])
-    moves = []
-    for name, spec in specs.items():
-        w = writer[name]
-        missing = ((0, old.layouts[0].units.count(spec.kind)),)
-        for i in sorted(range(len(holders)), key=lambda i: (i != w, i)):
-            piece = U.intersect(missing, _held(old, holders[i], spec.kind, ()))
-            if piece:
-                moves.append(TensorMove(i, w, spec.kind, piece, name))
-                missing = U.subtract(missing, piece)
-        if missing:
-            raise LookupError(f"the survivors no longer hold all of {name}")
-    return writer, moves
 
 
 def _held(old: Topology, old_rank: int, kind: str, stale: U.Ranges) -> U.Ranges:

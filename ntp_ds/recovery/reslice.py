@@ -389,7 +389,7 @@ def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...], dea
     sends = {dst: pack(items) for dst, items in by_dst.items()}
     recvs = {src: torch.empty(_message_numel(sum(m.block.numel for m in items) * width), device=device)
              for src, items in by_src.items() if src != me}
-    wire.exchange(sends, recvs, op="reslice").wait()
+    wire.exchange(sends, recvs, op="reslice").wait_proven("the re-slice of optimizer state")
 
     figures = {"bytes_sent": sum(t.numel() * t.element_size() for t in sends.values()),
                "bytes_received": sum(t.numel() * t.element_size() for t in recvs.values()),

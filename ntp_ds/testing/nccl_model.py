@@ -22,8 +22,12 @@ show it is the one that catches a given bug:
 - `first`: a communicator's first op may be a batch of point-to-point ops only if it involves every rank of the
   group (torch documents anything else as undefined under NCCL); start a group with a collective.
 - `abort`: no timeout ends an op (async error handling 0): an op whose peer died stays pending until the group is
-  aborted; `abort()` leaves every pending op's outputs poisoned and its Work raising, and any later use of the
-  group raises, as an aborted NCCL communicator does.
+  aborted. `abort()` ends every pending op as torch 2.13's `ProcessGroupNCCL` does: the aborted kernel exits, so
+  the Work reports complete (`WorkNCCL::isCompleted` skips its error check once the communicator is aborted) and
+  its wait returns without raising (`WorkNCCL::wait` only orders the stream); each output holds some chunks of the
+  message (NCCL moves a message over several channels, in no fixed order) and what the memory held before
+  elsewhere (here: the poison). Any later op on the group raises, as on an aborted NCCL communicator. Only a
+  completion observed before the abort proves that an op's data arrived (`ntp_ds.comm.wire`, "proofs").
 
 Tensors live on the CPU; the package's `nccl` branches are taken for `nccl_model` too (`ntp_ds.comm.device`).
 """
@@ -61,7 +65,12 @@ class Deadlock(RuntimeError):
 
 
 class Aborted(RuntimeError):
-    """The communicator was aborted: its pending ops never complete and it cannot be used again."""
+    """An op was posted on an aborted communicator (its pending ops were cut: they report complete, and their
+    outputs hold part of the message at most)."""
+
+
+CHANNELS = 4
+"""The chunks an output of an op cut by an abort is written in: the even ones arrived, the odd ones did not."""
 
 
 def rule_on(rule: str) -> bool:
@@ -86,6 +95,12 @@ def poison(t: torch.Tensor) -> None:
         t.fill_(info.min if info.min < 0 else info.max)
 
 
+def _poisoned_like(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(t)
+    poison(out)
+    return out
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (NaN equals NaN)."""
     if a.dtype.is_floating_point:
@@ -107,6 +122,7 @@ class ModelWork(dist.Work):
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._delivered = False
+        self._cut = False
         self._lock = threading.Lock()
         self._poisoned: list[torch.Tensor] = []
         if not rule_on("async"):  # gloo's way: the op reads and writes the caller's buffers directly
@@ -115,7 +131,7 @@ class ModelWork(dist.Work):
             return
         # Outputs: the op writes a private buffer; the caller's holds poison until the wait copies the result in.
         # An input that aliases an output (in-place collectives) travels in that output's private copy.
-        self._outputs = [(t, t.clone() if any(_overlaps(t, i) for i in inputs) else torch.empty_like(t))
+        self._outputs = [(t, t.clone() if any(_overlaps(t, i) for i in inputs) else _poisoned_like(t))
                          for t in outputs]
         # Other inputs: a snapshot travels, and the caller's buffer must stay unchanged until the wait.
         self._inputs = [(t, t.clone()) for t in inputs if not any(_overlaps(t, o) for o in outputs)]
@@ -137,6 +153,14 @@ class ModelWork(dist.Work):
             if self._done.is_set():
                 return
             self._error = error
+            self._done.set()
+
+    def cut(self) -> None:
+        """End the op as an abort ends its kernel: complete, no error, outputs partly written (`_deliver`)."""
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._cut = True
             self._done.set()
 
     # the caller's side
@@ -173,6 +197,14 @@ class ModelWork(dist.Work):
             if self._delivered:
                 return
             self._delivered = True
+            if self._cut:  # what reached the buffer before the abort: some chunks, the memory's old bytes elsewhere
+                for t, private in self._outputs:
+                    if private is not t and t.is_contiguous():
+                        for i, (dst, src) in enumerate(zip(t.view(-1).chunk(CHANNELS),
+                                                           private.view(-1).chunk(CHANNELS))):
+                            if i % 2 == 0:
+                                dst.copy_(src)
+                return
             for t, snap in self._inputs:
                 if not _same(t, snap):
                     raise RuleViolation(f"nccl_model: an input of {self.what} ({tuple(t.shape)}, {t.dtype}) was "
@@ -341,9 +373,8 @@ class ModelGroup(dist.ProcessGroup):
                 return
             self._aborted = "aborted by this process"
             pending, self._pending = list(self._pending), set()
-        err = Aborted("nccl_model: the communicator was aborted before this op completed")
         for w in pending:
-            w.finish(err)
+            w.cut()
         self._queue.put(None)
 
     def shutdown(self) -> None:
