@@ -261,13 +261,13 @@ class NTPEngine(DeepSpeedEngine):
         if len(inputs) == 1 and isinstance(inputs[0], dict):
             kwargs, inputs = {**inputs[0], **kwargs}, ()
         global_tokens = kwargs.pop("global_tokens", None)
-        kwargs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
-        labels = kwargs.get("labels")
-        if labels is not None:
+        labels = kwargs.get("labels")  # counted as the caller gave them (the loader's: on the host), not on the device:
+        if labels is not None:  # a count read back from the device would hold the host there every micro-batch
             if global_tokens:
                 self._loss_weight = counted_tokens(labels) / int(global_tokens)
             else:
                 self._loss_weight = labels.shape[0] / self.batch_plan.global_samples
+        kwargs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
         if kwargs.get("full_logits"):
             kwargs.pop("labels", None)  # they weight the caller's loss; the caller computes it
         return super().forward(*inputs, **kwargs)
