@@ -146,9 +146,7 @@ class UnitExchange:
         if proofs is not None:
             proofs += pending
         elif self.incoming:
-            wire.settle_device()
-            if not all(e.proven() for e in pending):
-                raise wire.PeerFailure(f"{op}: a transfer was cut by an abort before it arrived")
+            wire.require_arrived(pending, op)
         return received
 
 

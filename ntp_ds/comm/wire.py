@@ -656,11 +656,11 @@ def proven(entries) -> bool:
         return all([_prove(e) for e in entries])
 
 
-def require_proven(entries, what: str) -> None:
-    """Raise `PeerFailure` unless every op of `entries` is proven to have completed, waiting for the device first:
-    for data a host is about to keep whose ops may have been cut by an abort."""
+def require_arrived(exchanges, what: str) -> None:
+    """Raise `PeerFailure` unless every transfer of `exchanges` (waited `Exchange`s) is proven to have arrived,
+    waiting for the device first: for data a host is about to keep whose ops may have been cut by an abort."""
     settle_device()
-    if not proven(entries):
+    if not all(e.proven() for e in exchanges):
         raise PeerFailure(f"{what}: a transfer was cut by an abort before it completed ({_state.reason or 'aborted'})")
 
 
@@ -895,7 +895,7 @@ class Exchange:
         """Complete every transfer, let the device run them, and raise `PeerFailure` unless each is proven to have
         arrived: for transfers whose data is kept at once (a recovery's)."""
         self.wait()
-        require_proven([e for _, e in self._entries], what)
+        require_arrived([self], what)
 
     def wait(self) -> None:
         """Complete every transfer (raises on the first that fails, and again at a later wait)."""
