@@ -46,15 +46,20 @@ def test_under_cuda_nothing_probes_deepspeed_op_compatibility(monkeypatch):
     assert probes == ["probe"]
 
 
-def test_under_nccl_no_dump_signal(monkeypatch):
-    for name in (NCCL_DUMP_ENV, "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+def test_under_nccl_no_dump_signal_no_watchdog_sleep_no_monitor_kill(monkeypatch):
+    names = (NCCL_DUMP_ENV, "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC",
+             "TORCH_NCCL_ENABLE_MONITORING")
+    for name in names:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(TEST_BACKEND_ENV, "gloo")
     prepare_backend()
-    assert NCCL_DUMP_ENV not in os.environ
+    assert not any(name in os.environ for name in names)
     monkeypatch.setenv(TEST_BACKEND_ENV, "nccl_model")  # the NCCL branch
+    monkeypatch.setenv("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "15000")  # torch's default: 60 s asleep per failed op
     prepare_backend()
-    assert os.environ[NCCL_DUMP_ENV] == "0" and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+    assert {name: os.environ[name] for name in names} == {
+        NCCL_DUMP_ENV: "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "100",
+        "TORCH_NCCL_ENABLE_MONITORING": "0"}
     monkeypatch.setenv(NCCL_DUMP_ENV, "1")  # refused by name before any group (tests/test_errors.py); never kept
     prepare_backend()
     assert os.environ[NCCL_DUMP_ENV] == "0"

@@ -72,7 +72,8 @@ def test_ranks_that_would_share_a_cuda_device_are_refused(env, devices, message)
         cuda_device_index(env, devices)
 
 
-@pytest.mark.parametrize("name, value", [("TORCH_NCCL_BLOCKING_WAIT", "1"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")])
+@pytest.mark.parametrize("name, value", [("TORCH_NCCL_BLOCKING_WAIT", "1"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
+                                         ("TORCH_NCCL_DESYNC_DEBUG", "1")])
 def test_nccl_settings_recovery_cannot_run_under_are_refused_by_name(monkeypatch, name, value):
     monkeypatch.setenv("NTP_TEST_BACKEND", "nccl_model")
     monkeypatch.setenv(name, value)
@@ -82,3 +83,17 @@ def test_nccl_settings_recovery_cannot_run_under_are_refused_by_name(monkeypatch
     monkeypatch.setenv(name, "0")  # the harmless value passes this check
     from ntp_ds.engine.initialize import check_nccl_environment
     check_nccl_environment()
+
+
+def test_one_device_queue_is_refused_with_the_copies_overlapping_the_next_step(monkeypatch):
+    monkeypatch.setenv("NTP_TEST_BACKEND", "nccl_model")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with pytest.raises(ConfigError, match=r"^CUDA_DEVICE_MAX_CONNECTIONS=1 is not supported with "
+                                          r"ntp.redundancy_overlap=true"):
+        init(monkeypatch, {"tp": 2, "replicas": 2, "redundancy_overlap": True})
+    assert not dist.is_initialized()
+    from ntp_ds.engine.config import NTPConfig
+    from ntp_ds.engine.initialize import check_nccl_environment
+    check_nccl_environment(NTPConfig.from_any({"tp": 2, "replicas": 2}))  # without the overlap: no objection
+    monkeypatch.setenv("NTP_TEST_BACKEND", "gloo")  # no NCCL, no device queue to hold
+    check_nccl_environment(NTPConfig.from_any({"tp": 2, "replicas": 2, "redundancy_overlap": True}))

@@ -148,6 +148,23 @@ def rely_on_wire_error(rank, world):
                          f"{rescued.is_set()})")
 
 
+def work_behind_a_stopped_device(rank, world):
+    """Rank 1's device stops (a kernel that never ends); the all-reduce it posts after that is expected to run."""
+    from datetime import timedelta
+
+    from ntp_ds.comm import device
+
+    backend = dist.get_backend()
+    if rank == 1 and backend != "gloo":  # (gloo's host computes: it has no device to stop)
+        device.hang(backend)
+    record = device.recorder(backend)
+    event = record() if record is not None else None
+    t = torch.ones(4)
+    dist.all_reduce(t, async_op=True).wait(timedelta(seconds=2))
+    assert t.tolist() == [float(world)] * 4
+    assert event is None or event.query(), "an event recorded after the device stopped completed"
+
+
 # -- the tests -------------------------------------------------------------------------------------------------
 def test_coalesce_one_work_per_batch():
     _fails(pair_works_with_ops, "KeyError: 'recv'", rule="coalesce")
@@ -342,6 +359,10 @@ def collectives(rank, world):
     dist.all_gather_object(objs, {"rank": rank})
     out["objects"] = objs
     return out
+
+
+def test_device_an_op_posted_after_the_device_stopped_never_starts():
+    _fails(work_behind_a_stopped_device, "did not complete", rule="device")
 
 
 def test_collectives_agree_with_gloo():

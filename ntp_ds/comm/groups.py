@@ -36,6 +36,13 @@ def backend_for_device() -> str:
 
 NCCL_DUMP_ENV = "TORCH_NCCL_DUMP_ON_TIMEOUT"
 """torch's switch for NCCL flight-recorder dumps on a failed op, signalled to every rank through the store."""
+NCCL_SET_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+    NCCL_DUMP_ENV: "0",
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "100",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+}
+"""What the product sets under NCCL before the first process group (`prepare_backend` says why)."""
 
 
 def prepare_backend() -> None:
@@ -49,10 +56,17 @@ def prepare_backend() -> None:
     heartbeat timeout later (torch's ProcessGroupNCCL.cpp, `HeartbeatMonitor::runLoop`). A survivor aborts the
     group whose monitor that is; a worker that joins later starts a first group of its own, whose monitor would find
     the signal an earlier failure left and end the joiner.
+
+    The watchdog of a group whose op failed sleeps four times TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC (15 s by default)
+    per failed op, holding the group's list of works, whatever the dump setting: the next op posted on that group
+    waits behind it. 100 ms: a failure costs a kept group 0.4 s at most. The heartbeat monitor
+    (TORCH_NCCL_ENABLE_MONITORING) ends a process whose watchdog has not looped for 480 s, as a stuck abort or a
+    wedged device would make it: off, since ntp_ds judges its ranks itself (heartbeats, the training thread's and
+    the device's progress) and fences a stuck one through its launcher, after a recovery the monitor knows nothing
+    of.
     """
     if backend_for_device() in wire.NCCL_LIKE:
-        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
-        os.environ[NCCL_DUMP_ENV] = "0"
+        os.environ.update(NCCL_SET_ENV)
     skip_shm_comm_op()
 
 

@@ -43,6 +43,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from ntp_ds.comm import device
+
 log = logging.getLogger(__name__)
 
 SLICE_S = 0.1
@@ -114,6 +116,9 @@ class _State:
     ledger: dict = field(default_factory=dict)
     """group -> the data ops posted on it in this generation whose arrival is not proven yet (`Posted`), oldest
     first."""
+    record_event: Callable | None = None
+    """How the training thread records an event on its device (`ntp_ds.comm.device.recorder`; None: a host that
+    computes synchronously)."""
 
 
 _state = _State()
@@ -137,6 +142,7 @@ def configure(timeout_s: float, control_group=None, tree=None) -> None:
     _state.control = control_group
     _state.tree = None if tree is None else tuple(tree)
     _state.backend = dist.get_backend() if dist.is_initialized() else ""
+    _state.record_event = device.recorder(_state.backend)
     _state.backends = weakref.WeakKeyDictionary()
     _state.aborted = False
     _state.aborted_groups = weakref.WeakSet()
@@ -400,11 +406,15 @@ def _teardown(keep) -> None:
 # -- the training thread's progress -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Progress:
-    """What the heartbeat tells peers of the training thread: a counter that moves at every phase point and every
-    wait's start and end, and whether the thread is waiting on peers now (a rank blocked waiting is not hung)."""
+    """What the heartbeat tells peers of the training thread: a counter that moves at every phase point, every wait's
+    start and end and every device event seen complete, and whether the rank is waiting on peers now (a rank blocked
+    waiting is not hung; one whose device is busy with its own work is not waiting, whatever its host does:
+    `ntp_ds.comm.device`)."""
 
     count: int
     waiting: bool
+    device_busy: bool = False
+    """The device is busy with this rank's own work (the oldest event not complete is an own one)."""
 
 
 class _Progress:
@@ -414,17 +424,23 @@ class _Progress:
 
 
 _progress = _Progress()
+_device = device.DeviceWatch()
 
 
 def progress() -> Progress:
-    """This process's training progress now (read from the heartbeat thread)."""
-    return Progress(_progress.count, _progress.depth > 0)
+    """This process's training progress now (read from the heartbeat thread): the host's, and its device's."""
+    done, busy = _device.look()
+    return Progress(_progress.count + done, _progress.depth > 0 and not busy, busy)
 
 
 @contextlib.contextmanager
 def waiting():
     """Mark the block as waiting on peers: a wait of the wire, or a DeepSpeed call that communicates (its
-    collectives are not ours to mark one by one). A stalled counter does not make a waiting rank hung."""
+    collectives are not ours to mark one by one). A stalled counter does not make a waiting rank hung, unless its
+    device is busy with its own work: the work queued before the wait is marked own, what the wait queued is marked
+    as waiting on peers (`ntp_ds.comm.device`)."""
+    if not _progress.depth:
+        _device.mark(_state.record_event, own=True)
     _progress.count += 1
     _progress.depth += 1
     try:
@@ -432,12 +448,16 @@ def waiting():
     finally:
         _progress.depth -= 1
         _progress.count += 1
+        if not _progress.depth:
+            _device.mark(_state.record_event, own=False)
 
 
 @contextlib.contextmanager
 def working():
     """Mark the block as this rank's own work, inside a waiting block too (a phase point inside DeepSpeed's step):
-    a stall in here is this rank's, and peers waiting on it may declare it hung."""
+    a stall in here is this rank's, and peers waiting on it may declare it hung. Its device event is own only
+    outside a wait (inside, the stream may hold the wait's collectives)."""
+    _device.mark(_state.record_event, own=not _progress.depth)
     depth, _progress.depth = _progress.depth, 0
     _progress.count += 1
     try:

@@ -31,10 +31,11 @@ PHASES = ("forward", "backward", "grad_sync", "optimizer", "in_optimizer", "refr
 """Where a fault fires: the phase boundaries of a step (`optimizer`: before the ready vote; `in_optimizer`: inside
 DeepSpeed's optimizer step, after a parameter group's update; `refresh`: as the redundant copies of the step just
 applied set off), and of a recovery."""
-KINDS = ("crash", "hang", "device_error", "slow", "repair", "oom", "stall")
+KINDS = ("crash", "hang", "device_error", "slow", "repair", "oom", "stall", "device_hang")
 """`hang`: the whole process stops (SIGSTOP), beats included; `stall`: the training thread blocks for good while the
-heartbeat thread goes on beating (a wedged kernel, a deadlock in the rank's own code), so only its lack of progress
-gives it away; `oom`: this rank's own work runs out of memory (raises torch.OutOfMemoryError): the rank ends, its
+heartbeat thread goes on beating (a deadlock in the rank's own code), so only its lack of progress gives it away;
+`device_hang`: the rank's device stops (a kernel that never ends) while its host goes on, queueing work behind it and
+then waiting in its next wait, so only its device's lack of progress gives it away (`ntp_ds.comm.device`); `oom`: this rank's own work runs out of memory (raises torch.OutOfMemoryError): the rank ends, its
 peers recover without it."""
 REPAIR_PHASE = "boundary"
 """The phase of a `repair`: the failed rank's replacement joins at a step boundary (step = the first it trains)."""
@@ -202,8 +203,8 @@ def send_fault(store, fault: Fault) -> int:
 
 def trigger(fault: Fault) -> None:
     """Make this process fail as `fault` says: SIGKILL itself, SIGSTOP itself, block the calling (training) thread
-    for good, raise DeviceError or run out of memory (a `slow` fault is the injector's own: it stretches the
-    micro-batches, `FaultInjector.stretch`)."""
+    for good, stop its device and return, raise DeviceError or run out of memory (a `slow` fault is the injector's
+    own: it stretches the micro-batches, `FaultInjector.stretch`)."""
     if fault.kind == "oom":
         import torch
 
@@ -215,6 +216,12 @@ def trigger(fault: Fault) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif fault.kind == "stall":
         threading.Event().wait()  # unbounded on purpose: the peers must find it hung, and its launcher kill it
+    elif fault.kind == "device_hang":
+        import torch.distributed as dist
+
+        from ntp_ds.comm import device
+
+        device.hang(dist.get_backend() if dist.is_initialized() else None)
     else:
         raise DeviceError(f"injected device error on rank {fault.rank} at step {fault.step}, phase {fault.phase}")
 

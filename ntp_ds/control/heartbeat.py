@@ -632,8 +632,9 @@ class Heartbeat:
             self._own = (progress, since, True)
             frame = sys._current_frames().get(self._training_thread)
             where = "".join(traceback.format_stack(frame, limit=6)) if frame is not None else "(thread gone)\n"
-            log.warning("rank %d: its training has made no progress outside a wait for %.2f s (hang_timeout_s %gs); "
-                        "it is at:\n%s", self.rank, now - since, hang_timeout_s, where.rstrip())
+            device = " (its device is busy with its own work)" if getattr(progress, "device_busy", False) else ""
+            log.warning("rank %d: its training has made no progress outside a wait for %.2f s%s (hang_timeout_s %gs); "
+                        "it is at:\n%s", self.rank, now - since, device, hang_timeout_s, where.rstrip())
 
     def poll_peers(self) -> bool:
         """Poll the peers once; report the newly dead; return whether anything was news (keep polling fast)."""

@@ -48,9 +48,9 @@ class FaultToleranceConfig:
     """How often each rank beats to the job's store."""
     heartbeat_timeout_s: float = 3.0
     """A peer silent this long is dead (a crash is seen at once, through its launcher or its connections)."""
-    hang_timeout_s: float | None = None
-    """A peer that beats but makes no training progress this long while this rank waits on it is hung (None: never
-    judged by progress)."""
+    hang_timeout_s: float | None = 120.0
+    """A peer that beats but whose training (its host, or its device: `ntp_ds.comm.device`) makes no progress this
+    long while this rank waits on it is hung (None: never judged by progress; as `parallel.hang_timeout_s`)."""
     join_timeout_s: float = 600.0
     """How long a joining worker (started with NTP_JOIN by its launcher) waits to be taken in."""
     faults: tuple = ()

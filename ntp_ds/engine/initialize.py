@@ -158,17 +158,30 @@ REFUSED_NCCL_ENV = {
                                       "the communicator down itself; ntp_ds bounds waits and aborts on a verdict"),
     NCCL_DUMP_ENV: ("1", "a failed op leaves a dump signal in the store, and a worker that joins later finds it and "
                          "is ended by its own NCCL monitor"),
+    "TORCH_NCCL_DESYNC_DEBUG": ("1", "torch then turns TORCH_NCCL_ASYNC_ERROR_HANDLING=0 into 3, and the first failed "
+                                     "op tears every survivor down"),
 }
 """Environment settings the product cannot run under NCCL with: variable -> (refused value, why)."""
 
+OVERLAP_REFUSED_ENV = ("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+"""With `redundancy_overlap` the state copies wait on peers on the device while the next step computes; one hardware
+queue serialises every stream's work behind the first stream wait on such a copy, the buckets and collectives of the
+next step included, which the peers wait for in turn."""
 
-def check_nccl_environment() -> None:
-    """Refuse, before any process group exists, the NCCL settings recovery cannot run under (`REFUSED_NCCL_ENV`)."""
+
+def check_nccl_environment(ntp: NTPConfig | None = None) -> None:
+    """Refuse, before any process group exists, the NCCL settings recovery cannot run under (`REFUSED_NCCL_ENV`,
+    and `OVERLAP_REFUSED_ENV` with `ntp.redundancy_overlap`)."""
     if backend_for_device() not in wire.NCCL_LIKE:
         return
     for name, (refused, why) in REFUSED_NCCL_ENV.items():
         if os.environ.get(name, "").strip() == refused:
             raise ConfigError(f"{name}={refused} is not supported with ntp_ds: {why}; unset it or set it to 0")
+    name, refused = OVERLAP_REFUSED_ENV
+    if ntp is not None and ntp.redundancy_overlap and os.environ.get(name, "").strip() == refused:
+        raise ConfigError(f"{name}={refused} is not supported with ntp.redundancy_overlap=true: the state copies that "
+                          "travel during the next step would hold the device's one work queue, and the step's own "
+                          f"transfers behind them; unset it (or turn redundancy_overlap off)")
 
 
 def prepare(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_len=None) -> tuple[JobSpec, Topology]:
@@ -177,6 +190,7 @@ def prepare(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_len=
     ds_config = load_deepspeed_config(config)
     ntp = NTPConfig.from_any(ntp)
     ntp.validate(env_world_size())
+    check_nccl_environment(ntp)
     spec = JobSpec(ds_config, ntp, model_config_of(model), optimizer, lr_scheduler, seq_len)
     topology = build_topology(spec.units(), ntp)
     check_batch(ds_config, ntp, topology)

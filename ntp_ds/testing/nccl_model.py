@@ -28,8 +28,13 @@ show it is the one that catches a given bug:
   message (NCCL moves a message over several channels, in no fixed order) and what the memory held before
   elsewhere (here: the poison). Any later op on the group raises, as on an aborted NCCL communicator. Only a
   completion observed before the abort proves that an op's data arrived (`ntp_ds.comm.wire`, "proofs").
+- `device`: the process has one device, which can stop (`hang_device`: a kernel that never ends on the stream the
+  training thread queues to, as `torch.cuda._sleep` spins): an op posted after it never starts (ProcessGroupNCCL
+  orders each op's stream after the current stream), pending until the group is aborted, and a device event
+  recorded after it never completes (`record_event`, registered with `ntp_ds.comm.device`). With the rule off the
+  device never stops.
 
-Tensors live on the CPU; the package's `nccl` branches are taken for `nccl_model` too (`ntp_ds.comm.device`).
+Tensors live on the CPU; the package's `nccl` branches are taken for `nccl_model` too (`ntp_ds.comm.wire.is_nccl`).
 """
 
 from __future__ import annotations
@@ -48,12 +53,18 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, PrefixStore, ProcessGroupGloo
 
+from ntp_ds.comm import device
+
 log = logging.getLogger(__name__)
 
 NAME = "nccl_model"
-RULES = ("coalesce", "async", "order", "tags", "first", "abort")
+RULES = ("coalesce", "async", "order", "tags", "first", "abort", "device")
 OFF_ENV = "NTP_NCCL_MODEL_OFF"
 DEADLOCK_ENV = "NTP_NCCL_MODEL_DEADLOCK_S"
+
+
+class DeviceStopped(RuntimeError):
+    """An op queued behind a kernel that never ends: it never starts (pending until its group is aborted)."""
 
 
 class RuleViolation(RuntimeError):
@@ -218,6 +229,31 @@ class ModelWork(dist.Work):
                     t.copy_(private)
 
 
+# -- the device: one per process -----------------------------------------------------------------------------------
+_stopped = threading.Event()
+
+
+def hang_device() -> None:
+    """Stop this process's device for good, as a kernel that never ends would (the `device` rule); the host goes on."""
+    if rule_on("device"):
+        _stopped.set()
+
+
+@dataclass
+class ModelEvent:
+    """An event recorded on the device: complete at once (the host computed what came before), never once the
+    device has stopped."""
+
+    done: bool
+
+    def query(self) -> bool:
+        return self.done
+
+
+def record_event() -> ModelEvent:
+    return ModelEvent(not _stopped.is_set())
+
+
 _CREATED: list[int] = []
 """The size of every communicator this process created (NCCL creates one at its group's first op), in order."""
 
@@ -236,6 +272,8 @@ class _Op:
     p2p: list[tuple[str, int, int]] = field(default_factory=list)
     """(kind, peer, index) of every point-to-point message: the index-th message between the pair that way."""
     number: int = 0
+    behind_stop: bool = False
+    """Posted after the device stopped: it never starts."""
     started: list | None = None
     """The gloo works, when the op was started at posting (the `order` rule off)."""
 
@@ -279,8 +317,8 @@ class ModelGroup(dist.ProcessGroup):
             if not self._posted:  # NCCL creates a communicator at its group's first op
                 _CREATED.append(self._size)
             self._posted += 1
-        op = _Op(work, run, list(p2p), next(self._numbers))
-        if not self._ordered:  # gloo's way: every op starts as it is posted, none waits for another
+        op = _Op(work, run, list(p2p), next(self._numbers), _stopped.is_set())
+        if not self._ordered and not op.behind_stop:  # gloo's way: every op starts as it is posted
             op.started = run(work)
         self._queue.put(op)
         return work
@@ -307,6 +345,8 @@ class ModelGroup(dist.ProcessGroup):
             return broken
         if broken is not None:
             return broken  # a stream whose op never completes runs nothing after it: pending until aborted
+        if op.behind_stop:
+            return DeviceStopped(f"nccl_model: {op.work.what} is queued behind a kernel that never ends")
         try:
             if self._ordered:
                 self._store.set(f"head/{self._rank}", f"op #{op.number}: {op.work.what}")  # for deadlock reports
@@ -575,6 +615,7 @@ def batch_isend_irecv(p2p_op_list):
     return [work] if rule_on("coalesce") else [work] * len(p2p_op_list)
 
 
+device.register(NAME, record_event, hang_device)
 if NAME.upper() not in dist.Backend._plugins:
     dist.Backend.register_backend(NAME, _create, devices=["cpu"])
     dist.distributed_c10d.batch_isend_irecv = batch_isend_irecv

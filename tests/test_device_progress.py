@@ -1,0 +1,105 @@
+"""The device's own progress (`ntp_ds.comm.device`): events at phase points and around waits say whether a rank's
+device is busy with its own work; a rank whose device stops is found hung by the peers waiting on it, whatever its
+host does."""
+
+import functools
+
+import pytest
+
+from ntp_ds.comm import device, wire
+from ntp_ds.control.heartbeat import Beat, LivenessMonitor
+from ntp_ds.testing.spawn import run_ranks
+from tests import training
+from tests.test_recovery import GLOBAL_BATCH, MICRO, STEPS, assert_equivalent, assert_lossless_and_minimal, fault
+
+
+class _Event:
+    def __init__(self, done=False):
+        self.done = done
+
+    def query(self):
+        return self.done
+
+
+def test_the_oldest_pending_event_says_what_the_device_does():
+    watch, events = device.DeviceWatch(), []
+
+    def record():
+        events.append(_Event())
+        return events[-1]
+
+    assert watch.look() == (0, False), "no event: the device is idle"
+    watch.mark(record, own=True)
+    assert watch.look() == (0, True), "an own event pending: busy with its own work"
+    watch.mark(record, own=False)
+    events[0].done = True
+    assert watch.look() == (1, False), "its own work done, the wait's event pending: waiting on peers"
+    watch.mark(record, own=True)
+    assert watch.look() == (1, False), "an own event behind a pending wait: still waiting on peers"
+    events[1].done = True
+    assert watch.look() == (2, True)
+    events[2].done = True
+    assert watch.look() == (3, False)
+    watch.mark(None, own=True)
+    assert watch.look() == (3, False), "a host that computes synchronously records nothing"
+
+
+def test_a_wait_on_a_busy_device_is_not_a_wait_on_peers(monkeypatch):
+    # The host waits, but the work it queued before the wait has not run: the rank is not waiting on its peers, and
+    # its progress moves only as its device completes events.
+    events = []
+
+    def record():
+        events.append(_Event())
+        return events[-1]
+
+    monkeypatch.setattr(wire, "_device", device.DeviceWatch())
+    monkeypatch.setattr(wire._state, "record_event", record)
+    with wire.waiting():
+        inside = wire.progress()
+        assert inside.device_busy and not inside.waiting
+        assert wire.progress().count == inside.count, "nothing completed: no progress"
+        events[0].done = True
+        done = wire.progress()
+        assert done.waiting and not done.device_busy and done.count == inside.count + 1
+    with wire.working():
+        assert not wire.progress().waiting
+
+
+def test_peers_declare_a_rank_hung_whose_device_is_busy_while_its_host_waits():
+    now = [0.0]
+    monitor = LivenessMonitor([3], 10.0, clock=lambda: now[0], hang_timeout_s=6.0)
+    for t in range(8):  # it beats; its host waits, but its device is busy with its own work: `waiting` is off
+        now[0] = float(t)
+        monitor.observe({3: Beat(t + 1, 0.0, progress=40, waiting=False)})
+    assert monitor.hung() == frozenset({3}), monitor.stalled_for(3)
+
+
+def _stopped_device_run(monkeypatch, phase):
+    monkeypatch.setenv("NTP_TEST_BACKEND", "nccl_model")
+    hang_timeout_s = 6.0
+    ntp = {"tp": 2, "replicas": 3, "min_tp": 1}
+    train = functools.partial(training.train_with_recovery, hang_timeout_s=hang_timeout_s)
+    results = run_ranks(train, 6, ntp, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS, [fault(3, 3, phase, "device_hang")],
+                        2.0, 2, None, 20.0, timeout=200, store=True)
+    return results, hang_timeout_s
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_rank_whose_device_stops_is_found_hung_within_hang_timeout_plus_2s(monkeypatch, phase):
+    # nccl_model: rank 3's device stops (a kernel that never ends) while its host goes on and then waits, in its
+    # TP all-reduce, on its own stopped device; its heartbeat beats on. Before the device watch nobody judged it: its
+    # host was waiting, like its peers', and the job hung until the harness's limit. Now its device's events say it
+    # is busy with its own work; its peers, waiting on it, declare it hung, and recover to the failure-free weights.
+    # Its TP peer (rank 2) waits on it and is not fenced: it is among the survivors.
+    results, hang_timeout_s = _stopped_device_run(monkeypatch, phase)
+    assert set(results) == {0, 1, 2, 4, 5}
+    assert_equivalent(results)
+    assert_lossless_and_minimal(results, (2, 1, 2))
+    for rank, res in results.items():
+        assert 3 in res["fired"], f"rank 3 was judged hung before its device stopped (rank {rank})"
+        assert len(res["recovered"]) == 1, f"rank {rank} recovered {len(res['recovered'])} times"
+        detected, recovered = res["noticed"][0] - res["fired"][3], res["recovered"][0] - res["fired"][3]
+        print(f"rank {rank}: stopped device seen after {detected:.2f} s, recovered after {recovered:.2f} s")
+        assert detected <= hang_timeout_s + 2.0, f"rank {rank} saw the stopped device after {detected:.2f} s"
