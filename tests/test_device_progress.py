@@ -103,3 +103,53 @@ def test_a_rank_whose_device_stops_is_found_hung_within_hang_timeout_plus_2s(mon
         detected, recovered = res["noticed"][0] - res["fired"][3], res["recovered"][0] - res["fired"][3]
         print(f"rank {rank}: stopped device seen after {detected:.2f} s, recovered after {recovered:.2f} s")
         assert detected <= hang_timeout_s + 2.0, f"rank {rank} saw the stopped device after {detected:.2f} s"
+
+
+class _TimedEvent:
+    """A timing event at `at` milliseconds of device time."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, later):
+        return later.at - self.at
+
+
+class _Engine:
+    def __init__(self):
+        from types import SimpleNamespace
+
+        from ntp_ds.engine.config import StragglerConfig
+
+        self.sync_wait_s, self.device_waits = 0.0, []
+        self.job = SimpleNamespace(ntp=SimpleNamespace(straggler=StragglerConfig()))  # (no re-plan: off)
+
+
+def test_under_cuda_a_micro_batch_is_timed_on_the_device_without_its_waits_on_other_replicas(monkeypatch):
+    # The host's clock says 10 s (it waited on a sync of earlier work); the device ran the micro-batch from 1000 ms
+    # to 3500 ms, 500 ms of it behind the reduction with the other replicas: its own work is 2 s. A slow fault's extra
+    # host sleep counts as work. Without timing events (the host computes) the host's figure stands.
+    from ntp_ds.batch.balancer import StepWork
+
+    clock, device_ms = [0.0], iter([1000.0, 2500.0, 3000.0, 3500.0])
+    monkeypatch.setattr(wire._state, "timed_event", lambda: _TimedEvent(next(device_ms)))
+    work, engine = StepWork(clock=lambda: clock[0]), _Engine()
+    work.forward(engine, 4)
+    clock[0] = 9.0
+    engine.sync_wait_s += 1.0
+    engine.device_waits.append((wire.timed_event(), wire.timed_event()))
+    clock[0] = 12.0
+    work.backward_done(engine, stretch=lambda busy: 0.25)
+    work.end_step(engine)
+    assert work.last_step == [(4, pytest.approx(2.25))]
+    assert engine.device_waits == [], "the step's spans are taken"
+
+    monkeypatch.setattr(wire._state, "timed_event", None)
+    work.forward(engine, 4)
+    clock[0] = 15.0
+    work.backward_done(engine)
+    work.end_step(engine)
+    assert work.last_step == [(4, pytest.approx(3.0))]

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Checks for a GPU machine, one line each; exits non-zero if any fails. Logs go to ${NTP_GPU_CHECK_LOGS:-gpu_check_logs}.
-# 1 GPU: bf16 steps of a ~1B-parameter Llama through NTPEngine in one rank (step time and peak memory).
+# 1 GPU: bf16 steps of a ~1B-parameter Llama through NTPEngine in one rank (step time and peak memory), and a
+#        device-side spin that stops the device while the host waits on it: found hung within hang_timeout_s + 2 s
+#        by its device's progress, a healthy stretch before it not judged.
 # 4+ GPUs: an equivalence case (3 ranks) and a live recovery case (4 ranks) over NCCL, one rank per GPU, and the
 #          steady-state benchmark with a contributor (4 ranks).
 # 5+ GPUs: the 5-rank equivalence, contract and overlap cases; 6+ GPUs: the contract of a recovery (6 ranks).
 # 4+ CPU cores: the straggler benchmark (3 ranks on CPU; its target needs a core per rank).
 # --cpu: no GPU used. The 4-GPU checks on CPU ranks, once over gloo and once over nccl_model (NCCL's rules on CPU),
-#        the bf16 steps on a tiny Llama, and the GPU-only test selections collected, so that the script runs in CI
+#        the bf16 steps on a tiny Llama, the stopped device on nccl_model's device, and the GPU-only test selections
+#        collected, so that the script runs in CI
 #        (.ci/run) before it meets a GPU.
 set -uo pipefail -f  # -f: the test ids' brackets are not globs
 cd "$(dirname "$0")/.."
@@ -77,6 +80,7 @@ if [ "$cpu" = 1 ]; then
   # The selections of the GPU-only checks name tests that exist (pytest exits non-zero on a missing one).
   check selections python -m pytest -q -p no:cacheprovider --collect-only $EQUIVALENCE_5 $RECOVERY_CONTRACT
   check bf16_step timeout 300 python tools/gpu_step.py --cpu
+  check device_watch timeout 120 python tools/gpu_device_watch.py --cpu
   for backend in gloo nccl_model; do
     export NTP_TEST_BACKEND=$backend
     four_rank_checks "_$backend" --steps 3 --warmup 1 --accum 2
@@ -91,6 +95,7 @@ if [ "$gpus" -lt 1 ]; then
 fi
 echo "gpu_check: $gpus GPU(s)"
 check bf16_step timeout 1800 python tools/gpu_step.py
+check device_watch timeout 300 python tools/gpu_device_watch.py
 if [ "$(nproc)" -ge 4 ]; then
   check straggler env CUDA_VISIBLE_DEVICES= timeout 1800 python benchmarks/straggler.py
 fi

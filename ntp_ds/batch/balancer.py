@@ -1,7 +1,10 @@
 """This rank's measured micro-batch work and the straggler-aware re-plan it feeds (`ntp_ds.batch.straggler`).
 
 `StepWork` times each micro-batch from its forward to the end of its backward, less the time the backward spent
-waiting on other replicas' gradients (`engine.sync_wait_s`), so a replica is judged by its own work. With
+waiting on other replicas' gradients (`engine.sync_wait_s`), so a replica is judged by its own work. Under CUDA the
+host's clock would time kernel launches (and whatever earlier work a sync waited for), so there the figure is the
+device's: timing events at the forward's start and the backward's end, less the device spans of those waits
+(`engine.device_waits`), read at the step's end, when the step's work has run. With
 `ntp.straggler` on, every `every_steps` steps under one plan the ranks exchange those windows over the control group
 (one small all-gather per window) and each computes the same plan from the same numbers; a new plan is taken at that
 step boundary (`engine.set_batch_plan`). A new topology (a recovery, a join) starts the measurements afresh.
@@ -11,12 +14,32 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from ntp_ds.batch.straggler import (HISTORY, fit_costs, replica_micro_times, replica_step_times,
                                     summarise_micro_batches)
 from ntp_ds.comm import wire
+
+
+@dataclass(frozen=True)
+class _DeviceWork:
+    """A micro-batch timed on the device: timing events at its forward's start and its backward's end, and the
+    (start, end) events of the waits on other replicas in between."""
+
+    first: object
+    last: object
+    waits: tuple
+    extra_s: float
+    """Seconds a `slow` fault added on the host (a throttled device's extra time)."""
+
+    def seconds(self) -> float:
+        if not self.last.query():  # (the step's end settled the device: this returns at once)
+            with wire.waiting():
+                self.last.synchronize()
+        waited = sum(a.elapsed_time(b) for a, b in self.waits)
+        return max(0.0, (self.first.elapsed_time(self.last) - waited) / 1000.0) + self.extra_s
 
 
 class StepWork:
@@ -26,8 +49,8 @@ class StepWork:
         self.clock = clock
         self.last_step: list[tuple[int, float]] = []
         """(samples, work seconds) of each micro-batch of the last completed step."""
-        self._current: list[tuple[int, float]] = []
-        self._pending: tuple[float, float, int] | None = None
+        self._current: list[tuple[int, float | _DeviceWork]] = []
+        self._pending: tuple | None = None
         self.new_topology()
 
     def new_topology(self) -> None:
@@ -43,24 +66,31 @@ class StepWork:
 
     def forward(self, engine, samples: int) -> None:
         """A micro-batch of `samples` samples enters the model."""
-        self._pending = (self.clock(), getattr(engine, "sync_wait_s", 0.0), samples)
+        waits = getattr(engine, "device_waits", [])
+        self._pending = (self.clock(), getattr(engine, "sync_wait_s", 0.0), samples, wire.timed_event(), len(waits))
 
     def backward_done(self, engine, stretch: Callable[[float], float] | None = None) -> None:
         """The micro-batch's backward returned; `stretch` (a `slow` fault) sleeps a slowed rank's extra time and
         returns it, which counts as this rank's work."""
         if self._pending is None:
             return
-        started, waited, samples = self._pending
+        started, waited, samples, first, seen = self._pending
         self._pending = None
         work = self.clock() - started - (getattr(engine, "sync_wait_s", 0.0) - waited)
-        if stretch is not None:
-            work += stretch(work)
-        self._current.append((samples, work))
+        extra = stretch(work) if stretch is not None else 0.0
+        if first is None:
+            self._current.append((samples, work + extra))
+        else:
+            waits = getattr(engine, "device_waits", [])[seen:]
+            self._current.append((samples, _DeviceWork(first, wire.timed_event(), tuple(waits), extra)))
 
     def end_step(self, engine) -> dict | None:
         """The step completed: keep its work and, with `ntp.straggler` on, at the end of a window agree on the
         replicas' work and re-plan if it pays; return the `replan` event's fields when a new plan was taken."""
-        self.last_step, self._current, self._pending = self._current, [], None
+        self.last_step = [(samples, w if isinstance(w, float) else w.seconds()) for samples, w in self._current]
+        self._current, self._pending = [], None
+        if getattr(engine, "device_waits", None):
+            engine.device_waits.clear()
         cfg = engine.job.ntp.straggler
         if not (cfg.enabled and dist.is_initialized() and wire.has_control()):
             return None

@@ -61,6 +61,21 @@ def recorder(backend: str | None) -> Callable[[], Event] | None:
     return None
 
 
+def _cuda_timed_event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def timer(backend: str | None) -> Callable[[], torch.cuda.Event] | None:
+    """How spans of device time are marked under `backend`: timing events on the current stream under CUDA (their
+    `elapsed_time` is the device's time between them, whatever the host did); None where the host computes
+    synchronously, and its clock is the device's."""
+    if backend == "nccl" and torch.cuda.is_available():
+        return _cuda_timed_event
+    return None
+
+
 def hang(backend: str | None) -> None:
     """Stop this rank's device for good while its host goes on (fault injection): a spin kernel on the current
     stream under CUDA, the backend's own stop otherwise."""

@@ -119,6 +119,8 @@ class _State:
     record_event: Callable | None = None
     """How the training thread records an event on its device (`ntp_ds.comm.device.recorder`; None: a host that
     computes synchronously)."""
+    timed_event: Callable | None = None
+    """How it marks a span of device time (`ntp_ds.comm.device.timer`; None: the host's clock is the device's)."""
 
 
 _state = _State()
@@ -143,6 +145,7 @@ def configure(timeout_s: float, control_group=None, tree=None) -> None:
     _state.tree = None if tree is None else tuple(tree)
     _state.backend = dist.get_backend() if dist.is_initialized() else ""
     _state.record_event = device.recorder(_state.backend)
+    _state.timed_event = device.timer(_state.backend)
     _state.backends = weakref.WeakKeyDictionary()
     _state.aborted = False
     _state.aborted_groups = weakref.WeakSet()
@@ -431,6 +434,11 @@ def progress() -> Progress:
     """This process's training progress now (read from the heartbeat thread): the host's, and its device's."""
     done, busy = _device.look()
     return Progress(_progress.count + done, _progress.depth > 0 and not busy, busy)
+
+
+def timed_event():
+    """A timing event recorded now on the device (CUDA), or None where the host's clock times the device's work."""
+    return _state.timed_event() if _state.timed_event is not None else None
 
 
 @contextlib.contextmanager

@@ -122,6 +122,9 @@ class NTPEngine(DeepSpeedEngine):
         self.sync_wait_s = 0.0
         """Seconds this rank has spent in the gradient exchange between replicas during backward (a running total):
         what a replica's step work is measured without."""
+        self.device_waits: list[tuple] = []
+        """Under CUDA, (start, end) timing events around each of those waits on the device, for the measured work
+        (`ntp_ds.batch.balancer.StepWork` takes them at each step's end)."""
         self.on_phase = lambda step, phase: None
         """Called at every phase point (forward, backward, grad_sync, optimizer, in_optimizer, refresh): the
         fault-injection seam."""
@@ -325,12 +328,20 @@ class NTPEngine(DeepSpeedEngine):
                 self._grads_proof = wire.outstanding(since=self._step_mark)
             wire.check_verdict(self.data_parallel_group, "the gradient reduction")
             self._whole_grads_step = None
-        start = time.perf_counter()
+        with self._waiting_on_replicas(), wire.waiting():
+            return super().allreduce_gradients(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _waiting_on_replicas(self):
+        """A wait on other replicas' gradients: its host time goes into `sync_wait_s` and, under CUDA, its span on
+        the device into `device_waits` (the measured work leaves both out)."""
+        start, first = time.perf_counter(), wire.timed_event()
         try:
-            with wire.waiting():
-                return super().allreduce_gradients(*args, **kwargs)
+            yield
         finally:
             self.sync_wait_s += time.perf_counter() - start
+            if first is not None:
+                self.device_waits.append((first, wire.timed_event()))
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         """Back-propagate the micro-batch's mean loss, weighted by its share of the global batch."""
@@ -351,9 +362,8 @@ class NTPEngine(DeepSpeedEngine):
                 for h in hooks:
                     h.remove()
             if hooks:
-                start = time.perf_counter()
-                self._outgoing.flush()
-                self.sync_wait_s += time.perf_counter() - start
+                with self._waiting_on_replicas():
+                    self._outgoing.flush()
             return loss
         # The contributors' buckets are added as this backward produces each gradient: receives are posted now,
         # nothing waits for a contributor before the backward starts.
@@ -367,9 +377,8 @@ class NTPEngine(DeepSpeedEngine):
             for h in hooks:
                 h.remove()
         if hooks:
-            start = time.perf_counter()
-            self._incoming.finish()
-            self.sync_wait_s += time.perf_counter() - start
+            with self._waiting_on_replicas():
+                self._incoming.finish()
         return loss
 
     def _grads_held_back(self) -> bool:
