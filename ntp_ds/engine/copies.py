@@ -30,6 +30,32 @@ class HeldCopy:
     fragments: dict[str, Fragment]
 
 
+def host_block(numels: dict[int, list[int]], copies: int, pin: bool) -> dict[int, list[list[torch.Tensor]]]:
+    """`copies` sets of float32 host buffers of the given sizes per owner, all views of one block (pinned with
+    `pin`): torch's caching host allocator rounds each pinned allocation up to a power of two and keeps it cached,
+    so buffers allocated one by one would cost up to twice their size each, per engine."""
+    total = copies * sum(sum(ns) for ns in numels.values())
+    block = torch.empty(total, dtype=torch.float32, pin_memory=pin)
+    out, at = {}, 0
+    for o, ns in numels.items():
+        out[o] = []
+        for _ in range(copies):
+            views = []
+            for n in ns:
+                views.append(block[at:at + n])
+                at += n
+            out[o].append(views)
+    return out
+
+
+def release_cached_host_memory() -> None:
+    """Give the host memory torch's caching host allocator keeps of freed pinned blocks back to the system (a
+    recovery's old engine and its snapshot held copies of another layout: their blocks would stay cached for
+    good)."""
+    if torch.cuda.is_available():
+        torch.accelerator.empty_host_cache()
+
+
 class StateCopies:
     """Send this rank's optimizer state to its buddies and keep the copies other ranks send here."""
 
@@ -75,13 +101,19 @@ class StateCopies:
             outgoing += [t.detach().reshape(-1).to(device) for t in tensors]
         if self._layouts is None:
             self._exchange_layouts(keys, sources, device)
-        for o, lay in self._layouts.items():
-            if o not in self._buffers:
-                numels = [_STEP_WIDTH] + lay[2:2 + int(lay[1])].tolist()
-                host = dict(device="cpu", pin_memory=torch.cuda.is_available()) if self.on_host else dict(device=device)
-                self._buffers[o] = [torch.empty(n, dtype=torch.float32, **host) for n in numels]
+        new = {o: [_STEP_WIDTH] + lay[2:2 + int(lay[1])].tolist() for o, lay in self._layouts.items()
+               if o not in self._buffers}
+        if new and self.on_host:  # one pinned block for every owner's buffers, not a rounded allocation each
+            copies = host_block(new, 2 if self.keep_previous else 1, pin=torch.cuda.is_available())
+            self._buffers.update((o, bufs[0]) for o, bufs in copies.items())
+            if self.keep_previous:
+                self._spare.update((o, bufs[1]) for o, bufs in copies.items())
+        elif new:
+            for o, numels in new.items():
+                self._buffers[o] = [torch.empty(n, dtype=torch.float32, device=device) for n in numels]
                 if self.keep_previous:
-                    self._spare[o] = [torch.empty(n, dtype=torch.float32, **host) for n in numels]
+                    self._spare[o] = [torch.empty(n, dtype=torch.float32, device=device) for n in numels]
+        for o in self._layouts:
             if self.keep_previous and o in self.held:  # the whole copy stays; the next arrives in the other buffers
                 self.previous[o] = self.held[o]
                 self._buffers[o], self._spare[o] = self._spare[o], self._buffers[o]

@@ -28,6 +28,7 @@ from ntp_ds.control.joins import (JoinFailed, JoinPlan, JoinRequest, JoinRequest
                                   await_verdict, fingerprint, propose_join, read_join_plan, refuse, request_join)
 from ntp_ds.control.membership import BarrierWait, Membership, MembershipChange, barrier, replica_membership
 from ntp_ds.engine.config import ConfigError
+from ntp_ds.engine.copies import release_cached_host_memory
 from ntp_ds.engine.engine import Snapshot
 from ntp_ds.engine.fragments import fragment_addresses, params_from_masters
 from ntp_ds.engine.initialize import JobSpec, build_engine, build_topology, join_world, rebind_engine
@@ -202,7 +203,9 @@ class Recovery:
     def recover(self, error: BaseException) -> RecoveryOutcome:
         """Recover from `error` (a failed collective or peer); retried if a rank fails during recovery itself."""
         with wire.waiting(), collector_paused():
-            return self._recover(error)
+            outcome = self._recover(error)
+        release_cached_host_memory()  # the old engine's and the snapshot's pinned copies, unreferenced now
+        return outcome
 
     def _recover(self, error: BaseException) -> RecoveryOutcome:
         if self.engine is None:  # an earlier recovery or grow gave up half way: there is no state to carry on from
@@ -562,7 +565,9 @@ class Recovery:
         optimizer state from memory, and return the new engine. A failure on the way (a joiner dies) falls back to
         a recovery from the state held at the boundary."""
         with wire.waiting(), collector_paused():
-            return self._grow_from_boundary(plan)
+            outcome = self._grow_from_boundary(plan)
+        release_cached_host_memory()
+        return outcome
 
     def _grow_from_boundary(self, plan: JoinPlan) -> RecoveryOutcome:
         # What is in flight completes first, while every peer is alive and before anything is committed: the
