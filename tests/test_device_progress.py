@@ -28,7 +28,7 @@ def test_the_oldest_pending_event_says_what_the_device_does():
         events.append(_Event())
         return events[-1]
 
-    assert watch.look() == (0, False), "no event: the device is idle"
+    assert watch.look() == (0, None), "no event: the device is idle"
     watch.mark(record, own=True)
     assert watch.look() == (0, True), "an own event pending: busy with its own work"
     watch.mark(record, own=False)
@@ -39,9 +39,28 @@ def test_the_oldest_pending_event_says_what_the_device_does():
     events[1].done = True
     assert watch.look() == (2, True)
     events[2].done = True
-    assert watch.look() == (3, False)
+    assert watch.look() == (3, None)
     watch.mark(None, own=True)
-    assert watch.look() == (3, False), "a host that computes synchronously records nothing"
+    assert watch.look() == (3, None), "a host that computes synchronously records nothing"
+
+
+def test_a_full_watch_never_turns_a_wait_into_own_work(monkeypatch):
+    monkeypatch.setattr(device, "MAX_PENDING", 2)
+    watch = device.DeviceWatch()
+    watch.mark(lambda: _Event(), own=False)
+    watch.mark(lambda: _Event(), own=False)
+    watch.mark(lambda: _Event(), own=True)  # full: takes the newest's place, as a wait's
+    assert [own for _, own in watch._items] == [False, False]
+
+
+def test_a_look_that_fails_says_nothing_and_the_beat_goes_on():
+    class Broken:
+        def query(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    watch = device.DeviceWatch()
+    watch.mark(lambda: Broken(), own=True)
+    assert watch.look() == (0, None)
 
 
 def test_a_wait_on_a_busy_device_is_not_a_wait_on_peers(monkeypatch):
@@ -62,8 +81,18 @@ def test_a_wait_on_a_busy_device_is_not_a_wait_on_peers(monkeypatch):
         events[0].done = True
         done = wire.progress()
         assert done.waiting and not done.device_busy and done.count == inside.count + 1
+    for event in events:  # (the wait's own end, a peers event, too)
+        event.done = True
     with wire.working():
         assert not wire.progress().waiting
+    # Under NCCL a host runs ahead of its waits and may block later outside any (a `.item()` of the user's) behind a
+    # peer's stuck collective: its device's oldest pending event is a wait's, so it is waiting, not hung.
+    with wire.waiting():
+        pass
+    for event in events[:-1]:  # what came before the wait has run; the wait's collective has not
+        event.done = True
+    behind = wire.progress()
+    assert not events[-1].done and behind.waiting and not behind.device_busy
 
 
 def test_peers_declare_a_rank_hung_whose_device_is_busy_while_its_host_waits():
@@ -124,7 +153,7 @@ class _Engine:
 
         from ntp_ds.engine.config import StragglerConfig
 
-        self.sync_wait_s, self.device_waits = 0.0, []
+        self.sync_wait_s, self.device_waits = 0.0, None
         self.job = SimpleNamespace(ntp=SimpleNamespace(straggler=StragglerConfig()))  # (no re-plan: off)
 
 
@@ -134,7 +163,7 @@ def test_under_cuda_a_micro_batch_is_timed_on_the_device_without_its_waits_on_ot
     # host sleep counts as work. Without timing events (the host computes) the host's figure stands.
     from ntp_ds.batch.balancer import StepWork
 
-    clock, device_ms = [0.0], iter([1000.0, 2500.0, 3000.0, 3500.0])
+    clock, device_ms = [0.0], iter([1000.0, 2500.0, 3000.0, 3500.0])  # (first, the wait's two, last)
     monkeypatch.setattr(wire._state, "timed_event", lambda: _TimedEvent(next(device_ms)))
     work, engine = StepWork(clock=lambda: clock[0]), _Engine()
     work.forward(engine, 4)
@@ -145,7 +174,7 @@ def test_under_cuda_a_micro_batch_is_timed_on_the_device_without_its_waits_on_ot
     work.backward_done(engine, stretch=lambda busy: 0.25)
     work.end_step(engine)
     assert work.last_step == [(4, pytest.approx(2.25))]
-    assert engine.device_waits == [], "the step's spans are taken"
+    assert engine.device_waits is None, "the step's spans are taken"
 
     monkeypatch.setattr(wire._state, "timed_event", None)
     work.forward(engine, 4)

@@ -1,5 +1,5 @@
-"""Host-memory copies come from one block per engine (torch's caching host allocator rounds each pinned allocation
-up to a power of two and keeps it: allocated buffer by buffer, the copies cost up to twice their size, for good)."""
+"""Host-memory copies come from one block per engine of exactly their size, page-locked by registering it with CUDA
+(torch's caching host allocator rounds each pinned allocation up to a power of two and keeps it cached)."""
 
 import torch
 
@@ -11,7 +11,8 @@ def _storages(tensors):
 
 
 def test_host_buffers_are_disjoint_views_of_one_block():
-    out = host_block({3: [4, 100], 7: [4, 10, 20]}, copies=2, pin=False)
+    out, block = host_block({3: [4, 100], 7: [4, 10, 20]}, copies=2, pin=False)
+    assert not block.pinned
     flat = [t for bufs in out.values() for copy in bufs for t in copy]
     assert [t.numel() for t in out[3][0]] == [4, 100] and [t.numel() for t in out[7][1]] == [4, 10, 20]
     assert len(_storages(flat)) == 1
@@ -27,3 +28,4 @@ def test_a_buddy_keeps_its_owners_host_copies_in_one_block():
     copies.start((), 0, torch.device("cpu"))
     buffers = [t for o in (0, 1) for t in copies._buffers[o] + copies._spare[o]]
     assert len(buffers) == 12 and len(_storages(buffers)) == 1
+    assert [b.tensor.numel() for b in copies._blocks] == [2 * (2 + 30 + 30) + 2 * (2 + 50 + 50)], "exactly their size"

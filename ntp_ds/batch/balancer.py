@@ -66,8 +66,11 @@ class StepWork:
 
     def forward(self, engine, samples: int) -> None:
         """A micro-batch of `samples` samples enters the model."""
-        waits = getattr(engine, "device_waits", [])
-        self._pending = (self.clock(), getattr(engine, "sync_wait_s", 0.0), samples, wire.timed_event(), len(waits))
+        first = wire.timed_event()
+        if first is not None and getattr(engine, "device_waits", None) is None:
+            engine.device_waits = []  # measured from here to the step's end
+        waits = getattr(engine, "device_waits", None) or []
+        self._pending = (self.clock(), getattr(engine, "sync_wait_s", 0.0), samples, first, len(waits))
 
     def backward_done(self, engine, stretch: Callable[[float], float] | None = None) -> None:
         """The micro-batch's backward returned; `stretch` (a `slow` fault) sleeps a slowed rank's extra time and
@@ -77,20 +80,21 @@ class StepWork:
         started, waited, samples, first, seen = self._pending
         self._pending = None
         work = self.clock() - started - (getattr(engine, "sync_wait_s", 0.0) - waited)
+        last = wire.timed_event() if first is not None else None  # before a slow fault's sleep, which is added once
         extra = stretch(work) if stretch is not None else 0.0
         if first is None:
             self._current.append((samples, work + extra))
         else:
-            waits = getattr(engine, "device_waits", [])[seen:]
-            self._current.append((samples, _DeviceWork(first, wire.timed_event(), tuple(waits), extra)))
+            waits = (getattr(engine, "device_waits", None) or [])[seen:]
+            self._current.append((samples, _DeviceWork(first, last, tuple(waits), extra)))
 
     def end_step(self, engine) -> dict | None:
         """The step completed: keep its work and, with `ntp.straggler` on, at the end of a window agree on the
         replicas' work and re-plan if it pays; return the `replan` event's fields when a new plan was taken."""
         self.last_step = [(samples, w if isinstance(w, float) else w.seconds()) for samples, w in self._current]
         self._current, self._pending = [], None
-        if getattr(engine, "device_waits", None):
-            engine.device_waits.clear()
+        if getattr(engine, "device_waits", None) is not None:
+            engine.device_waits = None  # (a loop that never ends a step this way measures nothing on the device)
         cfg = engine.job.ntp.straggler
         if not (cfg.enabled and dist.is_initialized() and wire.has_control()):
             return None

@@ -411,19 +411,26 @@ def _teardown(keep) -> None:
 class Progress:
     """What the heartbeat tells peers of the training thread: a counter that moves at every phase point, every wait's
     start and end and every device event seen complete, and whether the rank is waiting on peers now (a rank blocked
-    waiting is not hung; one whose device is busy with its own work is not waiting, whatever its host does:
-    `ntp_ds.comm.device`)."""
+    waiting is not hung): its device's oldest pending event says so first, whatever its host does (busy with its own
+    work: not waiting; behind a wait: waiting), its host's waits otherwise (`ntp_ds.comm.device`)."""
 
     count: int
     waiting: bool
     device_busy: bool = False
     """The device is busy with this rank's own work (the oldest event not complete is an own one)."""
+    since: float | None = None
+    """When (`time.monotonic`) the count or what it says of waiting last changed, as far as this process saw."""
 
 
 class _Progress:
     def __init__(self):
         self.count = 0
         self.depth = 0  # nested waits; 0 while the thread does its own work
+        self.changed_at = time.monotonic()
+
+    def bump(self) -> None:
+        self.count += 1
+        self.changed_at = time.monotonic()
 
 
 _progress = _Progress()
@@ -431,9 +438,12 @@ _device = device.DeviceWatch()
 
 
 def progress() -> Progress:
-    """This process's training progress now (read from the heartbeat thread): the host's, and its device's."""
-    done, busy = _device.look()
-    return Progress(_progress.count + done, _progress.depth > 0 and not busy, busy)
+    """This process's training progress now (read from the heartbeat thread): the host's, and its device's. The rank
+    waits on peers while its device does (its oldest pending event is a wait's), or while its host does and its
+    device is not busy with its own work."""
+    done, own = _device.look()
+    return Progress(_progress.count + done, own is False or (own is None and _progress.depth > 0), own is True,
+                    max(_progress.changed_at, _device.changed_at))
 
 
 def timed_event():
@@ -449,13 +459,13 @@ def waiting():
     as waiting on peers (`ntp_ds.comm.device`)."""
     if not _progress.depth:
         _device.mark(_state.record_event, own=True)
-    _progress.count += 1
+    _progress.bump()
     _progress.depth += 1
     try:
         yield
     finally:
         _progress.depth -= 1
-        _progress.count += 1
+        _progress.bump()
         if not _progress.depth:
             _device.mark(_state.record_event, own=False)
 
@@ -467,12 +477,12 @@ def working():
     outside a wait (inside, the stream may hold the wait's collectives)."""
     _device.mark(_state.record_event, own=not _progress.depth)
     depth, _progress.depth = _progress.depth, 0
-    _progress.count += 1
+    _progress.bump()
     try:
         yield
     finally:
         _progress.depth = depth
-        _progress.count += 1
+        _progress.bump()
 
 
 # -- devices and records ---------------------------------------------------------------------------------------

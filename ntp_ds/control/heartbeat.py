@@ -82,29 +82,31 @@ def node_key(node: int) -> str:
 class Beat:
     """One heartbeat: a counter that rises by one per beat, the sender's wall time when it beat and, from a training
     rank, its training thread's progress (`ntp_ds.comm.wire.progress`): a counter that moves at every phase point
-    and wait, and whether the thread is waiting on peers."""
+    and wait, whether the thread is waiting on peers, and for how long, on the sender's own clock, both have stood
+    as they are (`still_s`: a watcher that saw the last change late still times the standstill from when it began)."""
 
     counter: int
     wall: float
     progress: int | None = None
     waiting: bool = False
+    still_s: float | None = None
 
     def fields(self) -> list:
         if self.progress is None:
             return [self.counter, self.wall]
-        return [self.counter, self.wall, self.progress, int(self.waiting)]
+        if self.still_s is None:
+            return [self.counter, self.wall, self.progress, int(self.waiting)]
+        return [self.counter, self.wall, self.progress, int(self.waiting), round(self.still_s, 3)]
 
     @classmethod
     def from_fields(cls, fields) -> Beat:
         if len(fields) == 2:  # a beat without progress (a launcher's or a joiner's): the watchers' hot path
             return cls(int(fields[0]), float(fields[1]))
-        counter, wall, progress, waiting = fields
-        return cls(int(counter), float(wall), int(progress), bool(int(waiting)))
+        counter, wall, progress, waiting, *still = fields
+        return cls(int(counter), float(wall), int(progress), bool(int(waiting)), float(still[0]) if still else None)
 
     def encode(self) -> str:
-        if self.progress is None:
-            return f"{self.counter} {self.wall!r}"
-        return f"{self.counter} {self.wall!r} {self.progress} {int(self.waiting)}"
+        return " ".join(repr(f) if isinstance(f, float) else str(f) for f in self.fields())
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Beat:
@@ -398,8 +400,10 @@ class LivenessMonitor:
                 self._counter[rank], self._changed_at[rank] = beat.counter, now
             if rank in self._changed_at and beat.progress is not None:
                 seen = self._progress.get(rank)
-                if seen is None or seen[:2] != (beat.progress, beat.waiting):
-                    self._progress[rank] = (beat.progress, beat.waiting, now)
+                # From when it began on the sender's clock (a duration: no clocks compared), else from this sighting.
+                since = now if beat.still_s is None else now - max(0.0, beat.still_s)
+                if seen is None or seen[:2] != (beat.progress, beat.waiting) or since < seen[2]:
+                    self._progress[rank] = (beat.progress, beat.waiting, since)
         for rank, reason in (exited or {}).items():
             if rank in self._changed_at:
                 self._exited.setdefault(rank, reason)
@@ -529,7 +533,12 @@ class Heartbeat:
         """Send one beat now."""
         self._counter += 1
         now = self._progress() if self._progress is not None else None
-        beat = Beat(self._counter, self._wall(), *((now.count, now.waiting) if now is not None else ()))
+        if now is None:
+            beat = Beat(self._counter, self._wall())
+        else:
+            since = getattr(now, "since", None)
+            beat = Beat(self._counter, self._wall(), now.count, now.waiting,
+                        None if since is None else max(0.0, time.monotonic() - since))
         self.store.set(heartbeat_key(self.rank), beat.encode())
         return beat
 

@@ -13,12 +13,15 @@ recovery says so (`lossless: false`).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from ntp_ds.comm import wire
 from ntp_ds.engine.fragments import Fragment
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,22 +33,49 @@ class HeldCopy:
     fragments: dict[str, Fragment]
 
 
-def host_block(numels: dict[int, list[int]], copies: int, pin: bool) -> dict[int, list[list[torch.Tensor]]]:
-    """`copies` sets of float32 host buffers of the given sizes per owner, all views of one block (pinned with
-    `pin`): torch's caching host allocator rounds each pinned allocation up to a power of two and keeps it cached,
-    so buffers allocated one by one would cost up to twice their size each, per engine."""
-    total = copies * sum(sum(ns) for ns in numels.values())
-    block = torch.empty(total, dtype=torch.float32, pin_memory=pin)
+class PinnedBlock:
+    """A float32 host block of exactly `numel` elements, page-locked by registering it with CUDA where there is CUDA
+    (torch's caching host allocator would round a pinned allocation up to a power of two and keep it cached: a
+    33 GiB block would pin 64 GiB). Unregistered when dropped; a view that outlives it is plain host memory, as valid
+    (a copy into it is then synchronous). Where registering fails, the block stays unpinned, as on a CPU."""
+
+    def __init__(self, numel: int, pin: bool):
+        self.tensor = torch.empty(numel, dtype=torch.float32)
+        self._registered = None
+        if pin and numel:
+            ptr = self.tensor.data_ptr()
+            error = torch.cuda.cudart().cudaHostRegister(ptr, numel * 4, 0)
+            if int(error) == 0:
+                self._registered = ptr
+            else:
+                log.warning("host copies stay in pageable memory: cudaHostRegister of %d bytes failed (%s)",
+                            numel * 4, error)
+
+    @property
+    def pinned(self) -> bool:
+        return self._registered is not None
+
+    def __del__(self):
+        if self._registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = None
+
+
+def host_block(numels: dict[int, list[int]], copies: int,
+               pin: bool) -> tuple[dict[int, list[list[torch.Tensor]]], PinnedBlock]:
+    """`copies` sets of float32 host buffers of the given sizes per owner, all views of one block (`PinnedBlock`,
+    page-locked with `pin`), and the block (keep it while the buffers are used for transfers)."""
+    block = PinnedBlock(copies * sum(sum(ns) for ns in numels.values()), pin)
     out, at = {}, 0
     for o, ns in numels.items():
         out[o] = []
         for _ in range(copies):
             views = []
             for n in ns:
-                views.append(block[at:at + n])
+                views.append(block.tensor[at:at + n])
                 at += n
             out[o].append(views)
-    return out
+    return out, block
 
 
 def release_cached_host_memory() -> None:
@@ -75,6 +105,7 @@ class StateCopies:
         self._spare: dict[int, list[torch.Tensor]] = {}
         self._layouts: dict[int, torch.Tensor] | None = None
         self._buffers: dict[int, list[torch.Tensor]] = {}
+        self._blocks: list[PinnedBlock] = []  # the host blocks the buffers are views of
         self._in_flight: tuple[wire.Exchange, list] | None = None
         self.refused: list[int] = []
         """Owners whose copy arrived by a wait that returned but was not proven to have arrived (cut by an abort)."""
@@ -103,8 +134,9 @@ class StateCopies:
             self._exchange_layouts(keys, sources, device)
         new = {o: [_STEP_WIDTH] + lay[2:2 + int(lay[1])].tolist() for o, lay in self._layouts.items()
                if o not in self._buffers}
-        if new and self.on_host:  # one pinned block for every owner's buffers, not a rounded allocation each
-            copies = host_block(new, 2 if self.keep_previous else 1, pin=torch.cuda.is_available())
+        if new and self.on_host:  # one block of exactly their size for every owner's buffers
+            copies, block = host_block(new, 2 if self.keep_previous else 1, pin=torch.cuda.is_available())
+            self._blocks.append(block)
             self._buffers.update((o, bufs[0]) for o, bufs in copies.items())
             if self.keep_previous:
                 self._spare.update((o, bufs[1]) for o, bufs in copies.items())

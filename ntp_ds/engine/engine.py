@@ -122,9 +122,9 @@ class NTPEngine(DeepSpeedEngine):
         self.sync_wait_s = 0.0
         """Seconds this rank has spent in the gradient exchange between replicas during backward (a running total):
         what a replica's step work is measured without."""
-        self.device_waits: list[tuple] = []
-        """Under CUDA, (start, end) timing events around each of those waits on the device, for the measured work
-        (`ntp_ds.batch.balancer.StepWork` takes them at each step's end)."""
+        self.device_waits: list[tuple] | None = None
+        """Under CUDA, while a step's work is measured (`ntp_ds.batch.balancer.StepWork` sets a list and takes it at
+        the step's end), the (start, end) timing events around each of those waits on the device."""
         self.on_phase = lambda step, phase: None
         """Called at every phase point (forward, backward, grad_sync, optimizer, in_optimizer, refresh): the
         fault-injection seam."""
@@ -340,7 +340,7 @@ class NTPEngine(DeepSpeedEngine):
             yield
         finally:
             self.sync_wait_s += time.perf_counter() - start
-            if first is not None:
+            if first is not None and self.device_waits is not None:
                 self.device_waits.append((first, wire.timed_event()))
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):

@@ -154,7 +154,10 @@ def _fence(store, procs, done) -> None:
     for r in read_fences(store):
         p = procs[r]
         if r not in done and p.is_alive() and p.pid:
-            os.kill(p.pid, signal.SIGKILL)
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended meanwhile (a forked rank is reaped by the fork server, which
+                pass  # tells `is_alive` only later)
 
 
 def _stopped(procs, done) -> int:

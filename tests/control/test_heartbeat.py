@@ -189,10 +189,26 @@ def test_a_beating_rank_whose_progress_stands_still_outside_a_wait_is_hung():
         LivenessMonitor([0], 2.0, hang_timeout_s=0)
 
 
+def test_a_standstill_is_timed_from_when_the_sender_saw_it_begin():
+    # The watcher first sees rank 0's last change 0.9 s after it happened (a beat's and a poll's lag): timed from that
+    # sighting it would be declared 0.9 s late. The beat says how long the count has stood (on the sender's clock, a
+    # duration), so the verdict comes when the standstill reaches the bound, whenever the watcher saw it begin.
+    clock = FakeClock()
+    mon = LivenessMonitor([0], heartbeat_timeout_s=20.0, clock=clock, hang_timeout_s=5.0)
+    mon.observe({0: Beat(1, 0.0, 7, False, 0.9)})
+    clock.now += 4.0
+    mon.observe({0: Beat(2, 0.0, 7, False, 4.7)})  # (0.2 s old when read: the earlier estimate stands)
+    assert mon.hung() == set()
+    clock.now += 0.2
+    assert mon.hung() == {0}, mon.stalled_for(0)
+    mon.observe({0: Beat(3, 0.0, 8, False, 0.0)})  # moved on
+    assert mon.hung() == set()
+
+
 def test_beats_carry_progress_through_the_store_and_the_node_key():
     from ntp_ds.control.heartbeat import NodeLiveness
 
-    for beat in (Beat(3, 7.25), Beat(4, 8.5, 12, True), Beat(5, 9.0, 0, False)):
+    for beat in (Beat(3, 7.25), Beat(4, 8.5, 12, True), Beat(5, 9.0, 0, False), Beat(6, 9.5, 3, False, 4.25)):
         assert Beat.decode(beat.encode()) == beat
         node = NodeLiveness(1, {2: beat}, {})
         assert NodeLiveness.decode(node.encode()).beats == {2: beat}
