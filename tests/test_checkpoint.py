@@ -58,6 +58,7 @@ def save_and_count_communicators(rank, world, path):
     return created, refused
 
 
+@pytest.mark.long  # .ci/run: its long stage (and the nccl_model stage where its file runs); README suite under 10 min
 def test_a_checkpoint_creates_no_communicator_of_the_world(tmp_path, monkeypatch):
     # Before: DeepSpeed's save_checkpoint ran dist.barrier() and its tag check's all-reduces on the default group,
     # so the first checkpoint of every generation created a communicator of all W ranks under NCCL.

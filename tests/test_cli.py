@@ -111,6 +111,7 @@ def test_deepspeed_local_rank_argument_is_stripped(monkeypatch):
 
 
 @pytest.mark.skipif(shutil.which("deepspeed") is None, reason="deepspeed launcher not on PATH")
+@pytest.mark.long  # .ci/run: its long stage (and the nccl_model stage where its file runs); README suite under 10 min
 def test_deepspeed_launcher_runs_the_train_module():
     result = run(["deepspeed", "--num_gpus", "1", "--module", "ntp_ds.train", "recipe=gpu_1b_8gpu", "dry_run=true"],
                  timeout=120)
@@ -119,6 +120,7 @@ def test_deepspeed_launcher_runs_the_train_module():
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+@pytest.mark.long  # .ci/run: its long stage (and the nccl_model stage where its file runs); README suite under 10 min
 def test_torchrun_runs_the_train_module():
     result = run(["torchrun", "--nproc-per-node", "1", "-m", "ntp_ds.train", "recipe=cpu_demo", "dry_run=true"],
                  timeout=120)

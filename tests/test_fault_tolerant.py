@@ -88,6 +88,7 @@ def test_a_crash_in_the_users_loop_is_recovered_and_ends_equal_to_the_failure_fr
         assert res["engine_replaced"] == (rank == 2)
 
 
+@pytest.mark.long  # .ci/run: its long stage (and the nccl_model stage where its file runs); README suite under 10 min
 def test_the_users_loop_runs_only_the_rest_of_a_step_whose_backward_the_healthy_replica_finished():
     # The healthy replica's backward of step 3 outlasts the detection: it keeps its gradients, and the loop's next
     # `micro_batches` hands each replica its share of the hit replica's samples only (the user's own loss too).

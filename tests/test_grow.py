@@ -86,6 +86,7 @@ def test_two_joiners_complete_two_replicas_in_one_generation():
     assert len(grown) == 1
 
 
+@pytest.mark.long  # .ci/run: its long stage (and the nccl_model stage where its file runs); README suite under 10 min
 def test_a_joiner_that_dies_during_the_transfer_costs_the_job_nothing():
     # It asks to train from step 5, so it is taken in after step 4, while the members hold their copies of step 4.
     # A gloo send to the dead joiner can wait for the collective timeout (timeout_s): 6 s here.

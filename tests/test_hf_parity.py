@@ -185,6 +185,7 @@ def test_unsupported_plan_is_refused_naming_the_entry():
         model_config_of("/nonexistent/dir")
 
 
+@pytest.mark.long  # .ci/run: its long stage (and the nccl_model stage where its file runs); README suite under 10 min
 def test_qwen2_training_matches_reference(tmp_path):
     """NTP run of a Qwen2 model at TP degrees (3, 2) (the TP 3 replica's ranks read their KV heads irregularly and
     share one) ends with the weights of one process training the unsharded HF model on the same samples; the

@@ -138,6 +138,7 @@ def test_death_inside_the_optimizer_step_goes_forward_where_the_state_is_replica
     assert not any(e["rolled_back"] for copies in events_of(results) for e in copies)
 
 
+@pytest.mark.long  # .ci/run: its long stage (and the nccl_model stage where its file runs); README suite under 10 min
 def test_death_as_the_copies_set_off_rolls_back_a_step_from_the_previous_copies():
     # Rank 3 dies after step 3 committed, before its copies of that step left: its newest state is nowhere. With
     # the previous copies kept (two per anchor, each with the step before), the job returns to step 2 and runs
@@ -210,6 +211,7 @@ def test_own_error_ends_that_rank_at_once_and_its_peers_recover_without_it():
 
 
 @pytest.mark.parametrize("phase, stage", [("backward", 2), ("optimizer", 1), ("in_optimizer", 1)])
+@pytest.mark.long  # .ci/run: its long stage (and the nccl_model stage where its file runs); README suite under 10 min
 def test_stalled_training_thread_is_found_hung_within_hang_timeout_plus_2s_and_recovered(phase, stage):
     # Rank 3's training thread blocks for good while its heartbeat goes on beating (a wedged kernel, a deadlock in its
     # own code): its beats say nothing, its progress does. Its peers wait on it (in the model's TP all-reduce, in
@@ -394,6 +396,7 @@ def test_failures_in_two_replicas_one_during_recovery(phase):
 
 
 @pytest.mark.parametrize("degrees,victim,kept", [((2, 2), 3, 6), ((2, 2, 2), 5, 8)])
+@pytest.mark.long  # .ci/run: its long stage (and the nccl_model stage where its file runs); README suite under 10 min
 def test_replicas_that_lost_nothing_keep_their_finished_backward_and_share_the_lost_samples(degrees, victim, kept):
     # The healthy replicas' backward of step 3 outlasts the detection (they begin its last micro-batch once the death
     # is declared): their gradients are whole when the reduction would start, so they keep them and, with the hit

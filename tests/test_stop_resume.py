@@ -73,6 +73,7 @@ def stopped(tmp_path_factory):
     return run_dir, code, err
 
 
+@pytest.mark.long  # .ci/run: its long stage (and the nccl_model stage where its file runs); README suite under 10 min
 def test_sigterm_stops_every_rank_at_one_step_with_its_weights_event_and_summary(stopped, tmp_path):
     run_dir, code, err = stopped
     assert code == 143, err[-4000:]
@@ -92,6 +93,7 @@ def test_sigterm_stops_every_rank_at_one_step_with_its_weights_event_and_summary
     assert weights_hash(run_dir) == weights_hash(reference), "stopped weights differ from a run of that many steps"
 
 
+@pytest.mark.long  # .ci/run: its long stage (it shares the stopped run, 12 s to set up); README suite under 10 min
 def test_a_directory_holding_a_run_is_refused_before_any_worker_starts(stopped, capsys):
     from ntp_ds.train import main
 

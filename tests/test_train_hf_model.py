@@ -33,6 +33,7 @@ def test_an_hf_model_from_its_directory_trains_through_a_crash_to_the_failure_fr
     assert moved > 1e-3, "training must move the weights for the comparison to mean anything"
 
 
+@pytest.mark.long  # .ci/run: its long stage (and the nccl_model stage where its file runs); README suite under 10 min
 def test_the_qwen2_7b_recipe_dry_run_validates():
     result = ntp_ds("train", "recipe=gpu_qwen2_7b_8gpu", "dry_run=true", timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -120,6 +120,7 @@ def test_report_of_the_run(trained, capsys):
     assert "[2, 2] -> [2, 1]" in out and "lossless" in out
 
 
+@pytest.mark.long  # .ci/run: its long stage (and the nccl_model stage where its file runs); README suite under 10 min
 def test_report_against_the_failure_free_run_shows_equal_losses(trained, tmp_path, capsys):
     """Under preserve_global_batch the loss over the global batch is the failure-free run's at every step, though the
     writer's replica ran a larger share of the batch after the recovery."""

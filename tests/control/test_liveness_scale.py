@@ -257,6 +257,7 @@ out.write_text(f"{hb.reader.node_size} {after} {reasons} get={store.calls['get']
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.long  # .ci/run: its long stage (and the nccl_model stage where its file runs); README suite under 10 min
 def test_launched_workers_read_their_peers_per_node(tmp_path):
     from tests.test_cli import ntp_ds
 

@@ -303,6 +303,7 @@ def test_progress_bar_on_request(capsys):
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.long  # .ci/run: its long stage (and the nccl_model stage where its file runs); README suite under 10 min
 def test_multirun_sweeps_and_picks_the_best_tp(tmp_path, capsys):
     out = tmp_path / "sweep"
     argv = ["-m", "sim.cluster.num_gpus=2048", "sim.duration_days=3", "sim.sweep.trials=1",
