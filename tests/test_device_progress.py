@@ -2,15 +2,11 @@
 device is busy with its own work; a rank whose device stops is found hung by the peers waiting on it, whatever its
 host does."""
 
-import functools
-
 import pytest
 
 from ntp_ds.comm import device, wire
 from ntp_ds.control.heartbeat import Beat, LivenessMonitor
-from ntp_ds.testing.spawn import run_ranks
-from tests import training
-from tests.test_recovery import GLOBAL_BATCH, MICRO, STEPS, assert_equivalent, assert_lossless_and_minimal, fault
+from tests.test_recovery import assert_hung_rank_3_found
 
 
 class _Event:
@@ -104,16 +100,6 @@ def test_peers_declare_a_rank_hung_whose_device_is_busy_while_its_host_waits():
     assert monitor.hung() == frozenset({3}), monitor.stalled_for(3)
 
 
-def _stopped_device_run(monkeypatch, phase):
-    monkeypatch.setenv("NTP_TEST_BACKEND", "nccl_model")
-    hang_timeout_s = 6.0
-    ntp = {"tp": 2, "replicas": 3, "min_tp": 1}
-    train = functools.partial(training.train_with_recovery, hang_timeout_s=hang_timeout_s)
-    results = run_ranks(train, 6, ntp, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS, [fault(3, 3, phase, "device_hang")],
-                        2.0, 2, None, 20.0, timeout=200, store=True)
-    return results, hang_timeout_s
-
-
 @pytest.mark.long
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 def test_a_rank_whose_device_stops_is_found_hung_within_hang_timeout_plus_2s(monkeypatch, phase):
@@ -122,16 +108,8 @@ def test_a_rank_whose_device_stops_is_found_hung_within_hang_timeout_plus_2s(mon
     # host was waiting, like its peers', and the job hung until the harness's limit. Now its device's events say it
     # is busy with its own work; its peers, waiting on it, declare it hung, and recover to the failure-free weights.
     # Its TP peer (rank 2) waits on it and is not fenced: it is among the survivors.
-    results, hang_timeout_s = _stopped_device_run(monkeypatch, phase)
-    assert set(results) == {0, 1, 2, 4, 5}
-    assert_equivalent(results)
-    assert_lossless_and_minimal(results, (2, 1, 2))
-    for rank, res in results.items():
-        assert 3 in res["fired"], f"rank 3 was judged hung before its device stopped (rank {rank})"
-        assert len(res["recovered"]) == 1, f"rank {rank} recovered {len(res['recovered'])} times"
-        detected, recovered = res["noticed"][0] - res["fired"][3], res["recovered"][0] - res["fired"][3]
-        print(f"rank {rank}: stopped device seen after {detected:.2f} s, recovered after {recovered:.2f} s")
-        assert detected <= hang_timeout_s + 2.0, f"rank {rank} saw the stopped device after {detected:.2f} s"
+    monkeypatch.setenv("NTP_TEST_BACKEND", "nccl_model")
+    assert_hung_rank_3_found(phase, 1, "device_hang")
 
 
 class _TimedEvent:

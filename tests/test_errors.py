@@ -93,7 +93,7 @@ def test_one_device_queue_is_refused_with_the_copies_overlapping_the_next_step(m
         init(monkeypatch, {"tp": 2, "replicas": 2, "redundancy_overlap": True})
     assert not dist.is_initialized()
     from ntp_ds.engine.config import NTPConfig
-    from ntp_ds.engine.initialize import check_nccl_environment
-    check_nccl_environment(NTPConfig.from_any({"tp": 2, "replicas": 2}))  # without the overlap: no objection
+    from ntp_ds.engine.initialize import check_overlap_environment
+    check_overlap_environment(NTPConfig.from_any({"tp": 2, "replicas": 2}))  # without the overlap: no objection
     monkeypatch.setenv("NTP_TEST_BACKEND", "gloo")  # no NCCL, no device queue to hold
-    check_nccl_environment(NTPConfig.from_any({"tp": 2, "replicas": 2, "redundancy_overlap": True}))
+    check_overlap_environment(NTPConfig.from_any({"tp": 2, "replicas": 2, "redundancy_overlap": True}))

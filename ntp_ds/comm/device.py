@@ -23,6 +23,7 @@ CPU under gloo the host computes synchronously and nothing is recorded.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -56,8 +57,8 @@ def register(backend: str, record: Callable[[], Event], hang: Callable[[], None]
     _HANGS[backend] = hang
 
 
-def _cuda_event() -> Event:
-    event = torch.cuda.Event()
+def _cuda_event(timing: bool = False) -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=timing)
     event.record()
     return event
 
@@ -71,18 +72,12 @@ def recorder(backend: str | None) -> Callable[[], Event] | None:
     return None
 
 
-def _cuda_timed_event() -> torch.cuda.Event:
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
 def timer(backend: str | None) -> Callable[[], torch.cuda.Event] | None:
     """How spans of device time are marked under `backend`: timing events on the current stream under CUDA (their
     `elapsed_time` is the device's time between them, whatever the host did); None where the host computes
     synchronously, and its clock is the device's."""
     if backend == "nccl" and torch.cuda.is_available():
-        return _cuda_timed_event
+        return functools.partial(_cuda_event, timing=True)
     return None
 
 

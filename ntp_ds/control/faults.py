@@ -35,8 +35,9 @@ KINDS = ("crash", "hang", "device_error", "slow", "repair", "oom", "stall", "dev
 """`hang`: the whole process stops (SIGSTOP), beats included; `stall`: the training thread blocks for good while the
 heartbeat thread goes on beating (a deadlock in the rank's own code), so only its lack of progress gives it away;
 `device_hang`: the rank's device stops (a kernel that never ends) while its host goes on, queueing work behind it and
-then waiting in its next wait, so only its device's lack of progress gives it away (`ntp_ds.comm.device`); `oom`: this rank's own work runs out of memory (raises torch.OutOfMemoryError): the rank ends, its
-peers recover without it."""
+then waiting in its next wait, so only its device's lack of progress gives it away (`ntp_ds.comm.device`); `oom`:
+this rank's own work runs out of memory (raises torch.OutOfMemoryError): the rank ends, its peers recover without
+it."""
 REPAIR_PHASE = "boundary"
 """The phase of a `repair`: the failed rank's replacement joins at a step boundary (step = the first it trains)."""
 FIELDS = ("rank", "step", "phase", "kind")

@@ -536,9 +536,8 @@ class Heartbeat:
         if now is None:
             beat = Beat(self._counter, self._wall())
         else:
-            since = getattr(now, "since", None)
             beat = Beat(self._counter, self._wall(), now.count, now.waiting,
-                        None if since is None else max(0.0, time.monotonic() - since))
+                        None if now.since is None else max(0.0, time.monotonic() - now.since))
         self.store.set(heartbeat_key(self.rank), beat.encode())
         return beat
 
@@ -641,7 +640,7 @@ class Heartbeat:
             self._own = (progress, since, True)
             frame = sys._current_frames().get(self._training_thread)
             where = "".join(traceback.format_stack(frame, limit=6)) if frame is not None else "(thread gone)\n"
-            device = " (its device is busy with its own work)" if getattr(progress, "device_busy", False) else ""
+            device = " (its device is busy with its own work)" if progress.device_busy else ""
             log.warning("rank %d: its training has made no progress outside a wait for %.2f s%s (hang_timeout_s %gs); "
                         "it is at:\n%s", self.rank, now - since, device, hang_timeout_s, where.rstrip())
 

@@ -169,16 +169,20 @@ queue serialises every stream's work behind the first stream wait on such a copy
 next step included, which the peers wait for in turn."""
 
 
-def check_nccl_environment(ntp: NTPConfig | None = None) -> None:
-    """Refuse, before any process group exists, the NCCL settings recovery cannot run under (`REFUSED_NCCL_ENV`,
-    and `OVERLAP_REFUSED_ENV` with `ntp.redundancy_overlap`)."""
+def check_nccl_environment() -> None:
+    """Refuse, before any process group exists, the NCCL settings recovery cannot run under (`REFUSED_NCCL_ENV`)."""
     if backend_for_device() not in wire.NCCL_LIKE:
         return
     for name, (refused, why) in REFUSED_NCCL_ENV.items():
         if os.environ.get(name, "").strip() == refused:
             raise ConfigError(f"{name}={refused} is not supported with ntp_ds: {why}; unset it or set it to 0")
+
+
+def check_overlap_environment(ntp: NTPConfig) -> None:
+    """Refuse `OVERLAP_REFUSED_ENV` under NCCL with `ntp.redundancy_overlap`, before any process group exists."""
     name, refused = OVERLAP_REFUSED_ENV
-    if ntp is not None and ntp.redundancy_overlap and os.environ.get(name, "").strip() == refused:
+    if ntp.redundancy_overlap and backend_for_device() in wire.NCCL_LIKE \
+            and os.environ.get(name, "").strip() == refused:
         raise ConfigError(f"{name}={refused} is not supported with ntp.redundancy_overlap=true: the state copies that "
                           "travel during the next step would hold the device's one work queue, and the step's own "
                           f"transfers behind them; unset it (or turn redundancy_overlap off)")
@@ -190,7 +194,7 @@ def prepare(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_len=
     ds_config = load_deepspeed_config(config)
     ntp = NTPConfig.from_any(ntp)
     ntp.validate(env_world_size())
-    check_nccl_environment(ntp)
+    check_overlap_environment(ntp)
     spec = JobSpec(ds_config, ntp, model_config_of(model), optimizer, lr_scheduler, seq_len)
     topology = build_topology(spec.units(), ntp)
     check_batch(ds_config, ntp, topology)
