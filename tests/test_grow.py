@@ -97,6 +97,52 @@ def test_a_joiner_that_dies_during_the_transfer_costs_the_job_nothing():
     assert all(e["lossless"] for r in results.values() for e in r["events"])
 
 
+def test_a_grow_that_fails_on_a_world_the_verdict_aborted_falls_back_to_the_recovery(monkeypatch):
+    # Under NCCL a peer's death found while a grow is under way aborts every communicator (the engine is held, so
+    # no group is known to be safe to spare), torch's world included: the next DeepSpeed call of the grow asserts.
+    # Seen in CI (nccl_model): the member took that AssertionError for its own error and stopped.
+    from ntp_ds.comm import wire
+    from ntp_ds.control.joins import JoinPlan
+    from ntp_ds.recovery import manager
+
+    class Engine:
+        def quiesce(self): pass
+        def snapshot(self): return "snapshot"
+        def detach(self): pass
+
+    class Membership:
+        generation = 1
+        def commit(self, change): return change
+        def adopt(self, change): self.adopted = change
+
+    verdicts = ["rank 4 exited"]
+
+    def grow(snapshot, plan, t0, traffic_before):
+        if verdicts:
+            wire.peer_failed(verdicts.pop())  # the heartbeat's verdict on the joiner, from its thread
+        raise AssertionError("DeepSpeed backend not set, please initialize it using init_process_group()")
+
+    fell_back = []
+    recovery = object.__new__(manager.Recovery)
+    recovery.rank, recovery.members, recovery.engine = 1, (0, 1, 2), Engine()
+    recovery.membership = Membership()
+    recovery._grow = grow
+    recovery._recover_from = lambda snapshot, members, error, failed_at: fell_back.append((snapshot, members, error))
+    monkeypatch.setattr(manager, "mark_communicators", lambda: None)
+    plan = JoinPlan(1, 4, (4,), (0, 1, 2), (0, 1, 2, 4))
+    try:
+        recovery._grow_from_boundary(plan)
+        [(snapshot, members, error)] = fell_back
+        assert (snapshot, members) == ("snapshot", (0, 1, 2)) and isinstance(error, AssertionError)
+        wire.configure(1.0)  # the next generation: a failure is a verdict again
+        with pytest.raises(AssertionError):  # without a verdict, an assertion is this rank's own error
+            recovery.engine = Engine()
+            recovery._grow_from_boundary(plan)
+        assert len(fell_back) == 1
+    finally:
+        wire.configure(1.0)
+
+
 def test_a_joiner_of_another_job_or_without_a_place_is_refused():
     # Rank 4 runs another optimizer config; rank 5 has no place: no replica lost a rank.
     results = run((2, 2), 1, [], joins=[0, 0], joiner_overrides={4: {"gradient_clipping": 1.0}})

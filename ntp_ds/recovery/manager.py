@@ -56,6 +56,16 @@ class RecoveryImpossible(RuntimeError):
     """Training cannot go on in memory: no replica is left, or some parameter has no copy on any survivor."""
 
 
+def failed_on_the_way(error: BaseException) -> bool:
+    """Whether `error`, raised while a recovery or a grow was under way, is a failure to start it again from: a
+    member lost meanwhile (the recovery's own checks raise RuntimeError), a failure of the wire, or anything that
+    fails once a peer has been declared dead (`wire.is_wire_failure`: DeepSpeed's own calls assert on a world the
+    abort thread has aborted). Never `RecoveryImpossible`."""
+    if isinstance(error, RecoveryImpossible):
+        return False
+    return isinstance(error, (RuntimeError, TimeoutError, ConnectionError)) or wire.is_wire_failure(error)
+
+
 class NoReplicaLeft(RecoveryImpossible):
     """Every replica fell below `min_tp`."""
 
@@ -245,10 +255,7 @@ class Recovery:
             try:
                 return self._attempt(snapshot, old_members, error, failed_at)
             except Exception as again:
-                # A member lost during the recovery itself (its own checks raise RuntimeError), or any failure of
-                # the wire, the consequences of an abort included, starts it again.
-                retry = isinstance(again, (RuntimeError, TimeoutError, ConnectionError)) or wire.is_wire_failure(again)
-                if isinstance(again, RecoveryImpossible) or not retry:
+                if not failed_on_the_way(again):
                     raise
                 self.failed_attempts.append(time.time())
                 snapshot.whole_grads = False  # what an attempt took of them is gone with it
@@ -587,8 +594,8 @@ class Recovery:
         self.membership.adopt(change)
         try:
             return self._grow(snapshot, plan, t0, traffic_before)
-        except (RuntimeError, TimeoutError, ConnectionError) as error:
-            if isinstance(error, RecoveryImpossible):
+        except Exception as error:
+            if not failed_on_the_way(error):
                 raise
             log.warning("rank %d: growing to generation %d failed (%s); recovering without the joiners", self.rank,
                         change.generation, error)
@@ -661,7 +668,9 @@ class Recovery:
         try:
             with wire.waiting():
                 recovery._grow(None, plan, time.monotonic(), wire.traffic())
-        except (RuntimeError, TimeoutError, ConnectionError) as error:
+        except Exception as error:
+            if not (isinstance(error, RecoveryImpossible) or failed_on_the_way(error)):
+                raise
             # The members recover without this rank from the state they held at the boundary: say it is gone.
             mark_exited(store, rank, f"join failed: {error}")
             recovery.close()
