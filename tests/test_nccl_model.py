@@ -125,6 +125,7 @@ def rely_on_tags(rank, world):
 
 def rely_on_wire_error(rank, world):
     """Expects a collective whose peer left to end with an error; aborts after 3 s only as a last resort."""
+    dist.all_reduce(torch.zeros(1))  # the communicator, created at its first op with every member (`create`)
     if rank == 1:
         return "left"
     t = torch.ones(4)
@@ -165,6 +166,24 @@ def work_behind_a_stopped_device(rank, world):
     assert event is None or event.query(), "an event recorded after the device stopped completed"
 
 
+def first_op_while_a_member_is_away(rank, world):
+    """Posts the first op of a new group (async) and expects the post to return while the other member is away."""
+    group = dist.new_group([0, 1])  # (every member creates the group: its gloo transport connects here)
+    t = torch.ones(4)
+    if rank == 0:
+        t0 = time.monotonic()
+        work = dist.all_reduce(t, group=group, async_op=True)
+        posted_s = time.monotonic() - t0
+        assert posted_s < 2.0, f"the post took {posted_s:.1f} s"
+        dist.barrier()  # (the default group's communicator exists: created by init_process_group's own barrier)
+        work.wait()
+    else:
+        time.sleep(5)  # away, longer than the model's deadlock bound (3 s)
+        dist.barrier()
+        dist.all_reduce(t, group=group)
+    assert t.tolist() == [2.0] * 4
+
+
 # -- the tests -------------------------------------------------------------------------------------------------
 def test_coalesce_one_work_per_batch():
     _fails(pair_works_with_ops, "KeyError: 'recv'", rule="coalesce")
@@ -188,7 +207,8 @@ def test_order_send_before_receive_deadlocks_and_is_reported():
 
 
 def test_first_op_a_batch_of_some_ranks_is_refused():
-    _fails(batch_first_on_a_subset, "RuleViolation: .*first op of its communicator", world=3, rule="first")
+    # (With `first` off, `create` still catches it: rank 2 never reaches the communicator's creation.)
+    _fails(batch_first_on_a_subset, "RuleViolation: .*first op of its communicator", world=3, rule="first,create")
 
 
 def test_tags_ignored():
@@ -207,6 +227,7 @@ def aborted_group(rank, world):
     import ntp_ds.testing.nccl_model as nm
 
     group = dist.new_group([0, 1])
+    dist.all_reduce(torch.zeros(1), group=group)  # its communicator, created with both (`create`)
     t = torch.ones(4)
     if rank == 1:
         dist.barrier(group=dist.group.WORLD)
@@ -265,6 +286,8 @@ def proofs_of_arrival(rank, world):
     wire.configure(30.0, None)
     wire.all_reduce(torch.zeros(1), None)  # the group's first op: a collective (NCCL's rule)
     side = dist.new_group([0, 2])  # where the cut exchange runs (an op entered on the first group would look at it)
+    if rank != 1:
+        dist.all_reduce(torch.zeros(1), group=side)  # its communicator, created with both (`create`)
     if rank == 2:
         store.wait(["aborted"])
         return None
@@ -306,6 +329,7 @@ def abort_racing_a_post(rank, world):
     import ntp_ds.testing.nccl_model as nm
 
     group = dist.new_group([0, 1])
+    dist.all_reduce(torch.zeros(1), group=group)  # its communicator, created with both (`create`)
     if rank == 1:
         dist.barrier(group=dist.group.WORLD)
         return None
@@ -359,6 +383,11 @@ def collectives(rank, world):
     dist.all_gather_object(objs, {"rank": rank})
     out["objects"] = objs
     return out
+
+
+def test_create_a_communicator_is_created_at_the_first_op_by_all_members_blocking_the_post():
+    _fails(first_op_while_a_member_is_away, r"Deadlock: .*group rank 0 has waited 3 s in the creation of its "
+           r"communicator at its first op \(allreduce\) for group rank\(s\) \[1\]", rule="create")
 
 
 def test_device_an_op_posted_after_the_device_stopped_never_starts():

@@ -28,6 +28,13 @@ show it is the one that catches a given bug:
   message (NCCL moves a message over several channels, in no fixed order) and what the memory held before
   elsewhere (here: the poison). Any later op on the group raises, as on an aborted NCCL communicator. Only a
   completion observed before the abort proves that an op's data arrived (`ntp_ds.comm.wire`, "proofs").
+- `create`: a communicator is created at its group's first op (torch's `ProcessGroupNCCL::collective` and
+  `pointToPoint` call `initNCCLComm` when the group has none; no device is bound at group creation), by a blocking
+  `ncclCommInitRank` on the posting thread, which returns only once every member of the group has reached its own
+  first op: the host blocks in the post, even of an async op, and no abort reaches it (torch enters the communicator
+  in the map an abort walks only after the init returns). A member that never gets there strands the others: NCCL
+  hangs for good; after `NTP_NCCL_MODEL_DEADLOCK_S` seconds the post raises `Deadlock`, naming the missing ranks.
+  (Non-blocking init, which an abort could end, is not modelled: the product does not use it.)
 - `device`: the process has one device, which can stop (`hang_device`: a kernel that never ends on the stream the
   training thread queues to, as `torch.cuda._sleep` spins): an op posted after it never starts (ProcessGroupNCCL
   orders each op's stream after the current stream), pending until the group is aborted, and a device event
@@ -58,7 +65,7 @@ from ntp_ds.comm import device
 log = logging.getLogger(__name__)
 
 NAME = "nccl_model"
-RULES = ("coalesce", "async", "order", "tags", "first", "abort", "device")
+RULES = ("coalesce", "async", "order", "tags", "first", "abort", "device", "create")
 OFF_ENV = "NTP_NCCL_MODEL_OFF"
 DEADLOCK_ENV = "NTP_NCCL_MODEL_DEADLOCK_S"
 
@@ -286,6 +293,7 @@ class ModelGroup(dist.ProcessGroup):
         self._rank, self._size = rank, size
         self._gloo = ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
         self._store = PrefixStore("match/", store.clone())
+        self._store_root, self._created = store, False
         self._deadlock_s = float(os.environ.get(DEADLOCK_ENV, "60"))
         self._ordered = rule_on("order")
         self._queue: queue.Queue = queue.Queue()
@@ -309,6 +317,8 @@ class ModelGroup(dist.ProcessGroup):
     def _post(self, what: str, inputs, outputs, run, p2p=()) -> ModelWork:
         if self._aborted:
             raise Aborted(f"nccl_model: {what} on an aborted communicator ({self._aborted})")
+        if not self._posted and not self._created and rule_on("create"):
+            self._create(what)
         work = ModelWork(what, list(inputs), list(outputs))
         with self._lock:  # with the abort's check: an op posted as another thread aborts is refused, never left pending
             if self._aborted:
@@ -322,6 +332,20 @@ class ModelGroup(dist.ProcessGroup):
             op.started = run(work)
         self._queue.put(op)
         return work
+
+    def _create(self, what: str) -> None:
+        """The blocking init at the group's first op: wait (on the posting thread, abort or not) until every member
+        has reached its own first op."""
+        store = PrefixStore("create/", self._store_root.clone())  # (a client of its own: no other call waits on it)
+        store.set(str(self._rank), "1")
+        try:
+            store.wait([str(r) for r in range(self._size)], timedelta(seconds=self._deadlock_s))
+        except Exception:
+            missing = [r for r in range(self._size) if not store.check([str(r)])]
+            raise Deadlock(f"nccl_model: deadlock: group rank {self._rank} has waited {self._deadlock_s:g} s in the "
+                           f"creation of its communicator at its first op ({what}) for group rank(s) {missing}, "
+                           "which never reached theirs (a blocking ncclCommInitRank: no abort ends it)") from None
+        self._created = True
 
     def ops_posted(self) -> int:
         """Operations posted on this communicator so far (a batch counts once): NCCL's own sequence number."""
