@@ -175,7 +175,7 @@ def first_op_while_a_member_is_away(rank, world):
         work = dist.all_reduce(t, group=group, async_op=True)
         posted_s = time.monotonic() - t0
         assert posted_s < 2.0, f"the post took {posted_s:.1f} s"
-        dist.barrier()  # (the default group's communicator exists: created by init_process_group's own barrier)
+        dist.barrier()  # (the default group's first op: its communicator is created here, by both)
         work.wait()
     else:
         time.sleep(5)  # away, longer than the model's deadlock bound (3 s)
