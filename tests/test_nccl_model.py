@@ -419,6 +419,33 @@ def test_wire_exchange_waits_on_the_coalesced_batch():
     assert _run(receive_from_one_peer, "nccl_model") == _run(receive_from_one_peer, "gloo")
 
 
+def copies_in_flight_beside_the_data(rank, world):
+    """Rank 0's state copy to rank 1 is in flight (rank 1 posts its receive only later) while the pair exchanges a
+    parameter bucket: with the copies' lane (2 replicas x TP 1, twin families) the bucket does not queue behind the
+    copy and each lands where it should; without it (NTP_TEST_NO_LANE) both share one communicator and its stream,
+    where the bucket waits behind the copy for good."""
+    from datetime import timedelta
+
+    from ntp_ds.comm import groups, wire
+    from ntp_ds.layout import Topology, plan_gradient_sync
+    from tests.training import tiny_config
+
+    groups.start_generation(30.0)
+    topology = Topology.from_degrees(tiny_config().units(), (1, 1))
+    lane = not os.environ.get("NTP_TEST_NO_LANE")
+    built = groups.build_exchange_families(topology, plan_gradient_sync(topology), rank, timedelta(seconds=30), lane)
+    peer, copy, bucket = 1 - rank, torch.zeros(8), torch.zeros(8)
+    if rank == 0:
+        copying = wire.exchange({peer: torch.full((8,), 7.0)}, {}, op="copy_data", lane="copies")
+    data = wire.exchange({peer: torch.full((8,), float(rank))}, {peer: bucket}, op="param_bucket")
+    data.wait_proven("the bucket")
+    if rank == 1:
+        wire.exchange({}, {peer: copy}, op="copy_data", lane="copies").wait_proven("the copy")
+    else:
+        copying.wait()
+    return sorted(groups.role_of(g) for g in built), bucket.tolist(), copy.tolist()
+
+
 def exchange_outside_every_family(rank, world):
     """One replica at TP 2: each rank is its family's only member, so no family joins the two, and their exchange
     runs on a group of the pair, built at its first use (started by a collective, as NCCL's first-op rule asks)."""
@@ -437,6 +464,18 @@ def exchange_outside_every_family(rank, world):
     wire.exchange({peer: torch.full((8,), float(rank + 10))}, {peer: got}).wait()  # the same pair group again
     pairs = [g for g in dist.distributed_c10d._world.pg_map if groups.role_of(g) == "pair"]
     return got.tolist(), [dist.get_process_group_ranks(g) for g in pairs]
+
+
+def test_state_copies_in_flight_never_hold_a_parameter_bucket_behind_them(monkeypatch):
+    out = _run(copies_in_flight_beside_the_data, "nccl_model")
+    assert out[0] == (["family", "family-copies"], [1.0] * 8, [0.0] * 8)
+    assert out[1] == (["family", "family-copies"], [0.0] * 8, [7.0] * 8)
+    # One communicator for both: its stream holds the bucket behind the copy, whose receive rank 1 posts only after
+    # the bucket (messages between a pair match in posting order there: the lane is what frees the two orders).
+    monkeypatch.setenv("NTP_TEST_NO_LANE", "1")
+    with pytest.raises(RuntimeError, match=r"Deadlock: .*group rank 1 has waited 3 s at op #1 \(batch of send #0 "
+                                           r"to rank 0, recv #0 from rank 0\).*rank 0: op #1: batch of send #0"):
+        _run(copies_in_flight_beside_the_data, "nccl_model")
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl_model"])

@@ -374,25 +374,29 @@ def exchange_families(topology: Topology, plan: SyncPlan, rank: int) -> list[tup
     return out
 
 
-def build_exchange_families(topology: Topology, plan: SyncPlan, rank: int, timeout: timedelta) -> list:
+def build_exchange_families(topology: Topology, plan: SyncPlan, rank: int, timeout: timedelta,
+                            copy_lane: bool = False) -> list:
     """Build `rank`'s exchange families (`exchange_families`), lowest TP index first, and route the generation's
     pairwise exchanges over them (`wire.set_routes`): a peer is reached on the lowest family both belong to.
+    `copy_lane`: each family gets a twin of the same members for the state copies (`wire.exchange(lane="copies")`),
+    so that copies in flight during a step never hold its parameter buckets and gradients behind them.
 
     Under NCCL a group's first call must be a collective of all its members before batched point-to-point calls
     may involve only some of them, so each family starts with an all-reduce of one element, which also creates its
-    communicator (of the family's members alone). Every rank builds its families in increasing order, so no two
-    members wait on each other in opposite orders."""
-    routes, order, built = {}, {}, []
+    communicator (of the family's members alone). Every rank builds its families in increasing order, each one's
+    twin right after it, so no two members wait on each other in opposite orders."""
+    routes, copy_routes, order, built = {}, {}, {}, []
     for t, members in exchange_families(topology, plan, rank):
         if len(members) < 2:
             continue
-        group = named_group(f"family/{t}", members, timeout, role="family")
-        wire.open_for_batches(group)
-        order[group] = t
-        built.append(group)
-        for m in members:
-            if m != rank:
-                routes.setdefault(m, group)
+        for lane, table in (("family", routes), ("family-copies", copy_routes))[:2 if copy_lane else 1]:
+            group = named_group(f"{lane}/{t}", members, timeout, role=lane)
+            wire.open_for_batches(group)
+            order[group] = t
+            built.append(group)
+            for m in members:
+                if m != rank:
+                    table.setdefault(m, group)
 
     def open_pair(peer: int):
         pair = (min(rank, peer), max(rank, peer))
@@ -401,7 +405,7 @@ def build_exchange_families(topology: Topology, plan: SyncPlan, rank: int, timeo
         log.info("rank %d exchanges with rank %d on a group of the pair: they share no exchange family", rank, peer)
         return group
 
-    wire.set_routes(routes, order, open_pair)
+    wire.set_routes(routes, order, open_pair, copy_routes if copy_lane else None)
     return built
 
 
@@ -414,9 +418,11 @@ def wanted_groups(topology: Topology, plan: SyncPlan, rank: int, twins: bool) ->
     return wanted + [("tp-control", tuple(tp_ranks))] if twins else wanted
 
 
-def build_groups(topology: Topology, plan: SyncPlan, rank: int, timeout_s: float) -> ReplicaGroups:
+def build_groups(topology: Topology, plan: SyncPlan, rank: int, timeout_s: float,
+                 copy_lane: bool = False) -> ReplicaGroups:
     """Create only the groups this rank belongs to; members synchronise among themselves, nobody else waits. Groups
-    kept from the generation before (`adopt`) are taken instead where their role and ranks match.
+    kept from the generation before (`adopt`) are taken instead where their role and ranks match. `copy_lane`: the
+    state copies get exchange groups of their own (`build_exchange_families`).
 
     Every collective on them is bounded by `timeout_s` (a hung peer is only seen at that bound).
     """
@@ -431,7 +437,7 @@ def build_groups(topology: Topology, plan: SyncPlan, rank: int, timeout_s: float
     if dist.get_backend() != "gloo":
         tp_control = named_group(f"tp-control/{replica}", tp_ranks, timeout, backend="gloo", role="tp-control")
     discard_unused()
-    build_exchange_families(topology, plan, rank, timeout)
+    build_exchange_families(topology, plan, rank, timeout, copy_lane)
     return ReplicaGroups(topology, plan, rank, replica, tp_rank, tp_ranks, dp_ranks, tp_group, dp_group, tp_control)
 
 

@@ -113,6 +113,9 @@ class _State:
     """group -> its place in the order every rank posts an exchange's batches in (a family's TP index)."""
     open_pair: Callable | None = None
     """open_pair(peer): a group of this rank and `peer` alone, for a peer no route reaches (built at first use)."""
+    copy_routes: dict | None = None
+    """peer -> the group the state copies with that peer run on, where they have a lane of their own (`set_routes`);
+    None: they share the routes of every other exchange."""
     ledger: dict = field(default_factory=dict)
     """group -> the data ops posted on it in this generation whose arrival is not proven yet (`Posted`), oldest
     first."""
@@ -152,7 +155,7 @@ def configure(timeout_s: float, control_group=None, tree=None) -> None:
     _state.suspects = None
     _state.spared = []
     _state.arrived.clear()
-    _state.routes, _state.route_order, _state.open_pair = None, {}, None
+    _state.routes, _state.route_order, _state.open_pair, _state.copy_routes = None, {}, None, None
     _state.ledger = {}
     _state.generation += 1
     _state.failed.clear()
@@ -400,7 +403,7 @@ def _teardown(keep) -> None:
                            "deepspeed>=0.19.8")
     release(group=None)
     _state.control = _state.tree = None
-    _state.routes, _state.route_order, _state.open_pair = None, {}, None
+    _state.routes, _state.route_order, _state.open_pair, _state.copy_routes = None, {}, None, None
     if any(g() is not None for g in groups):
         gc.collect()
         log.debug("process groups held in reference cycles were collected")
@@ -874,23 +877,32 @@ def open_for_batches(group) -> None:
         all_reduce(torch.zeros(1, device=device_of()), group)
 
 
-def set_routes(routes: Mapping[int, object], order: Mapping[object, int], open_pair: Callable | None = None) -> None:
+def set_routes(routes: Mapping[int, object], order: Mapping[object, int], open_pair: Callable | None = None,
+               copy_routes: Mapping[int, object] | None = None) -> None:
     """Route this generation's pairwise exchanges: the transfers with peer p run on `routes[p]` (a group of the
     exchange family both belong to: `ntp_ds.comm.groups.build_exchange_families`), so no exchange needs a
     communicator of the whole world. An exchange touching several groups posts one batch per group, in `order`
-    (the same on every rank). A peer without a route gets a group of the pair alone from `open_pair` at first use."""
+    (the same on every rank). A peer without a route gets a group of the pair alone from `open_pair` at first use.
+
+    `copy_routes`: the lane of the state copies (`exchange(lane="copies")`), twins of the routes' groups. An NCCL
+    communicator runs its ops one after another on one stream, so copies that travel during the next step
+    (`redundancy_overlap`) would hold that step's parameter buckets and gradients behind them on a shared one."""
     _state.routes = dict(routes)
     _state.route_order = dict(order)
     _state.open_pair = open_pair
+    _state.copy_routes = None if copy_routes is None else dict(copy_routes)
 
 
-def _route(peers) -> dict:
-    """group -> the peers of `peers` whose transfers run on it (None: the default group), for this generation."""
+def _route(peers, lane: str = "data") -> dict:
+    """group -> the peers of `peers` whose transfers run on it (None: the default group), for this generation, in
+    `lane` ("copies": the state copies' own groups where they have them)."""
     if _state.routes is None:
         return {None: sorted(peers)}
+    own = _state.copy_routes if lane == "copies" and _state.copy_routes is not None else {}
     out: dict = {}
     for p in sorted(peers):
-        group = _state.routes.get(p)
+        group = own.get(p)
+        group = _state.routes.get(p) if group is None else group
         if group is None:
             if _state.open_pair is None:
                 raise RuntimeError(f"no group of this generation joins rank {dist.get_rank()} and rank {p}")
@@ -969,17 +981,20 @@ def _distinct(works) -> list:
 
 def exchange(sends: Mapping[int, torch.Tensor | Sequence[torch.Tensor]],
              recvs: Mapping[int, torch.Tensor | Sequence[torch.Tensor]], group=None,
-             op: str = "exchange") -> Exchange:
+             op: str = "exchange", lane: str = "data") -> Exchange:
     """Post every send and receive of this rank together; return the pending exchange.
 
     Peers are global ranks; a peer may be given several tensors, which travel as consecutive messages. Two exchanges
-    between the same pair must be posted in the same order on both sides. Without a `group`, each peer's transfers
-    run on its route (`set_routes`): one batch per group, posted in the routes' order.
+    between the same pair in the same `lane` must be posted in the same order on both sides. Without a `group`, each
+    peer's transfers run on its route (`set_routes`) in `lane` ("data", or "copies": the state copies, on groups of
+    their own where the generation built them): one batch per group, posted in the routes' order.
     """
+    if lane not in ("data", "copies"):
+        raise ValueError(f"lane={lane!r}: 'data' or 'copies'")
     sends = {p: [t] if torch.is_tensor(t) else list(t) for p, t in sends.items()}
     recvs = {p: [t] if torch.is_tensor(t) else list(t) for p, t in recvs.items()}
     peers = set(sends) | set(recvs)
-    routed = {group: sorted(peers)} if group is not None or not peers else _route(peers)
+    routed = {group: sorted(peers)} if group is not None or not peers else _route(peers, lane)
     _count(op, _nbytes(t for ts in sends.values() for t in ts), _nbytes(t for ts in recvs.values() for t in ts))
     batches = []
     for g, routed_peers in routed.items():  # an exchange with no peer still passes the checks (and is recorded)

@@ -153,7 +153,7 @@ class StateCopies:
         self._device = device
         if not self.on_host:
             sends = {t: outgoing for t in self.targets}
-            self._in_flight = (wire.exchange(sends, dict(self._buffers), op="copy_data"), outgoing)
+            self._in_flight = (wire.exchange(sends, dict(self._buffers), op="copy_data", lane="copies"), outgoing)
             return
         # Host copies travel piece by piece in `finish`: a round of pieces per exchange, each round posting this
         # rank's sends and receives together (NCCL would deadlock a ring of buddies whose sends go first).
@@ -225,7 +225,7 @@ class StateCopies:
                 if j < len(ps):
                     _, lo, hi = ps[j]
                     recvs[o] = staging[o][j % 2][:hi - lo]
-            posted.append((j, wire.exchange(sends, recvs, op="copy_piece"), recvs))
+            posted.append((j, wire.exchange(sends, recvs, op="copy_piece", lane="copies"), recvs))
 
         for j in range(min(2, rounds)):
             post(j)
@@ -271,10 +271,11 @@ class StateCopies:
             layout = torch.tensor(layout, dtype=torch.int64, device=device)
         heads = {t: layout[:2] for t in self.targets}
         sizes = {o: torch.empty(2, dtype=torch.int64, device=device) for o in self.owners}
-        wire.exchange(heads, sizes, op="copy_layout").wait_proven("the copies' layouts")
+        wire.exchange(heads, sizes, op="copy_layout", lane="copies").wait_proven("the copies' layouts")
         layouts = {o: torch.empty(2 + int(n[1]) + 4 * len(self.names), dtype=torch.int64, device=device)
                    for o, n in sizes.items()}
-        wire.exchange({t: layout for t in self.targets}, layouts, op="copy_layout").wait_proven("the copies' layouts")
+        wire.exchange({t: layout for t in self.targets}, layouts, op="copy_layout",
+                      lane="copies").wait_proven("the copies' layouts")
         self._layouts = {o: lay.cpu() for o, lay in layouts.items()}
 
     def _view(self, owner: int, bufs: list[torch.Tensor]) -> HeldCopy:

@@ -240,7 +240,9 @@ def _groups_and_plan(spec: JobSpec, topology: Topology) -> tuple[ReplicaGroups, 
     """This rank's groups of `topology` and its batch plan: the same for an engine built and one rebound, whose
     members must build their groups alike."""
     sync, batch_plan = spec.plan(topology)
-    return build_groups(topology, sync, dist.get_rank(), spec.ntp.timeout_s), batch_plan
+    # Copies that travel during the next step get communicators of their own under NCCL (one stream each).
+    copy_lane = spec.ntp.redundancy_overlap and spec.ntp.zero_redundancy > 0 and wire.is_nccl()
+    return build_groups(topology, sync, dist.get_rank(), spec.ntp.timeout_s, copy_lane), batch_plan
 
 
 def build_engine(spec: JobSpec, topology: Topology, module_for: Callable[[ReplicaGroups], CausalLMShard],
