@@ -386,10 +386,11 @@ def build_exchange_families(topology: Topology, plan: SyncPlan, rank: int, timeo
     communicator (of the family's members alone). Every rank builds its families in increasing order, each one's
     twin right after it, so no two members wait on each other in opposite orders."""
     routes, copy_routes, order, built = {}, {}, {}, []
+    lanes = [("family", routes)] + ([("family-copies", copy_routes)] if copy_lane else [])
     for t, members in exchange_families(topology, plan, rank):
         if len(members) < 2:
             continue
-        for lane, table in (("family", routes), ("family-copies", copy_routes))[:2 if copy_lane else 1]:
+        for lane, table in lanes:
             group = named_group(f"{lane}/{t}", members, timeout, role=lane)
             wire.open_for_batches(group)
             order[group] = t

@@ -293,7 +293,6 @@ class ModelGroup(dist.ProcessGroup):
         self._rank, self._size = rank, size
         self._gloo = ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
         self._store = PrefixStore("match/", store.clone())
-        self._store_root, self._created = store, False
         self._deadlock_s = float(os.environ.get(DEADLOCK_ENV, "60"))
         self._ordered = rule_on("order")
         self._queue: queue.Queue = queue.Queue()
@@ -317,7 +316,7 @@ class ModelGroup(dist.ProcessGroup):
     def _post(self, what: str, inputs, outputs, run, p2p=()) -> ModelWork:
         if self._aborted:
             raise Aborted(f"nccl_model: {what} on an aborted communicator ({self._aborted})")
-        if not self._posted and not self._created and rule_on("create"):
+        if not self._posted and rule_on("create"):
             self._create(what)
         work = ModelWork(what, list(inputs), list(outputs))
         with self._lock:  # with the abort's check: an op posted as another thread aborts is refused, never left pending
@@ -335,17 +334,15 @@ class ModelGroup(dist.ProcessGroup):
 
     def _create(self, what: str) -> None:
         """The blocking init at the group's first op: wait (on the posting thread, abort or not) until every member
-        has reached its own first op."""
-        store = PrefixStore("create/", self._store_root.clone())  # (a client of its own: no other call waits on it)
-        store.set(str(self._rank), "1")
+        has reached its own first op. (The stream's store client is idle until the group's first op is posted.)"""
+        self._store.set(f"create/{self._rank}", "1")
         try:
-            store.wait([str(r) for r in range(self._size)], timedelta(seconds=self._deadlock_s))
+            self._store.wait([f"create/{r}" for r in range(self._size)], timedelta(seconds=self._deadlock_s))
         except Exception:
-            missing = [r for r in range(self._size) if not store.check([str(r)])]
+            missing = [r for r in range(self._size) if not self._store.check([f"create/{r}"])]
             raise Deadlock(f"nccl_model: deadlock: group rank {self._rank} has waited {self._deadlock_s:g} s in the "
                            f"creation of its communicator at its first op ({what}) for group rank(s) {missing}, "
                            "which never reached theirs (a blocking ncclCommInitRank: no abort ends it)") from None
-        self._created = True
 
     def ops_posted(self) -> int:
         """Operations posted on this communicator so far (a batch counts once): NCCL's own sequence number."""
