@@ -63,3 +63,19 @@ def test_under_nccl_no_dump_signal_no_watchdog_sleep_no_monitor_kill(monkeypatch
     monkeypatch.setenv(NCCL_DUMP_ENV, "1")  # refused by name before any group (tests/test_errors.py); never kept
     prepare_backend()
     assert os.environ[NCCL_DUMP_ENV] == "0"
+
+
+def test_under_nccl_groups_are_created_non_blocking_within_the_jobs_timeout(monkeypatch):
+    from datetime import timedelta
+
+    from ntp_ds.comm.groups import NONBLOCKING_TIMEOUT_ENV, creation_options
+
+    monkeypatch.delenv(NONBLOCKING_TIMEOUT_ENV, raising=False)
+    monkeypatch.setenv(TEST_BACKEND_ENV, "gloo")
+    prepare_backend(12.5)
+    assert NONBLOCKING_TIMEOUT_ENV not in os.environ
+    monkeypatch.setenv(TEST_BACKEND_ENV, "nccl_model")
+    prepare_backend(12.5)
+    assert os.environ[NONBLOCKING_TIMEOUT_ENV] == "13", "whole seconds, never shorter than timeout_s"
+    assert creation_options("nccl_model", timedelta(seconds=12.5)).config.blocking == 0
+    assert creation_options("gloo", timedelta(seconds=12.5)) is None

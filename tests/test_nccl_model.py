@@ -184,6 +184,76 @@ def first_op_while_a_member_is_away(rank, world):
     assert t.tolist() == [2.0] * 4
 
 
+def sync_behind_a_stopped_device(rank, world):
+    """Rank 1's device stops; a sync of its stream after that is expected to return."""
+    from ntp_ds.comm import device
+
+    backend = dist.get_backend()
+    dist.barrier()
+    if rank == 1 and backend != "gloo":  # (gloo's host computes: it has no device to stop)
+        device.hang(backend)
+    device.synchronize(backend)
+
+
+def whole_device_sync_beside_a_pending_receive(rank, world):
+    """Rank 0 syncs its whole device while a receive is pending on a communicator, and expects it to return at once."""
+    from ntp_ds.comm import device
+
+    dist.barrier()  # (the default group's communicator, created by both)
+    buf = torch.zeros(4)
+    if rank == 0:
+        work = dist.irecv(buf, 1)
+        t0 = time.monotonic()
+        device.synchronize(dist.get_backend(), whole_device=True)
+        waited_s = time.monotonic() - t0
+        assert waited_s < 1.0, f"the sync waited {waited_s:.1f} s for the receive"
+        work.wait()
+        assert buf.tolist() == [1.0] * 4
+    else:
+        time.sleep(1.5)
+        dist.send(torch.ones(4), 0)
+
+
+def post_after_an_op_timed_out(rank, world):
+    """Rank 0's receive outlives its group's timeout (1 s); its next post on the group is expected to return at once."""
+    from datetime import timedelta
+
+    os.environ["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] = "500"  # (torch's default, 15 s, would sleep 60 s)
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=1))
+    dist.all_reduce(torch.ones(1), group=group)  # (its communicator, created by both)
+    buf = torch.zeros(4)
+    if rank == 0:
+        work = dist.irecv(buf, 1, group=group)
+        time.sleep(1.5)
+        t0 = time.monotonic()
+        sent = dist.isend(torch.ones(4), 1, group=group)
+        posted_s = time.monotonic() - t0
+        assert posted_s < 1.0, f"the post took {posted_s:.1f} s"
+        work.wait()
+        sent.wait()
+    else:
+        time.sleep(1.8)
+        dist.send(torch.ones(4), 0, group=group)
+        dist.recv(buf, 0, group=group)
+    assert buf.tolist() == [1.0] * 4
+
+
+def first_op_of_a_non_blocking_group_while_a_member_is_away(rank, world):
+    """Posts the first op of a group created non-blocking (the product's groups) while the other member is away
+    longer than the non-blocking bound (1 s), and expects it to complete once the member arrives."""
+    from datetime import timedelta
+
+    from ntp_ds.comm.groups import creation_options
+
+    os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] = "1"
+    group = dist.new_group([0, 1], pg_options=creation_options(dist.get_backend(), timedelta(seconds=60)))
+    t = torch.ones(4)
+    if rank == 1:
+        time.sleep(2)
+    dist.all_reduce(t, group=group, async_op=True).wait(timedelta(seconds=3))
+    assert t.tolist() == [2.0] * 4
+
+
 # -- the tests -------------------------------------------------------------------------------------------------
 def test_coalesce_one_work_per_batch():
     _fails(pair_works_with_ops, "KeyError: 'recv'", rule="coalesce")
@@ -390,8 +460,28 @@ def test_create_a_communicator_is_created_at_the_first_op_by_all_members_blockin
            r"communicator at its first op \(allreduce\) for group rank\(s\) \[1\]", rule="create")
 
 
+def test_create_a_non_blocking_communicator_is_waited_for_at_most_its_bound_then_raises():
+    _fails(first_op_of_a_non_blocking_group_while_a_member_is_away,
+           r"DistBackendError: NCCL timeout in: nccl_model: the non-blocking communicator of group rank 0 was not "
+           r"ready within TORCH_NCCL_NONBLOCKING_TIMEOUT=1 s at its first op \(allreduce\): group rank\(s\) \[1\]",
+           rule="create")
+
+
 def test_device_an_op_posted_after_the_device_stopped_never_starts():
     _fails(work_behind_a_stopped_device, "did not complete", rule="device")
+
+
+def test_sync_a_stream_sync_never_returns_once_the_device_stopped():
+    _fails(sync_behind_a_stopped_device, r"deadlock: a device sync has waited 3 s behind a kernel that never ends",
+           rule="sync")
+
+
+def test_sync_a_sync_of_the_whole_device_waits_for_a_kernel_running_on_a_communicator():
+    _fails(whole_device_sync_beside_a_pending_receive, r"the sync waited 1\.\d s for the receive", rule="sync")
+
+
+def test_watchdog_a_post_after_an_op_timed_out_waits_for_the_watchdogs_sleep():
+    _fails(post_after_an_op_timed_out, r"the post took 1\.\d s", rule="watchdog")
 
 
 def test_collectives_agree_with_gloo():

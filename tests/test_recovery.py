@@ -402,6 +402,18 @@ def test_failures_in_two_replicas_one_during_recovery(phase):
     assert all(tuple(r["degrees"]) == (2, 2) for r in results.values())
 
 
+@pytest.mark.long  # .ci/run: on gloo in the long stage, and in the nccl_model stage
+def test_a_rank_lost_as_the_new_communicators_are_created_costs_a_bounded_wait():
+    # Rank 0 dies once the survivors of rank 4's death have met for the new generation, before its communicators
+    # exist. Its family peers in replica 1 (ranks 3 and 5) create theirs with it at their first op. A blocking
+    # creation would wait for it for ever, out of any abort's reach (nccl_model: Deadlock); created non-blocking,
+    # it gives up after timeout_s and the recovery starts again without rank 0.
+    results = run((3, 3), 1, [fault(4, 2, "forward"), fault(0, 2, "groups")])
+    assert set(results) == {1, 2, 3, 5}
+    assert_equivalent(results)
+    assert all(tuple(r["degrees"]) == (2, 2) for r in results.values())
+
+
 @pytest.mark.parametrize("degrees,victim,kept", [((2, 2), 3, 6), ((2, 2, 2), 5, 8)])
 @pytest.mark.long  # .ci/run: its long stage (and the nccl_model stage where its file runs); README suite under 10 min
 def test_replicas_that_lost_nothing_keep_their_finished_backward_and_share_the_lost_samples(degrees, victim, kept):

@@ -1,5 +1,6 @@
 """One-GPU check: bf16 training steps of a ~1B-parameter Llama through NTPEngine in one rank; prints the step time
-and the peak GPU memory, and fails loudly on any problem. `--cpu`: the same steps of a tiny Llama on the CPU, so
+and the peak GPU memory, and fails loudly on any problem. Then a group built as the product builds them (created
+non-blocking under NCCL) carries one collective of each kind the product runs and is aborted. `--cpu`: the same steps of a tiny Llama on the CPU, so
 that the script is run where there is no GPU (tools/gpu_check.sh --cpu)."""
 
 import argparse
@@ -64,7 +65,33 @@ def main(argv=None) -> int:
     peak = "" if cpu else f" peak_memory_gib={torch.cuda.max_memory_allocated() / 2**30:.1f},"
     print(f"gpu_step ok{' (cpu)' if cpu else ''}: {n_params / 1e6:,.1f}M parameters, bf16, "
           f"step_s={min(times[1:]):.3f}{peak} max weight change {moved:.3g}")
+    print(f"gpu_step ok: a group created as the product creates them ({product_group_ops()})")
     return 0
+
+
+def product_group_ops() -> str:
+    """A group of this rank alone, built by `groups.named_group` (under NCCL: created non-blocking, at its first op),
+    carries an all-reduce, an all-gather and a broadcast, then is aborted; return what it was created with. (Its
+    point-to-point path needs a second GPU: the product never sends to itself.)"""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ntp_ds.comm import groups, wire
+
+    me = dist.get_rank()
+    group = groups.named_group("check/created", [me], timedelta(seconds=120), role="check")
+    device = wire.device_of(group)
+    t = torch.full((8,), 2.0, device=device)
+    dist.all_reduce(t, group=group)  # the first op: the communicator is created here
+    gathered = torch.empty(8, device=device)
+    dist.all_gather_single(gathered, t, group=group)
+    dist.broadcast(t, src=me, group=group)
+    assert t.tolist() == gathered.tolist() == [2.0] * 8, (t, gathered)
+    options = groups.creation_options(dist.get_backend(group), timedelta(seconds=120))
+    wire.discard([group])
+    blocking = getattr(getattr(options, "config", None), "blocking", None)
+    return f"backend {dist.get_backend()}, " + ("default options" if options is None else f"config.blocking={blocking}")
 
 
 if __name__ == "__main__":

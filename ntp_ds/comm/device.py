@@ -48,13 +48,18 @@ class Event(Protocol):
 
 _RECORDERS: dict[str, Callable[[], Event]] = {}
 _HANGS: dict[str, Callable[[], None]] = {}
+_SYNCS: dict[str, Callable[..., None]] = {}
 
 
-def register(backend: str, record: Callable[[], Event], hang: Callable[[], None]) -> None:
+def register(backend: str, record: Callable[[], Event], hang: Callable[[], None],
+             sync: Callable[..., None]) -> None:
     """Give `backend` its own device: `record()` returns an event recorded where the training thread's work goes
-    (`query()`: whether the device has run everything queued before it), `hang()` stops the device for good."""
+    (`query()`: whether the device has run everything queued before it), `hang()` stops the device for good,
+    `sync(whole_device=False)` waits until the device has run what the training thread's stream (or the whole
+    device) holds."""
     _RECORDERS[backend] = record
     _HANGS[backend] = hang
+    _SYNCS[backend] = sync
 
 
 def _cuda_event(timing: bool = False) -> torch.cuda.Event:
@@ -79,6 +84,19 @@ def timer(backend: str | None) -> Callable[[], torch.cuda.Event] | None:
     if backend == "nccl" and torch.cuda.is_available():
         return functools.partial(_cuda_event, timing=True)
     return None
+
+
+def synchronize(backend: str | None, whole_device: bool = False) -> None:
+    """Wait until the device has run what the training thread queued on its stream (CUDA: the current stream, which
+    holds the waits on collectives already waited), or everything on the `whole_device`; nothing to wait for where
+    the host computes."""
+    if backend in _SYNCS:
+        _SYNCS[backend](whole_device=whole_device)
+    elif backend == "nccl" and torch.cuda.is_available():
+        if whole_device:
+            torch.cuda.synchronize()
+        else:
+            torch.cuda.current_stream().synchronize()
 
 
 def hang(backend: str | None) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import weakref
+from types import SimpleNamespace
 from array import array
 from dataclasses import dataclass
 from datetime import timedelta
@@ -43,9 +45,11 @@ NCCL_SET_ENV = {
     "TORCH_NCCL_ENABLE_MONITORING": "0",
 }
 """What the product sets under NCCL before the first process group (`prepare_backend` says why)."""
+NONBLOCKING_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
+"""torch's bound, in seconds, on a non-blocking communicator's wait to be ready (and on each NCCL call in progress)."""
 
 
-def prepare_backend() -> None:
+def prepare_backend(timeout_s: float | None = None) -> None:
     """Set what the backend needs before the first process group.
 
     Under NCCL, the abort that ends a kernel blocked on a dead peer is documented for
@@ -64,9 +68,14 @@ def prepare_backend() -> None:
     wedged device would make it: off, since ntp_ds judges its ranks itself (heartbeats, the training thread's and
     the device's progress) and fences a stuck one through its launcher, after a recovery the monitor knows nothing
     of.
+
+    The groups' communicators are created non-blocking (`creation_options`), and torch bounds their creation (and
+    every NCCL call still in progress) by TORCH_NCCL_NONBLOCKING_TIMEOUT: set to the job's `timeout_s`.
     """
     if backend_for_device() in wire.NCCL_LIKE:
         os.environ.update(NCCL_SET_ENV)
+        if timeout_s is not None:
+            os.environ[NONBLOCKING_TIMEOUT_ENV] = str(max(1, math.ceil(timeout_s)))
     skip_shm_comm_op()
 
 
@@ -190,6 +199,27 @@ of the same group (two engines in one generation, as `benchmarks/steady_state.py
 alike on every member, since each member of a group builds it as often, in the same order."""
 
 
+def creation_options(backend: str, timeout: timedelta):
+    """The options a group's communicator is created with under `backend`: non-blocking under NCCL (and its model,
+    which takes options of the same shape), None elsewhere.
+
+    A communicator is created at its group's first op. A blocking init (torch's default for groups created lazily)
+    waits for a member that died before reaching it for ever, in C++, where no abort reaches it (torch adds the
+    communicator to the map an abort walks only once the init returns). A non-blocking one is waited for at its first
+    use at most TORCH_NCCL_NONBLOCKING_TIMEOUT (`prepare_backend`: the job's `timeout_s`), which then raises, and the
+    recovery starts again without the dead member. No group is bound to a device when it is built
+    (`members_only`), so none is connected eagerly."""
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = timeout
+        options.config.blocking = 0
+        return options
+    if backend == "nccl_model":
+        return SimpleNamespace(config=SimpleNamespace(blocking=0))
+    return None
+
+
 def named_group(name: str, ranks, timeout: timedelta, backend: str | None = None, role: str = "tree"):
     """A process group of `ranks` (global ranks of the generation), built by its members alone under a name the
     job chooses: `name`, unique among the generation's groups. Non-members get None and wait for nothing. A group
@@ -219,9 +249,10 @@ def named_group(name: str, ranks, timeout: timedelta, backend: str | None = None
     built = _BUILT.get(full, 0)
     _BUILT[full] = built + 1
     group_name = c10d.GroupName(f"{full}#{built}" if built else full)
+    chosen = dist.Backend(backend or default_backend)
     with members_only():
-        group, _ = c10d._new_process_group_helper(len(ranks), ranks.index(me), ranks,
-                                                  dist.Backend(backend or default_backend), store, group_name,
+        group, _ = c10d._new_process_group_helper(len(ranks), ranks.index(me), ranks, chosen, store, group_name,
+                                                  backend_options=creation_options(str(chosen), timeout),
                                                   timeout=timeout, group_desc=name)
     c10d._world.pg_group_ranks[group] = {r: i for i, r in enumerate(ranks)}
     _ROLES[group] = role

@@ -531,9 +531,9 @@ def settle_device() -> None:
     for rec in _state.recorders:
         rec(CallRecord("settle_device", dist.get_rank() if dist.is_initialized() else -1, _state.backend, (), (), (),
                        generation=_state.generation))
-    if _state.backend == "nccl" and torch.cuda.is_available():
+    if _state.backend in NCCL_LIKE:
         with waiting():  # the stream holds collectives that wait on peers
-            torch.cuda.current_stream().synchronize()
+            device.synchronize(_state.backend)
 
 
 def has_control() -> bool:

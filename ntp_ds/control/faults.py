@@ -27,7 +27,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 PHASES = ("forward", "backward", "grad_sync", "optimizer", "in_optimizer", "refresh", "recovery", "rendezvous",
-          "transfer")
+          "groups", "transfer")
 """Where a fault fires: the phase boundaries of a step (`optimizer`: before the ready vote; `in_optimizer`: inside
 DeepSpeed's optimizer step, after a parameter group's update; `refresh`: as the redundant copies of the step just
 applied set off), and of a recovery."""

@@ -78,7 +78,7 @@ def check_against_job(store, fault: Fault) -> str:
         when = f"at the first {fault.phase} boundary after step {job.step} (the job has completed step {job.step})"
     else:
         when = f"at the first {fault.phase} boundary of step {fault.step} or later"
-    if fault.phase in ("recovery", "rendezvous", "transfer"):
+    if fault.phase in ("recovery", "rendezvous", "groups", "transfer"):
         when = f"in the first recovery at step {max(fault.step, job.step + 1)} or later, if one happens"
     return f"{when}; job at step {job.step} of {job.steps}, world size {job.world_size}"
 

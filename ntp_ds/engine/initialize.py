@@ -219,7 +219,7 @@ def join_world(ntp: NTPConfig, store=None, generation: int = 0, rank: int | None
     group."""
     if torch.cuda.is_available():
         torch.cuda.set_device(cuda_device_index(os.environ, torch.cuda.device_count()))
-    prepare_backend()
+    prepare_backend(ntp.timeout_s)
     timeout = timedelta(seconds=ntp.timeout_s)
     if store is None:
         deepspeed.init_distributed(dist_backend=backend_for_device(), timeout=timeout)
@@ -295,7 +295,7 @@ def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_l
         join_world(spec.ntp, store)
     elif not wire.has_control():  # the caller built the default group itself
         check_error_handling()
-        prepare_backend()
+        prepare_backend(spec.ntp.timeout_s)
         deepspeed.init_distributed(dist_backend=dist.get_backend(), timeout=timedelta(seconds=spec.ntp.timeout_s))
         start_generation(spec.ntp.timeout_s, spec.ntp.control_fanout)
     return build_engine(spec, topology, lambda groups: shard_module(model, spec.model_config, groups), store)

@@ -147,7 +147,8 @@ class Recovery:
         """What a joiner's configuration must match."""
         self.on_phase = lambda step, phase: None
         """Called with phase "recovery" once the new membership is agreed, "rendezvous" as the survivors meet for
-        the new generation and "transfer" as the lost units move: the fault-injection seams."""
+        the new generation, "groups" as its communicators are about to be created (its members all met) and
+        "transfer" as the lost units move: the fault-injection seams."""
 
     def _phase(self, step: int, phase: str) -> None:
         """A phase point of a recovery: this rank's own work for the heartbeat's progress, then the seam. The rest
@@ -397,6 +398,7 @@ class Recovery:
         me = new_members.index(self.rank)
         held = self._held
         grads = held.take_grads() if held is not None else {}
+        self._phase(snapshot.global_steps + 1, "groups")
         if held is None or not (recuttable(held.optimizer) and keeps_place(snapshot.topology, snapshot.rank,
                                                                            new_topology, me)
                                 and not any(m.dst == me for m in moves)):

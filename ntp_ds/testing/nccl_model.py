@@ -34,12 +34,29 @@ show it is the one that catches a given bug:
   first op: the host blocks in the post, even of an async op, and no abort reaches it (torch enters the communicator
   in the map an abort walks only after the init returns). A member that never gets there strands the others: NCCL
   hangs for good; after `NTP_NCCL_MODEL_DEADLOCK_S` seconds the post raises `Deadlock`, naming the missing ranks.
-  (Non-blocking init, which an abort could end, is not modelled: the product does not use it.)
+  A non-blocking communicator (`config.blocking = 0` in the group's options, else
+  `TORCH_NCCL_USE_COMM_NONBLOCKING=1`) is created the same way, but its first use waits for it at most
+  `TORCH_NCCL_NONBLOCKING_TIMEOUT` seconds (1800 by default; torch's `NCCLComm::waitReady`) and then raises
+  `DistBackendError` ("NCCL timeout"); no abort ends that wait either (it holds the communicator's mutex).
 - `device`: the process has one device, which can stop (`hang_device`: a kernel that never ends on the stream the
   training thread queues to, as `torch.cuda._sleep` spins): an op posted after it never starts (ProcessGroupNCCL
   orders each op's stream after the current stream), pending until the group is aborted, and a device event
   recorded after it never completes (`record_event`, registered with `ntp_ds.comm.device`). With the rule off the
   device never stops.
+- `sync`: a device sync (`synchronize`, registered with `ntp_ds.comm.device`; the product's `settle_device`) returns
+  only once the device has run what it waits for. A stream sync (`torch.cuda.current_stream().synchronize()`, as a
+  `.item()` or `.tolist()` of a device tensor makes) waits for everything queued on the training thread's stream: it
+  never returns once the device has stopped (a spin kernel is not ended by an abort). A sync of the whole device
+  (`torch.cuda.synchronize()`) also waits for every kernel still running on any of the process's communicators,
+  until it completes or an abort of its communicator ends it. (A stream sync does not wait for a communicator's
+  ops: the current stream waits on an op only once its Work is waited, and here a wait blocks the host.) NCCL
+  hangs for good; after `NTP_NCCL_MODEL_DEADLOCK_S` seconds the sync raises `Deadlock`.
+- `watchdog`: an op still pending at its group's timeout is caught by the group's watchdog, as torch's
+  `Watchdog::runLoop` does under async error handling 0: nothing is aborted and the caller's Work does not change
+  (the watchdog marks its own copy: the op stays incomplete, its wait returns nothing new, its exception stays
+  None), but the watchdog then sleeps 4 x `TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC` (15 s by default) holding the
+  group's work list, whatever the dump setting, so the next op posted on the group blocks its host until the sleep
+  ends (one sleep per op that timed out, one after another).
 
 Tensors live on the CPU; the package's `nccl` branches are taken for `nccl_model` too (`ntp_ds.comm.wire.is_nccl`).
 """
@@ -51,6 +68,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -65,9 +83,14 @@ from ntp_ds.comm import device
 log = logging.getLogger(__name__)
 
 NAME = "nccl_model"
-RULES = ("coalesce", "async", "order", "tags", "first", "abort", "device", "create")
+RULES = ("coalesce", "async", "order", "tags", "first", "abort", "device", "create", "sync", "watchdog")
 OFF_ENV = "NTP_NCCL_MODEL_OFF"
 DEADLOCK_ENV = "NTP_NCCL_MODEL_DEADLOCK_S"
+NONBLOCKING_ENV = "TORCH_NCCL_USE_COMM_NONBLOCKING"
+NONBLOCKING_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
+DUMP_WAIT_ENV = "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"
+DUMP_WAIT_MS = 15_000
+"""torch's default for DUMP_WAIT_ENV: the watchdog sleeps four times this after each op that timed out."""
 
 
 class DeviceStopped(RuntimeError):
@@ -78,8 +101,10 @@ class RuleViolation(RuntimeError):
     """The program broke a rule NCCL imposes (a buffer used while its op was in flight)."""
 
 
-class Deadlock(RuntimeError):
-    """A point-to-point op never met its match: on NCCL the communicator's stream would hang here."""
+class Deadlock(BaseException):
+    """NCCL would hang here for good (a point-to-point op that never met its match, a blocking communicator
+    creation a member never reached, a device sync behind a kernel that never ends). Not an Exception: the code
+    under test cannot take it for a failure it recovers from, since on NCCL its thread would never return."""
 
 
 class Aborted(RuntimeError):
@@ -137,6 +162,9 @@ class ModelWork(dist.Work):
     def __init__(self, what: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]):
         super().__init__()
         self.what = what
+        self.posted_at = time.monotonic()
+        self.watched = False
+        """Seen past its group's timeout by the watchdog (`watchdog`)."""
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._delivered = False
@@ -261,6 +289,31 @@ def record_event() -> ModelEvent:
     return ModelEvent(not _stopped.is_set())
 
 
+def synchronize(whole_device: bool = False) -> None:
+    """A device sync (the `sync` rule): of the training thread's stream, or of the `whole_device`."""
+    if not rule_on("sync"):
+        return
+    bound = float(os.environ.get(DEADLOCK_ENV, "60"))
+    if _stopped.wait(0):
+        time.sleep(bound)
+        raise Deadlock(f"nccl_model: deadlock: a device sync has waited {bound:g} s behind a kernel that never ends "
+                       "(the device stopped); the host waits there for ever")
+    if not whole_device:
+        return
+    deadline = time.monotonic() + bound
+    for group in list(_GROUPS):
+        with group._lock:
+            running = list(group._pending)
+        for work in running:
+            if not work._done.wait(max(0.0, deadline - time.monotonic())):
+                raise Deadlock(f"nccl_model: deadlock: a sync of the whole device has waited {bound:g} s for "
+                               f"{work.what}, still running on a communicator; only its completion or an abort of "
+                               "its communicator ends it")
+
+
+_GROUPS: weakref.WeakSet = weakref.WeakSet()
+"""The process's communicators (a sync of the whole device waits for their kernels)."""
+
 _CREATED: list[int] = []
 """The size of every communicator this process created (NCCL creates one at its group's first op), in order."""
 
@@ -288,10 +341,16 @@ class _Op:
 class ModelGroup(dist.ProcessGroup):
     """An NCCL-like communicator over a gloo group of the same ranks."""
 
-    def __init__(self, store, rank: int, size: int, timeout: timedelta):
+    def __init__(self, store, rank: int, size: int, timeout: timedelta, blocking: bool = True):
         super().__init__(rank, size)
+        self._blocking = blocking
         self._rank, self._size = rank, size
-        self._gloo = ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
+        # Under `create`, the transport underneath is connected at the group's first op, as NCCL creates its
+        # communicator then, and a group's construction waits for nobody; with the rule off, at construction, as
+        # gloo connects every member then.
+        self._transport = (PrefixStore("gloo/", store), rank, size, timeout)
+        self._gloo = None if rule_on("create") else ProcessGroupGloo(*self._transport)
+        self._creating = threading.Lock()
         self._store = PrefixStore("match/", store.clone())
         self._deadlock_s = float(os.environ.get(DEADLOCK_ENV, "60"))
         self._ordered = rule_on("order")
@@ -303,11 +362,16 @@ class ModelGroup(dist.ProcessGroup):
         self._posted = 0
         self._numbers = itertools.count()
         self._batch: list | None = None
+        self._timeout_s = timeout.total_seconds()
+        self._dump_wait_s = float(os.environ.get(DUMP_WAIT_ENV, str(DUMP_WAIT_MS))) / 1000
+        self._late: list[float] = []  # the timeouts of ops that ended after them, not yet slept on
+        self._watched = 0.0  # when the watchdog's sleeps so far end
         # The worker holds the group weakly: a group must never be freed on it (a daemon thread that frees a gloo
         # group while the interpreter exits takes the process down).
         self._thread = threading.Thread(target=_run_stream, args=(weakref.ref(self), self._queue),
                                         name=f"nccl_model-{id(self):x}", daemon=True)
         self._thread.start()
+        _GROUPS.add(self)
 
     def getBackendName(self) -> str:
         return NAME
@@ -316,8 +380,13 @@ class ModelGroup(dist.ProcessGroup):
     def _post(self, what: str, inputs, outputs, run, p2p=()) -> ModelWork:
         if self._aborted:
             raise Aborted(f"nccl_model: {what} on an aborted communicator ({self._aborted})")
-        if not self._posted and rule_on("create"):
-            self._create(what)
+        if self._gloo is None:
+            with self._creating:
+                if self._gloo is None:
+                    self._create(what)
+                    self._gloo = ProcessGroupGloo(*self._transport)
+        if rule_on("watchdog"):
+            self._behind_the_watchdog()
         work = ModelWork(what, list(inputs), list(outputs))
         with self._lock:  # with the abort's check: an op posted as another thread aborts is refused, never left pending
             if self._aborted:
@@ -333,16 +402,39 @@ class ModelGroup(dist.ProcessGroup):
         return work
 
     def _create(self, what: str) -> None:
-        """The blocking init at the group's first op: wait (on the posting thread, abort or not) until every member
-        has reached its own first op. (The stream's store client is idle until the group's first op is posted.)"""
+        """The init at the group's first op: wait (on the posting thread, abort or not) until every member has
+        reached its own first op, for ever if the init is blocking, at most TORCH_NCCL_NONBLOCKING_TIMEOUT if not.
+        (The stream's store client is idle until the group's first op is posted.)"""
+        bound = self._deadlock_s if self._blocking else float(os.environ.get(NONBLOCKING_TIMEOUT_ENV, "1800"))
         self._store.set(f"create/{self._rank}", "1")
         try:
-            self._store.wait([f"create/{r}" for r in range(self._size)], timedelta(seconds=self._deadlock_s))
+            self._store.wait([f"create/{r}" for r in range(self._size)], timedelta(seconds=bound))
         except Exception:
             missing = [r for r in range(self._size) if not self._store.check([f"create/{r}"])]
+            if not self._blocking:
+                raise dist.DistBackendError(
+                    f"NCCL timeout in: nccl_model: the non-blocking communicator of group rank {self._rank} was not "
+                    f"ready within {NONBLOCKING_TIMEOUT_ENV}={bound:g} s at its first op ({what}): group rank(s) "
+                    f"{missing} never reached theirs") from None
             raise Deadlock(f"nccl_model: deadlock: group rank {self._rank} has waited {self._deadlock_s:g} s in the "
                            f"creation of its communicator at its first op ({what}) for group rank(s) {missing}, "
                            "which never reached theirs (a blocking ncclCommInitRank: no abort ends it)") from None
+
+    def _behind_the_watchdog(self) -> None:
+        """Block the post while the watchdog sleeps after the ops that timed out on this group (`watchdog`)."""
+        now = time.monotonic()
+        with self._lock:
+            timed_out = self._late + [w.posted_at + self._timeout_s for w in self._pending
+                                      if not w.watched and now > w.posted_at + self._timeout_s]
+            for w in self._pending:
+                w.watched = w.watched or now > w.posted_at + self._timeout_s
+            self._late = []
+            for at in sorted(timed_out):
+                self._watched = max(self._watched, at) + 4 * self._dump_wait_s
+            until = self._watched
+        if until > now:
+            log.debug("nccl_model: a post waits %.1f s behind the watchdog's sleep", until - now)
+            time.sleep(until - now)
 
     def ops_posted(self) -> int:
         """Operations posted on this communicator so far (a batch counts once): NCCL's own sequence number."""
@@ -395,6 +487,8 @@ class ModelGroup(dist.ProcessGroup):
     def _end(self, work: ModelWork, error: BaseException | None) -> None:
         with self._lock:
             self._pending.discard(work)
+            if not work.watched and time.monotonic() > work.posted_at + self._timeout_s:
+                self._late.append(work.posted_at + self._timeout_s)  # the watchdog caught it before it ended
         work.finish(error)
 
     def _rendezvous(self, op: _Op) -> None:
@@ -613,8 +707,13 @@ def _run_stream(group_ref, ops: queue.Queue) -> None:
 
 
 # -- registration ---------------------------------------------------------------------------------------------
-def _create(store, rank: int, size: int, timeout: timedelta) -> ModelGroup:
-    return ModelGroup(store, rank, size, timeout)
+def _create(opts, options) -> ModelGroup:
+    """A group of the model, from torch's extended backend arguments and the group's options, whose shape is
+    `ProcessGroupNCCL.Options`' (`config.blocking`: 0 non-blocking, 1 blocking; unset: TORCH_NCCL_USE_COMM_NONBLOCKING,
+    as torch's `useNonblocking` reads them)."""
+    chosen = getattr(getattr(options, "config", None), "blocking", None)
+    blocking = chosen != 0 if chosen is not None else os.environ.get(NONBLOCKING_ENV, "0") not in ("1", "true")
+    return ModelGroup(opts.store, opts.group_rank, opts.group_size, opts.timeout, blocking)
 
 
 _batch_isend_irecv = dist.distributed_c10d.batch_isend_irecv
@@ -636,8 +735,8 @@ def batch_isend_irecv(p2p_op_list):
     return [work] if rule_on("coalesce") else [work] * len(p2p_op_list)
 
 
-device.register(NAME, record_event, hang_device)
+device.register(NAME, record_event, hang_device, synchronize)
 if NAME.upper() not in dist.Backend._plugins:
-    dist.Backend.register_backend(NAME, _create, devices=["cpu"])
+    dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
     dist.distributed_c10d.batch_isend_irecv = batch_isend_irecv
     dist.batch_isend_irecv = batch_isend_irecv
