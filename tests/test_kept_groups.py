@@ -3,6 +3,7 @@ carry on into the next generation, and only groups whose members left them with 
 kept. Judged by final state as every recovery test is: the weights equal the failure-free run's."""
 
 import os
+import time
 from datetime import timedelta
 
 import pytest
@@ -168,3 +169,48 @@ def test_a_departure_releases_only_a_peer_that_posted_more_than_the_leaver():
     assert seen[0]["level"] is False and seen[0]["ahead"] is True
     assert seen[0]["after"] == seen[1]["after"] == -1
     assert seen[0]["released"] is True and seen[1]["released"] is True
+
+
+def _ran_ahead(rank, world):
+    import ntp_ds.testing.nccl_model  # noqa: F401  (registers the backend)
+    from ntp_ds.comm import groups, wire
+    from ntp_ds.control.store import connect_from_env
+    from ntp_ds.recovery.keep import depart, departed
+
+    dist.init_process_group("nccl_model", rank=rank, world_size=world)
+    groups.start_generation(30.0)
+    tp = groups.named_group("tp/0", [0, 1], timedelta(seconds=30), role="tp")
+    store = connect_from_env(30.0)
+    wire.on_departure(lambda group: departed(store, 7, group))
+    wire.all_reduce(torch.ones(1), tp)  # (its communicator, created by both)
+    if rank == 1:  # leaves the group for a recovery with one operation posted on it
+        depart(store, 7)
+        store.set("rank1-left", "1")
+        store.wait(["rank0-done"])
+        return {}
+    store.wait(["rank1-left"])
+    # Rank 0's host ran ahead of its device (as on a GPU, where a wait only orders the stream) past an operation
+    # rank 1 will never match; then a verdict on another replica spares the group, and the training thread arrives.
+    pending = dist.all_reduce(torch.ones(1), group=tp, async_op=True)
+    wire.peer_failed("rank 9 declared dead (test)", suspects=[9])
+    handed = wire.arrive()
+    t0 = time.monotonic()
+    try:  # what the snapshot's device sync would wait on, behind the operation's kernel
+        pending.wait(timedelta(seconds=10))
+        outcome = "ended"
+    except RuntimeError as err:
+        outcome = str(err)
+    seen = {"handed": tp in handed, "outcome": outcome, "waited_s": time.monotonic() - t0,
+            "aborted": tp in wire._state.aborted_groups, "kept": wire.stop_watching([tp]) == [tp]}
+    store.set("rank0-done", "1")
+    return seen
+
+
+def test_a_group_handed_to_the_recovery_is_aborted_once_a_member_left_it_with_fewer_operations():
+    # Rank 1 left the (healthy) group with one operation posted; rank 0 posted a second and ran ahead of it. The
+    # group is spared by a verdict on another replica and handed to the recovery at the arrival. Before: nothing
+    # watched it any more, and the wait behind that operation (on a GPU: the snapshot's device sync) never ended.
+    # Now the departures are watched until the recovery decides what it keeps: the group is aborted, the wait ends.
+    seen = run_ranks(_ran_ahead, 2, timeout=120, store=True)[0]
+    assert seen["handed"] and seen["outcome"] == "ended", seen
+    assert seen["waited_s"] < 2.0 and seen["aborted"] and not seen["kept"], seen

@@ -107,6 +107,9 @@ class _State:
     them (`arrive`): the groups a recovery may keep."""
     arrived: threading.Event = field(default_factory=threading.Event)
     """The training thread reached the recovery after a failure (so it is blocked on no kernel)."""
+    handed: list = field(default_factory=list)
+    """Under NCCL, the spared groups `arrive` handed to the recovery, still watched for departures until the
+    recovery has decided which it keeps (`stop_watching`)."""
     routes: dict | None = None
     """peer -> the group a pairwise exchange with that peer runs on (`set_routes`); None: the default group."""
     route_order: dict = field(default_factory=dict)
@@ -154,6 +157,7 @@ def configure(timeout_s: float, control_group=None, tree=None) -> None:
     _state.aborted_groups = weakref.WeakSet()
     _state.suspects = None
     _state.spared = []
+    _state.handed = []
     _state.arrived.clear()
     _state.routes, _state.route_order, _state.open_pair, _state.copy_routes = None, {}, None, None
     _state.ledger = {}
@@ -176,7 +180,9 @@ def peer_failed(reason: str, suspects=None, arrival_s: float = 5.0) -> None:
     members have left it for the recovery having posted fewer operations on it than this rank (`on_departure`)
     holds an operation of this rank that nobody will match, which the training thread may be blocked on, directly
     or through the device: a wait on it ends, and under NCCL it is aborted at once. What is still spared when the
-    arrival bound passes is aborted then.
+    arrival bound passes is aborted then. The groups the training thread takes over when it arrives stay watched
+    the same way until the recovery has decided which it keeps (`stop_watching`): on a GPU its host may have run
+    ahead of such an operation, and its next device sync (the snapshot's) would wait on it for ever.
     """
     if _state.failed.is_set():
         return
@@ -201,26 +207,38 @@ def _abort_for(generation: int, suspects, arrival_s: float) -> None:
                          if g is not default and not suspects & set(dist.get_process_group_ranks(g))]
     abort_all(generation, spare=_state.spared)
     deadline = time.monotonic() + arrival_s
-    while not _state.arrived.wait(DEPARTURE_POLL_S):
+    while generation == _state.generation:
+        # Once arrived, a look a second (DEPARTURE_CHECK_S): what it guards is rare, and the store is busy then.
+        arrived = _state.arrived.wait(DEPARTURE_CHECK_S if _state.arrived.is_set() else DEPARTURE_POLL_S)
         # A spared group whose members left for the recovery with fewer operations posted on it than this rank holds
         # an operation of this rank they will never match; the training thread may be blocked on it (in its wait,
         # or on the device behind its kernel): abort that group now, not at the arrival bound.
-        lost = [g for g in list(_state.spared) if _departed(g)]
+        with _abort_lock:
+            watched = list(_state.handed if arrived else _state.spared)
+        if arrived and not watched:
+            return
+        # Before the arrival a look that cannot tell aborts (the training thread may be blocked); after it, it does
+        # not: the recovery meanwhile takes its groups out of torch's registry for a while (`set_aside`), and an
+        # abort on a guess would drop a group its peers keep.
+        lost = [g for g in watched if _departed(g, guess=not arrived)]
         if lost:
             with _abort_lock:
-                if generation == _state.generation and not _state.arrived.is_set():
-                    lost = [g for g in lost if g in _state.spared]
+                if generation == _state.generation:
+                    if _state.arrived.is_set():
+                        lost = [g for g in lost if g in _state.handed]
+                        _state.handed = [g for g in _state.handed if g not in lost]
+                    else:
+                        lost = [g for g in lost if g in _state.spared]
+                        _state.spared = [g for g in _state.spared if g not in lost]
                     _abort_groups(lost)
-                    _state.spared = [g for g in _state.spared if g not in lost]
-        if time.monotonic() > deadline:
-            break
-    if _state.arrived.is_set():
-        return
-    with _abort_lock:
-        if generation == _state.generation and not _state.arrived.is_set() and _state.spared:
-            log.warning("the training thread did not reach the recovery within %.1f s: aborting the rest", arrival_s)
-            _abort_groups(_state.spared)
-            _state.spared = []
+        if not arrived and time.monotonic() > deadline:
+            with _abort_lock:
+                if generation == _state.generation and not _state.arrived.is_set() and _state.spared:
+                    log.warning("the training thread did not reach the recovery within %.1f s: aborting the rest",
+                                arrival_s)
+                    _abort_groups(_state.spared)
+                    _state.spared = []
+            return
 
 
 def arrive() -> list:
@@ -230,8 +248,18 @@ def arrive() -> list:
         _state.arrived.set()
         spared = [g for g in _state.spared if g in dist.distributed_c10d._world.pg_map]
         _state.spared = []
+        _state.handed = list(spared)
         abort_all(_state.generation, spare=spared)
         return spared
+
+
+def stop_watching(kept) -> list:
+    """The recovery has decided to keep `kept` of the groups `arrive` handed it: stop watching them for departures
+    and return those not aborted meanwhile (none, when the members decided alike: a departure that aborts a group
+    also makes its members' counts differ, `keep.keep`)."""
+    with _abort_lock:
+        _state.handed = []
+        return [g for g in kept if g not in _state.aborted_groups]
 
 
 _WIRE_FILES = ("/torch/distributed/", "/deepspeed/comm/", "/ntp_ds/comm/wire.py", "/ntp_ds/testing/nccl_model.py")
@@ -763,7 +791,7 @@ DEPARTURE_POLL_S = 0.25
 group while nobody has left it), until the training thread reaches the recovery (at most `arrival_s`)."""
 
 
-def _departed(group) -> bool:
+def _departed(group, guess: bool = True) -> bool:
     """Whether this rank holds an operation on `group` (one without a suspect) that nobody will match: its members
     that left it for the recovery had posted fewer, or not all the same number. So the members of such a group (a
     healthy replica's TP group) go on together up to the first operation that involves the dead, with equally many
@@ -772,14 +800,14 @@ def _departed(group) -> bool:
     alike: one at a time."""
     check = _state.departed
     if check is None:
-        return True
+        return guess
     try:
         with _departure_lock:
             left = check(group)
         return left is not None and (left < 0 or left < ops_posted(group))
-    except Exception as err:  # the store cannot say: do not wait on a guess
+    except Exception as err:  # the store cannot say: do not wait on a guess (`guess`: what to say then)
         log.debug("departure check failed: %s", err)
-        return True
+        return guess
 
 
 _departure_lock = threading.Lock()

@@ -128,5 +128,6 @@ def keep(store, rank: int, candidates, old_members: tuple[int, ...], new_members
                 continue
         if group is not None and count >= 0:
             kept.append(group)
+    kept = wire.stop_watching(kept)
     wire.discard([g for g in candidates if g not in kept])
     return kept
