@@ -127,17 +127,29 @@ def test_a_group_is_kept_only_if_its_members_posted_equally_many_operations(extr
     assert [results[r]["registered"] for r in (0, 1)] == ([1, 1] if extra_op else [2, 2])
 
 
-def _departures(rank, world):
+def _healthy_tp_group(rank, world, backend):
+    """A TP group of ranks 0 and 1 with one operation posted (its communicator created by both), departures read
+    from the store for recovery generation 7; (group, store)."""
     from ntp_ds.comm import groups, wire
     from ntp_ds.control.store import connect_from_env
-    from ntp_ds.recovery.keep import depart, departed
+    from ntp_ds.recovery.keep import departed
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl_model":
+        import ntp_ds.testing.nccl_model  # noqa: F401  (registers the backend)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     groups.start_generation(30.0)
     tp = groups.named_group("tp/0", [0, 1], timedelta(seconds=30), role="tp")
     store = connect_from_env(30.0)
     wire.on_departure(lambda group: departed(store, 7, group))
     wire.all_reduce(torch.ones(1), tp)
+    return tp, store
+
+
+def _departures(rank, world):
+    from ntp_ds.comm import wire
+    from ntp_ds.recovery.keep import depart, departed
+
+    tp, store = _healthy_tp_group(rank, world, "gloo")
     seen = {"before": departed(store, 7, tp)}
     store.set(f"rank{rank}-read", "1")
     if rank == 1:  # leaves first, with one operation posted on the group
@@ -172,17 +184,10 @@ def test_a_departure_releases_only_a_peer_that_posted_more_than_the_leaver():
 
 
 def _ran_ahead(rank, world):
-    import ntp_ds.testing.nccl_model  # noqa: F401  (registers the backend)
-    from ntp_ds.comm import groups, wire
-    from ntp_ds.control.store import connect_from_env
-    from ntp_ds.recovery.keep import depart, departed
+    from ntp_ds.comm import wire
+    from ntp_ds.recovery.keep import depart
 
-    dist.init_process_group("nccl_model", rank=rank, world_size=world)
-    groups.start_generation(30.0)
-    tp = groups.named_group("tp/0", [0, 1], timedelta(seconds=30), role="tp")
-    store = connect_from_env(30.0)
-    wire.on_departure(lambda group: departed(store, 7, group))
-    wire.all_reduce(torch.ones(1), tp)  # (its communicator, created by both)
+    tp, store = _healthy_tp_group(rank, world, "nccl_model")
     if rank == 1:  # leaves the group for a recovery with one operation posted on it
         depart(store, 7)
         store.set("rank1-left", "1")
