@@ -8,10 +8,10 @@ import logging
 import math
 import os
 import weakref
-from types import SimpleNamespace
 from array import array
 from dataclasses import dataclass
 from datetime import timedelta
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
