@@ -206,7 +206,14 @@ def _ran_ahead(rank, world):
     except RuntimeError as err:
         outcome = str(err)
     seen = {"handed": tp in handed, "outcome": outcome, "waited_s": time.monotonic() - t0,
-            "aborted": tp in wire._state.aborted_groups, "kept": wire.stop_watching([tp]) == [tp]}
+            "aborted": tp in wire._state.aborted_groups}
+    # The groups still handed over (the control tree's, which nobody left early) are looked at once a second.
+    looks = []
+    check = wire._state.departed
+    wire.on_departure(lambda group: looks.append(group) or check(group))
+    time.sleep(2.5)
+    seen["watched"], seen["looks"] = len(wire._state.handed), len(looks)
+    seen["kept"] = wire.stop_watching([tp]) == [tp]
     store.set("rank0-done", "1")
     return seen
 
@@ -219,3 +226,4 @@ def test_a_group_handed_to_the_recovery_is_aborted_once_a_member_left_it_with_fe
     seen = run_ranks(_ran_ahead, 2, timeout=120, store=True)[0]
     assert seen["handed"] and seen["outcome"] == "ended", seen
     assert seen["waited_s"] < 2.0 and seen["aborted"] and not seen["kept"], seen
+    assert seen["watched"] >= 1 and seen["looks"] <= 3 * seen["watched"], seen

@@ -208,8 +208,11 @@ def _abort_for(generation: int, suspects, arrival_s: float) -> None:
     abort_all(generation, spare=_state.spared)
     deadline = time.monotonic() + arrival_s
     while generation == _state.generation:
-        # Once arrived, a look a second (DEPARTURE_CHECK_S): what it guards is rare, and the store is busy then.
-        arrived = _state.arrived.wait(DEPARTURE_CHECK_S if _state.arrived.is_set() else DEPARTURE_POLL_S)
+        if _state.arrived.is_set():  # a look a second (DEPARTURE_CHECK_S): what it guards is rare, the store busy
+            time.sleep(DEPARTURE_CHECK_S)
+            arrived = True
+        else:
+            arrived = _state.arrived.wait(DEPARTURE_POLL_S)
         # A spared group whose members left for the recovery with fewer operations posted on it than this rank holds
         # an operation of this rank they will never match; the training thread may be blocked on it (in its wait,
         # or on the device behind its kernel): abort that group now, not at the arrival bound.
