@@ -334,6 +334,19 @@ def test_copies_in_host_memory_through_small_staging_buffers():
     assert optimizer_bytes and min(optimizer_bytes) > 0, "the lost partition must come back from a copy"
 
 
+@pytest.mark.long  # .ci/run: its long stage and the nccl_model stage
+def test_host_copies_travelling_with_the_next_step_come_back_whole_or_from_the_step_before():
+    # Host-memory copies with redundancy_overlap travel piece by piece during the next step's micro-batches. Rank 3
+    # dies in step 3's backward pass, its copies of step 2 perhaps still on the way: the survivors keep the whole
+    # ones, and with the previous copies kept the job is whole either way (from step 2's copies, or rolled back to
+    # step 1's). Equal to the failure-free run, lossless.
+    results = run((2, 2, 2), 1, [fault(3, 3, "backward")], redundancy=2, redundancy_keep_previous=True,
+                  redundancy_on_host=True, redundancy_overlap=True, bucket_size=3000)
+    assert_equivalent(results)
+    assert_lossless_and_minimal(results, (2, 1, 2))
+    print("rolled back:", {e["rolled_back"] for copies in events_of(results) for e in copies})
+
+
 def test_anchor_lost_while_its_parameters_stream_to_the_contributor():
     # (2, 2, 1): two anchor replicas, so the contributor receives its parameters bucket by bucket during its next
     # forward. Rank 0 dies as that forward starts: the contributor's buckets from it never arrive, it still holds

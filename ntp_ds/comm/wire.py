@@ -315,7 +315,7 @@ def abort_all(generation: int | None = None, spare=()) -> None:
             if spare:  # each alone, all registered still: the spared ones are never out of torch's registry
                 _abort_groups(left)
             elif dist.is_initialized():
-                _observe(None)
+                _observe(left)  # not the groups set aside to be kept (`set_aside`): their ops are not cut
                 dist.distributed_c10d._abort_process_group()
             else:  # the world already aborted, groups spared then left: each alone
                 _abort_groups(left)
@@ -414,8 +414,10 @@ def teardown(keep=()) -> None:
 def _teardown(keep) -> None:
     from deepspeed.utils import groups as ds_groups
 
-    _state.ledger = {}  # (the groups it names would not close; what was unproven stays unproven: `_prove`)
     keep = [g for g in keep if g in dist.distributed_c10d._world.pg_map]
+    # The ops of the groups kept stay in the ledger (`drained`); the others' go (their groups would not close while
+    # named there; what was unproven stays unproven: `_prove`).
+    _state.ledger = {g: q for g, q in _state.ledger.items() if g in keep}
     groups = [weakref.ref(g) for g in dist.distributed_c10d._world.pg_map if g not in keep]
     with set_aside(keep):
         if dist.is_initialized():
@@ -714,6 +716,26 @@ def _observe(groups) -> None:
                     _prove(entry)
 
 
+def drained(group, within_s: float) -> bool:
+    """Whether every data op this rank posted on `group` is seen complete within `within_s`: looked at, never
+    waited on (no device sync). A group carried into the next generation must hold no kernel still running: a kernel
+    that never ends there (a member's device stopped) would block the next generation's ops and device syncs, and
+    its communicator's abort, for ever. An op cut by an abort is not complete."""
+    deadline = time.monotonic() + within_s
+    while True:
+        with _abort_lock:
+            queue = _state.ledger.get(group, deque())
+            while queue and _prove(queue[0]):
+                queue.popleft()
+            if not queue:
+                return True
+            if queue[0].cut:
+                return False
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(SLICE_S / 10)
+
+
 def outstanding(since: int = 0) -> list[Posted]:
     """The data ops posted in this generation after the mark `since` that write this rank's buffers and whose
     arrival is not proven yet (to prove later, with `proven`, that what they wrote arrived whole)."""
@@ -922,6 +944,13 @@ def set_routes(routes: Mapping[int, object], order: Mapping[object, int], open_p
     _state.route_order = dict(order)
     _state.open_pair = open_pair
     _state.copy_routes = None if copy_routes is None else dict(copy_routes)
+
+
+def has_copy_lane() -> bool:
+    """Whether the state copies run on groups of their own in this generation (`set_routes`): only there may they
+    be posted at points of their own (between micro-batches), since every other exchange on a group is posted at
+    the same point of the step by every member, in one order."""
+    return _state.copy_routes is not None
 
 
 def _route(peers, lane: str = "data") -> dict:

@@ -155,9 +155,15 @@ class StateCopies:
             sends = {t: outgoing for t in self.targets}
             self._in_flight = (wire.exchange(sends, dict(self._buffers), op="copy_data", lane="copies"), outgoing)
             return
-        # Host copies travel piece by piece in `finish`: a round of pieces per exchange, each round posting this
-        # rank's sends and receives together (NCCL would deadlock a ring of buddies whose sends go first).
-        self._in_flight = (None, outgoing)
+        # Host copies travel piece by piece (`_Rounds`): their first rounds set off now, the others as the rounds
+        # before them land (`advance`, or `finish`).
+        self._in_flight = (_Rounds(self, outgoing), outgoing)
+
+    def advance(self) -> None:
+        """Move host copies in flight on without waiting: land the rounds seen complete and post the next ones (call
+        between the next step's micro-batches, so that the copies travel with its compute)."""
+        if self._in_flight is not None and self.on_host:
+            self._in_flight[0].advance()
 
     def finish(self, salvage: bool = False) -> None:
         """Complete the copies in flight; raise if a transfer failed (the copies it was writing are dropped, the
@@ -167,7 +173,7 @@ class StateCopies:
         pending, outgoing = self._in_flight
         self._in_flight = None
         if self.on_host:
-            self._transfer_pieces(outgoing, salvage)
+            pending.finish(salvage)
             return
         lost, arrived = [], []
         for o in self._buffers:
@@ -203,61 +209,6 @@ class StateCopies:
         step = self.chunk or max(numels + [1])
         return [(i, lo, min(lo + step, n)) for i, n in enumerate(numels) for lo in range(0, n, step)]
 
-    def _transfer_pieces(self, outgoing: list[torch.Tensor], salvage: bool) -> None:
-        """Send this rank's pieces to its buddies and receive its owners' into their host buffers, in rounds: round j
-        carries every pair's j-th piece, both directions posted together, through two device staging buffers per
-        owner (rounds j and j + 1 in flight). Raise if a round failed (the owners it was writing are dropped, the
-        owners already complete are kept)."""
-        out_pieces = self._pieces([t.numel() for t in outgoing]) if self.targets else []
-        in_pieces = {o: self._pieces([b.numel() for b in bufs]) for o, bufs in self._buffers.items()}
-        rounds = max([len(out_pieces)] + [len(ps) for ps in in_pieces.values()])
-        staging = {o: [torch.empty(max(hi - lo for _, lo, hi in ps), dtype=torch.float32, device=self._device)
-                       for _ in range(2)] for o, ps in in_pieces.items() if ps}
-        posted = []
-
-        def post(j: int) -> None:
-            sends = {}
-            if j < len(out_pieces):
-                i, lo, hi = out_pieces[j]
-                sends = {t: outgoing[i][lo:hi] for t in self.targets}
-            recvs = {}
-            for o, ps in in_pieces.items():
-                if j < len(ps):
-                    _, lo, hi = ps[j]
-                    recvs[o] = staging[o][j % 2][:hi - lo]
-            posted.append((j, wire.exchange(sends, recvs, op="copy_piece", lane="copies"), recvs))
-
-        for j in range(min(2, rounds)):
-            post(j)
-        rounds_of: dict[int, list[wire.Exchange]] = {o: [] for o in in_pieces}
-
-        def keep(owners) -> None:  # the host buffers were filled by non-blocking copies from the device
-            wire.settle_device()
-            for o in owners:
-                if all(e.proven(o) for e in rounds_of[o]):
-                    self.held[o] = self._view(o, self._buffers[o])
-                else:
-                    self.refused.append(o)
-
-        try:
-            while posted:
-                j, pending, recvs = posted.pop(0)
-                if salvage:  # at a failure: what live owners send still arrives
-                    for o in recvs:
-                        pending.wait_received(o, heed_failure=False)
-                else:
-                    pending.wait()
-                for o, view in recvs.items():
-                    rounds_of[o].append(pending)
-                    i, lo, hi = in_pieces[o][j]
-                    self._buffers[o][i][lo:hi].copy_(view, non_blocking=True)  # the next receive is ordered after
-                if j + 2 < rounds:
-                    post(j + 2)
-        except RuntimeError:  # round j did not arrive: the owners still receiving are dropped
-            keep([o for o, ps in in_pieces.items() if len(ps) <= j])
-            raise
-        keep(list(self._buffers))
-
     def _exchange_layouts(self, keys, sources, device) -> None:
         """Tell each buddy, once per engine, the sizes of this rank's sources and where each fragment lies: int64
         headers on the data device, over the group the copies travel on (the buffers stay referenced until the
@@ -291,6 +242,80 @@ class StateCopies:
             frags[name] = Fragment(start, numel, {k: bufs[1 + index + j][offset:offset + numel]
                                                   for j, k in enumerate(keys)})
         return HeldCopy(owner, step, frags)
+
+
+class _Rounds:
+    """A host-copy transfer: this rank's pieces to its buddies and its owners' into their host buffers, in rounds.
+    Round j carries every pair's j-th piece, both directions posted together (NCCL would deadlock a ring of buddies
+    whose sends go first), through two device staging buffers per owner: rounds j and j + 1 are in flight, and
+    round j + 2 sets off once round j has landed in the host buffers."""
+
+    def __init__(self, copies: StateCopies, outgoing: list[torch.Tensor]):
+        self.copies, self.outgoing = copies, outgoing
+        self.out_pieces = copies._pieces([t.numel() for t in outgoing]) if copies.targets else []
+        self.in_pieces = {o: copies._pieces([b.numel() for b in bufs]) for o, bufs in copies._buffers.items()}
+        self.rounds = max([len(self.out_pieces)] + [len(ps) for ps in self.in_pieces.values()])
+        self.staging = {o: [torch.empty(max(hi - lo for _, lo, hi in ps), dtype=torch.float32, device=copies._device)
+                            for _ in range(2)] for o, ps in self.in_pieces.items() if ps}
+        self.posted: list[tuple[int, wire.Exchange, dict]] = []
+        self.rounds_of: dict[int, list[wire.Exchange]] = {o: [] for o in self.in_pieces}
+        for j in range(min(2, self.rounds)):
+            self._post(j)
+
+    def _post(self, j: int) -> None:
+        sends = {}
+        if j < len(self.out_pieces):
+            i, lo, hi = self.out_pieces[j]
+            sends = {t: self.outgoing[i][lo:hi] for t in self.copies.targets}
+        recvs = {}
+        for o, ps in self.in_pieces.items():
+            if j < len(ps):
+                _, lo, hi = ps[j]
+                recvs[o] = self.staging[o][j % 2][:hi - lo]
+        self.posted.append((j, wire.exchange(sends, recvs, op="copy_piece", lane="copies"), recvs))
+
+    def _land(self, j: int, pending: wire.Exchange, recvs: dict) -> None:
+        """Copy round j's pieces (waited) into the host buffers and post round j + 2 into the staging buffers they
+        leave (its receives are ordered after the copies)."""
+        for o, view in recvs.items():
+            self.rounds_of[o].append(pending)
+            i, lo, hi = self.in_pieces[o][j]
+            self.copies._buffers[o][i][lo:hi].copy_(view, non_blocking=True)
+        if j + 2 < self.rounds:
+            self._post(j + 2)
+
+    def advance(self) -> None:
+        """Land the rounds seen complete, oldest first, without waiting for one that is not."""
+        while self.posted and not wire.verdict() and self.posted[0][1].proven():
+            j, pending, recvs = self.posted.pop(0)
+            pending.wait()  # complete: orders this stream after it, and returns at once
+            self._land(j, pending, recvs)
+
+    def finish(self, salvage: bool) -> None:
+        """Complete the rounds still in flight; keep each owner's copy whose every round is proven to have arrived.
+        Raise if a round failed (the owners it was writing are dropped, the owners already complete are kept)."""
+        try:
+            while self.posted:
+                j, pending, recvs = self.posted.pop(0)
+                if salvage:  # at a failure: what live owners send still arrives
+                    for o in recvs:
+                        pending.wait_received(o, heed_failure=False)
+                else:
+                    pending.wait()
+                self._land(j, pending, recvs)
+        except RuntimeError:  # round j did not arrive: the owners still receiving are dropped
+            self._keep([o for o, ps in self.in_pieces.items() if len(ps) <= j])
+            raise
+        self._keep(list(self.copies._buffers))
+
+    def _keep(self, owners) -> None:
+        wire.settle_device()  # the host buffers were filled by non-blocking copies from the device
+        copies = self.copies
+        for o in owners:
+            if all(e.proven(o) for e in self.rounds_of[o]):
+                copies.held[o] = copies._view(o, copies._buffers[o])
+            else:
+                copies.refused.append(o)
 
 
 _STEP_WIDTH = 2

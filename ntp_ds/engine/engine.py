@@ -261,6 +261,7 @@ class NTPEngine(DeepSpeedEngine):
         """Run the model; a dict batch (as the loader yields) is unpacked and its loss weight recorded. With
         `full_logits=True` it returns the batch's full-vocabulary logits instead of its loss (see `logits`)."""
         self._phase(self.global_steps + 1, "forward")
+        self.copies.advance()  # host copies in flight move on between micro-batches
         if len(inputs) == 1 and isinstance(inputs[0], dict):
             kwargs, inputs = {**inputs[0], **kwargs}, ()
         global_tokens = kwargs.pop("global_tokens", None)
@@ -487,8 +488,11 @@ class NTPEngine(DeepSpeedEngine):
         self._phase(self.global_steps, "refresh")  # as the copies of the step just applied set off
         self.copies.start(keys, state.optimizer_step(self) if self.is_anchor else 0, wire.device_of(), sources)
         overlap = self.job.ntp.redundancy_overlap if overlap is None else overlap
-        if self.copies.on_host or not overlap:
-            self.copies.finish()  # host copies are received piece by piece here, whatever the overlap setting
+        # Host copies travel round by round, each round posted as the one two before it lands: on a lane of their
+        # own only (on the data lane their rounds would interleave with the step's exchanges in another order on
+        # each rank).
+        if not overlap or (self.copies.on_host and not wire.has_copy_lane()):
+            self.copies.finish()
 
     def release(self) -> None:
         """Drop every reference this engine holds (model, optimizer, process groups).

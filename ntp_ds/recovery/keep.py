@@ -83,12 +83,28 @@ def close_hit(candidates, topology: Topology, old_members: tuple[int, ...], dead
     return others
 
 
+def _count(group, rank: int, timeout_s: float) -> int:
+    """How many operations this rank posted on `group`, or -1 if it holds no such group or one whose last operation
+    is not seen complete within `timeout_s` (`wire.drained`: a kernel still running there, as behind a member's
+    stopped device, must not be carried into the next generation; the departure watch meanwhile aborts a group a
+    member left with fewer operations, which ends the look at once)."""
+    if group is None:
+        return -1
+    with wire.waiting():
+        if not wire.drained(group, timeout_s):
+            log.warning("rank %d: group %s not kept: an operation posted on it did not complete within %.0f s",
+                        rank, role_of(group), timeout_s)
+            return -1
+    return wire.ops_posted(group)
+
+
 def keep(store, rank: int, candidates, old_members: tuple[int, ...], new_members: tuple[int, ...],
          topology: Topology, sync: SyncPlan, generation: int, timeout_s: float) -> list:
     """Of the groups left open by the teardown (`candidates`), return those the new generation keeps, and close the
     rest. Kept: the new `topology` builds a group of the same role and members (launch ranks) for launch rank `rank`,
-    every member still holds it, and the members posted equally many operations on it (so none is left half matched:
-    a peer that left mid-collective for the recovery makes the counts differ).
+    every member still holds it, the members posted equally many operations on it (so none is left half matched:
+    a peer that left mid-collective for the recovery makes the counts differ), and each member has seen its own
+    operations on it complete (no kernel of the old generation runs on a kept communicator).
 
     Every member decides alike from the same store records, in O(1) store operations per group whatever its size:
     the group's first member writes its count (-1 if it holds no such group any more: aborted, or closed because its
@@ -107,8 +123,7 @@ def keep(store, rank: int, candidates, old_members: tuple[int, ...], new_members
         launch = tuple(new_members[r] for r in ranks)
         if all(r in old_rank for r in launch):  # a group with a joiner is new
             group = held.get((role, launch))
-            checks.append((f"drain/{generation}/{role}/{launch[0]}", launch, group,
-                           wire.ops_posted(group) if group is not None else -1))
+            checks.append((f"drain/{generation}/{role}/{launch[0]}", launch, group, _count(group, rank, timeout_s)))
     for key, launch, _, count in checks:
         if len(launch) > 1 and launch[0] == rank:
             store.set(f"{key}/first", str(count))
