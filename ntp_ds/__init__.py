@@ -7,7 +7,9 @@ def initialize(model, config, ntp=None, *args, **kwargs):
     """Build this rank's NTPEngine (`ntp_ds.engine.initialize`); with `ntp["fault_tolerance"]` on, a
     `FaultTolerantEngine` that recovers from a lost GPU inside the caller's own loop (`ntp_ds.fault_tolerant`)."""
     from ntp_ds.engine.config import NTPConfig
+    from ntp_ds.testing import register_test_backend
 
+    register_test_backend()
     ntp = NTPConfig.from_any(ntp)
     if ntp.fault_tolerance.enabled:
         from ntp_ds.fault_tolerant import initialize as fault_tolerant

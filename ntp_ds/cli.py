@@ -30,7 +30,7 @@ Run `ntp-ds COMMAND --help` for a command's options. Quick start: `ntp-ds train 
 
 COMMANDS = {
     "train": "ntp_ds.train",
-    "launch": "ntp_ds.launch",
+    "launch": "ntp_ds.supervise.launch",
     "inject": "ntp_ds.control.inject",
     "simulate": "ntp_ds.sim.cli",
     "report": "ntp_ds.report",

@@ -30,11 +30,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from ntp_ds.batch.balancer import StepWork
 from ntp_ds.batch.loader import GlobalBatchSampler, replica_micro_batches
 from ntp_ds.comm import wire
+from ntp_ds.engine.balancer import StepWork
 from ntp_ds.engine.config import ConfigError, NTPConfig, env_world_size
-from ntp_ds.sentinel import become_sentinel, under_foreign_launcher
+from ntp_ds.supervise.sentinel import become_sentinel, under_foreign_launcher
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,9 @@ def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_l
     from ntp_ds.control.faults import FaultSchedule, send_fault
     from ntp_ds.control.joins import JOIN_ENV
     from ntp_ds.control.store import job_store
+    from ntp_ds.testing import register_test_backend
 
+    register_test_backend()
     ntp = NTPConfig.from_any(ntp)
     ft = ntp.fault_tolerance
     ntp.validate(env_world_size())
@@ -86,7 +88,8 @@ def start(model, config, ntp: NTPConfig, store, schedule, *, hosts_store: bool =
     `JoinTimeout` when it cannot). `ntp-ds train` starts its ranks through here too."""
     from ntp_ds.control.faults import FaultInjector
     from ntp_ds.control.joins import JOIN_ENV
-    from ntp_ds.engine.initialize import initialize as build, prepare
+    from ntp_ds.engine.initialize import initialize as build
+    from ntp_ds.engine.initialize import prepare
     from ntp_ds.recovery.manager import Recovery
 
     ft = ntp.fault_tolerance
@@ -125,7 +128,7 @@ class FaultTolerantEngine:
         """Number of the signal the job stopped for, if `train_steps` ended early."""
         self._stop = None
         if stop_on_signals and threading.current_thread() is threading.main_thread():
-            from ntp_ds.run.stop import StopSignals
+            from ntp_ds.supervise.stop import StopSignals
 
             self._stop = StopSignals(recovery.store).install()
         self._closed = False

@@ -1,7 +1,7 @@
 """`ntp-ds train` and `python -m ntp_ds.train`: compose the config, then dry-run, launch the workers, or be one.
 
 - Outside any launcher (no RANK in the environment) it validates the config and starts the world's workers on this
-  node through `ntp_ds.launch` (`python -m ntp_ds.train` with the same overrides), then waits for them.
+  node through `ntp_ds.supervise.launch` (`python -m ntp_ds.train` with the same overrides), then waits for them.
 - Under a launcher (`ntp-ds launch`, `deepspeed --module ntp_ds.train`, `torchrun -m ntp_ds.train`) it is one rank:
   it builds the NTPEngine and runs the Trainer. The deepspeed launcher's `--local_rank=N` is accepted.
 - `dry_run=true` prints shapes, per-GPU memory (healthy and degraded) and the group layout, and starts nothing.
@@ -125,8 +125,8 @@ def run_worker(cfg, started: float, stop) -> int:
     from ntp_ds import fault_tolerant
     from ntp_ds.comm import wire
     from ntp_ds.control.heartbeat import outlive_peers
-    from ntp_ds.control.joins import JOIN_ENV, JoinFailed, JoinRefused, JoinTimeout
     from ntp_ds.control.job import publish_job
+    from ntp_ds.control.joins import JOIN_ENV, JoinFailed, JoinRefused, JoinTimeout
     from ntp_ds.control.store import job_store
     from ntp_ds.recovery.manager import QuiescedExit, RecoveryImpossible
     from ntp_ds.run.records import CHECKPOINTS, LAST_GOOD, RUN_CONFIG, RunRecorder
@@ -220,9 +220,9 @@ def run_worker(cfg, started: float, stop) -> int:
 
 def launch_local(cfg, argv: list[str]) -> int:
     """Start this node's workers of `python -m ntp_ds.train ARGV` and wait for them."""
-    from ntp_ds.launch import LaunchSpec, launch
-    from ntp_ds.run.forked import can_fork, preload
     from ntp_ds.run.records import SUMMARY, read_summary
+    from ntp_ds.supervise.forked import can_fork, preload
+    from ntp_ds.supervise.launch import LaunchSpec, launch
 
     run_dir = Path(cfg.run_dir).resolve()
     lc = cfg.launcher
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if under_launcher:  # hold a stop signal that arrives during the imports below; StopSignals takes it over
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, lambda signum, _frame: early.append(signum))
-    from ntp_ds.launch import set_cpu_accelerator
+    from ntp_ds.supervise.launch import set_cpu_accelerator
 
     set_cpu_accelerator()  # before the first deepspeed import
     from ntp_ds.run.compose import BAD_INPUT, fail, load_config, strip_launcher_args
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
 
     first = int(os.environ.get("RANK", "0")) == 0
     if under_launcher:
-        from ntp_ds.run.stop import StopSignals
+        from ntp_ds.supervise.stop import StopSignals
 
         stop = StopSignals().install()  # a signal during start-up stops the run after its first step
         for signum in early:
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         world = int(os.environ.get("WORLD_SIZE", "0")) if under_launcher and not cfg.dry_run else 0
         cfg.validate(world or None)
         if under_launcher and not cfg.dry_run:
-            from ntp_ds.sentinel import become_sentinel, under_foreign_launcher
+            from ntp_ds.supervise.sentinel import become_sentinel, under_foreign_launcher
 
             if under_foreign_launcher():  # deepspeed, torchrun: a worker's death must not reach them
                 stop.uninstall()  # the sentinel passes signals on to its worker

@@ -6,6 +6,7 @@ import os
 import deepspeed.ops
 from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
+import ntp_ds.testing.nccl_model  # noqa: F401  (registers the backend its NCCL branch runs under)
 from ntp_ds.comm.groups import NCCL_DUMP_ENV, TEST_BACKEND_ENV, prepare_backend
 
 

@@ -237,7 +237,7 @@ def test_a_repair_both_scheduled_and_sent_starts_one_replacement():
     import torch.distributed as dist
 
     from ntp_ds.control.faults import Fault, send_fault
-    from ntp_ds.launch import _Repairs
+    from ntp_ds.supervise.launch import _Repairs
 
     store = dist.HashStore()
     repairs = _Repairs(store, {3: 9}, poll_s=0.0)

@@ -139,7 +139,7 @@ def test_under_cuda_a_micro_batch_is_timed_on_the_device_without_its_waits_on_ot
     # The host's clock says 10 s (it waited on a sync of earlier work); the device ran the micro-batch from 1000 ms
     # to 3500 ms, 500 ms of it behind the reduction with the other replicas: its own work is 2 s. A slow fault's extra
     # host sleep counts as work. Without timing events (the host computes) the host's figure stands.
-    from ntp_ds.batch.balancer import StepWork
+    from ntp_ds.engine.balancer import StepWork
 
     clock, device_ms = [0.0], iter([1000.0, 2500.0, 3000.0, 3500.0])  # (first, the wait's two, last)
     monkeypatch.setattr(wire._state, "timed_event", lambda: _TimedEvent(next(device_ms)))

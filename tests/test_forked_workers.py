@@ -1,4 +1,4 @@
-"""Forked workers (`ntp_ds.run.forked`): a worker forked from the launcher starts as a fresh interpreter would (its
+"""Forked workers (`ntp_ds.supervise.forked`): a worker forked from the launcher starts as a fresh interpreter would (its
 own environment, default signal handlers, no inherited descriptors, the thread count it asks for), ends as one
 (exit status, exit handlers run) and is handled as `subprocess.Popen` is (poll, signals, kill).
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ntp_ds.launch import LaunchSpec
-from ntp_ds.run.forked import can_fork, fork_worker
+from ntp_ds.supervise.forked import can_fork, fork_worker
+from ntp_ds.supervise.launch import LaunchSpec
 
 pytestmark = pytest.mark.skipif(not can_fork(), reason="workers are forked on Linux machines without CUDA only")
 

@@ -17,7 +17,7 @@ from ntp_ds.run.config import ModelConfig, generate_deepspeed_config
 from ntp_ds.run.records import RUN_CONFIG
 from ntp_ds.run.rundir import _check_kept
 from ntp_ds.run.dry_run import describe
-from ntp_ds.sim.runspec import UsageError
+from ntp_ds.overrides import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = ["cpu_demo", "cpu_failure_matrix", "gpu_1b_8gpu", "gpu_70b_nvl72", "gpu_qwen2_7b_8gpu"]

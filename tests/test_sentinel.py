@@ -6,7 +6,7 @@ import threading
 import torch.distributed as dist
 
 from ntp_ds.control.heartbeat import mark_exited, prepare_store
-from ntp_ds.sentinel import DONE_KEY, JOB_OVER_KEY, _outlast
+from ntp_ds.supervise.sentinel import DONE_KEY, JOB_OVER_KEY, _outlast
 
 
 class CountingStore:

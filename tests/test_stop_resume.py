@@ -196,7 +196,7 @@ class FakeStore:
 
 def test_ranks_stop_after_the_same_step_and_a_later_second_signal_stops_at_once():
     from ntp_ds.control.job import read_job, publish_job
-    from ntp_ds.run.stop import DUPLICATE_S, StopSignals
+    from ntp_ds.supervise.stop import DUPLICATE_S, StopSignals
 
     store, now, exits = FakeStore(), [0.0], []
     publish_job(store, world_size=2, steps=10)

@@ -29,10 +29,12 @@ TEST_BACKEND_ENV = "NTP_TEST_BACKEND"
 def backend_for_device() -> str:
     """NCCL where CUDA is present, gloo on CPU: one code path for both (NTP_TEST_BACKEND overrides it)."""
     chosen = os.environ.get(TEST_BACKEND_ENV, "")
-    if chosen == "nccl_model":
-        import ntp_ds.testing.nccl_model  # noqa: F401  (registers the backend)
-    elif chosen not in ("", "gloo", "nccl"):
+    if chosen not in ("", "gloo", "nccl", "nccl_model"):
         raise ValueError(f"{TEST_BACKEND_ENV}={chosen!r}: choose nccl_model, gloo or nccl")
+    if chosen == "nccl_model" and chosen not in dist.Backend.backend_list:
+        raise ValueError(f"{TEST_BACKEND_ENV}=nccl_model: the test backend is not registered in this process; it "
+                         "registers itself when imported (ntp_ds.testing.register_test_backend(), which "
+                         "ntp_ds.initialize, the test spawner and the tests' conftest call)")
     return chosen or ("nccl" if torch.cuda.is_available() else "gloo")
 
 

@@ -123,7 +123,7 @@ class NTPEngine(DeepSpeedEngine):
         """Seconds this rank has spent in the gradient exchange between replicas during backward (a running total):
         what a replica's step work is measured without."""
         self.device_waits: list[tuple] | None = None
-        """Under CUDA, while a step's work is measured (`ntp_ds.batch.balancer.StepWork` sets a list and takes it at
+        """Under CUDA, while a step's work is measured (`ntp_ds.engine.balancer.StepWork` sets a list and takes it at
         the step's end), the (start, end) timing events around each of those waits on the device."""
         self.on_phase = lambda step, phase: None
         """Called at every phase point (forward, backward, grad_sync, optimizer, in_optimizer, refresh): the

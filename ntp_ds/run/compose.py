@@ -12,9 +12,9 @@ import re
 import sys
 
 from ntp_ds.engine.config import ConfigError
+from ntp_ds.overrides import UsageError, config_dir, flatten, hydra_value, parse, read_recipe, recipes_dir
 from ntp_ds.run.config import RunConfig
 from ntp_ds.schema import find_schema_error, recipe_note, to_plain
-from ntp_ds.sim.runspec import UsageError, _flatten, _hydra_value, _parse, config_dir, read_recipe, recipes_dir
 
 PRIMARY = "config"
 GROUPS = ("model", "parallel", "data", "optim", "fault", "logging", "launcher")
@@ -53,9 +53,9 @@ def recipe_overrides(name: str) -> list[str]:
         if key in GROUPS and isinstance(value, str):
             choices.append(f"{key}={value}")
         elif isinstance(value, dict):
-            values += _flatten(value, f"{key}.")
+            values += flatten(value, f"{key}.")
         else:
-            values.append(f"{key}={_hydra_value(value)}")
+            values.append(f"{key}={hydra_value(value)}")
     return choices + values
 
 
@@ -98,13 +98,13 @@ def compose_dict(argv: list[str]) -> dict:
     from omegaconf import open_dict
 
     argv = _quote_store(argv)
-    overrides = _parse(argv)
+    overrides = parse(argv)
     _check_choices(overrides, "")
     extra: list[str] = []
     recipe = next((o.value() for o in overrides if o.key_or_group == "recipe"), None)
     if recipe is not None:
         extra = recipe_overrides(str(recipe))
-        _check_choices(_parse(extra), f" (in recipe {recipe})")
+        _check_choices(parse(extra), f" (in recipe {recipe})")
     cdir = config_dir()
     if not (cdir / f"{PRIMARY}.yaml").is_file():
         raise UsageError(f"config dir {cdir}: {PRIMARY}.yaml not found")

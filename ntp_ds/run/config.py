@@ -54,7 +54,7 @@ class ModelName:
 
     def directory(self) -> Path:
         """The HF model directory `path` names (it must hold a config.json)."""
-        from ntp_ds.sim.runspec import config_dir
+        from ntp_ds.overrides import config_dir
 
         where = Path(self.path).expanduser()
         if not where.is_absolute() and not where.exists() and (config_dir().parent / where).exists():
@@ -250,7 +250,7 @@ class LoggingConfig:
 
 @dataclass
 class LauncherConfig:
-    """How `ntp-ds train` starts its workers when it runs outside any launcher (see `ntp_ds.launch`)."""
+    """How `ntp-ds train` starts its workers when it runs outside any launcher (see `ntp_ds.supervise.launch`)."""
 
     name: str = "local"
     """Launcher; `local` spawns the workers of this node and hosts the rendezvous store."""

@@ -10,12 +10,12 @@ failure to it). Joiners come in through `engine.take_joiners` after a completed 
 job store to coordinate through) an error ends the run.
 
 With `parallel.straggler.enabled`, the handle measures each micro-batch's work and, every `every_steps` completed
-steps, re-plans the batch across replicas (`ntp_ds.batch.balancer`); `engine.finish_step(step)` returns that
+steps, re-plans the batch across replicas (`ntp_ds.engine.balancer`); `engine.finish_step(step)` returns that
 re-plan, which the trainer records as a `replan` event. A `slow` fault stretches this rank's micro-batches
 (`injector.stretch`, inside the handle's `backward`).
 
 Stop requests (SIGINT, SIGTERM) come in through `stop`: after every completed step the trainer asks whether the job
-stops there (every rank gets the same answer, `ntp_ds.run.stop`); a stopped run writes the weights and checkpoint
+stops there (every rank gets the same answer, `ntp_ds.supervise.stop`); a stopped run writes the weights and checkpoint
 of that step, a `run_stopped` event and a summary with status `stopped`. A run started from a checkpoint
 (`existing_run=resume`: the engine has loaded it, so `engine.global_steps` is its step) records `run_resumed`
 instead of `run_start` and goes on from the next step.
@@ -44,7 +44,7 @@ from ntp_ds.comm import wire
 from ntp_ds.goodput import GoodputMeter, StepTiming, split_failure_time
 from ntp_ds.run.config import RunConfig
 from ntp_ds.run.records import CHECKPOINTS, FINAL_WEIGHTS, RunRecorder
-from ntp_ds.run.stop import signal_name
+from ntp_ds.supervise.stop import signal_name
 
 log = logging.getLogger("ntp_ds.train")
 
@@ -66,7 +66,7 @@ class LiveEngine(Protocol):
 
 
 class Stop(Protocol):
-    """Stop requests (`ntp_ds.run.stop.StopSignals`): whether the job stops once this rank completed `step`."""
+    """Stop requests (`ntp_ds.supervise.stop.StopSignals`): whether the job stops once this rank completed `step`."""
 
     signal: int | None
 
@@ -87,7 +87,7 @@ class Trainer:
         """This rank joined the running job (the members record the join; it starts no clock with them)."""
         self.startup_s = startup_s
         self.stop = stop
-        """Asked after every completed step whether the job stops there (SIGINT/SIGTERM, `ntp_ds.run.stop`)."""
+        """Asked after every completed step whether the job stops there (SIGINT/SIGTERM, `ntp_ds.supervise.stop`)."""
         self.stopped_by: int | None = None
         """Number of the signal the run stopped for, if it stopped before `train.steps`."""
         self.clock, self.progress = clock, progress

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from .runspec import UsageError, _message, _simulate, available_recipes, load_run
+from ntp_ds.overrides import UsageError
+
+from .runspec import _message, _simulate, available_recipes, load_run
 
 USAGE = """\
 usage: ntp-ds simulate [-m] [KEY=VALUE ...] [recipe=NAME] [out=DIR] [seed=N] [seeds=N]

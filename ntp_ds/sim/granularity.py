@@ -23,7 +23,8 @@ import numpy as np
 
 from ntp_ds.batch.planner import BatchError, plan_batch
 from ntp_ds.layout import units as U
-from ntp_ds.layout.cost import UnitCost, max_rank_work, unit_cost
+from ntp_ds.layout.cost import UnitCost, unit_cost
+from ntp_ds.layout.pace import max_rank_work
 from ntp_ds.layout.shard_layout import ModelUnits, ShardLayout
 
 from .config import ModelConfig

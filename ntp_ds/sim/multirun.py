@@ -31,10 +31,11 @@ def _job_name(i: int, swept: list[str]) -> str:
 def run_multirun(argv: list[str]) -> int:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
-    from .runspec import UsageError, _message, _parse, _simulate, load_run
+    from ntp_ds.overrides import UsageError, parse
+    from .runspec import _message, _simulate, load_run
     from .config import ConfigError
 
-    overrides = _parse(argv)
+    overrides = parse(argv)
     swept_keys = [o.key_or_group for o in overrides if o.is_sweep_override()]
     if not swept_keys:
         raise UsageError("-m needs at least one swept override, e.g. sim.cluster.tp=8,16")

@@ -42,7 +42,10 @@ def _child(fn, rank, world_size, port, store_address, args, results, environ):
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for every thread's stack at a timeout
     try:
         import torch
+
+        from ntp_ds.testing import register_test_backend
         torch.set_num_threads(1)
+        register_test_backend()
         # Plain pickle bytes: torch's queue reducers share tensors through the child, which is about to exit.
         results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except SystemExit as e:
@@ -138,7 +141,7 @@ def _context():
     """Where workers may be forked (the launcher's rule: Linux, no CUDA device), a fork server that has imported the
     training stack once, so that a child starts in milliseconds instead of importing torch and DeepSpeed again
     (about 3 s of CPU each); elsewhere, fresh interpreters."""
-    from ntp_ds.run.forked import PRELOAD, can_fork
+    from ntp_ds.supervise.forked import PRELOAD, can_fork
 
     if not can_fork():
         return mp.get_context("spawn")

@@ -27,7 +27,7 @@ from ntp_ds.control.heartbeat import (
     request_fence,
 )
 from ntp_ds.control.membership import Membership, MembershipChange, barrier
-from ntp_ds.launch import LaunchSpec, worker_env
+from ntp_ds.supervise.launch import LaunchSpec, worker_env
 from ntp_ds.testing.liveness_load import CountingStore, LoadSpec, peers_of, run_load
 from tests.control.test_heartbeat import FakeClock
 

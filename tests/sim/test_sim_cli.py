@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ntp_ds.overrides import config_dir, flatten, recipes_dir
 from ntp_ds.sim import SimConfig
 from ntp_ds.sim.cli import main
-from ntp_ds.sim.runspec import _flatten, config_dir, load_config, recipes_dir
+from ntp_ds.sim.runspec import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 # keep CLI runs small: 2048 GPUs, 5 days, a short sweep
@@ -102,7 +103,7 @@ def test_paper_eval_recipe_runs(tmp_path, capsys):
 def test_flatten_round_trips_through_hydra():
     data = {"failures": {"trace": "it's a \\path\\'q\\", "hw_repair_hours": [2e-05, 1.5]},
             "ntp": {"rebalance": False}, "sweep": {"tp_degrees": []}}
-    flat = _flatten(data, "sim.")
+    flat = flatten(data, "sim.")
     assert "sim.ntp.rebalance=false" in flat and "sim.sweep.tp_degrees=[]" in flat
     cfg, _ = load_config(flat)
     assert cfg.failures.trace == "it's a \\path\\'q\\"

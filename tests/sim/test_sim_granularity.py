@@ -9,7 +9,7 @@ import statistics
 import numpy as np
 import pytest
 
-from ntp_ds.layout.cost import max_rank_work
+from ntp_ds.layout.pace import max_rank_work
 from ntp_ds.layout.shard_layout import ModelUnits, ShardLayout
 from ntp_ds.sim import run, run_seeds
 from ntp_ds.sim.calibration import load as load_calibration

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ntp_ds.run.stop import DUPLICATE_S, SIGNALS
+from ntp_ds.supervise.stop import DUPLICATE_S, SIGNALS
 
 PROG = "ntp-ds launch"
 MASTER_PORT_KEY = "launch/master_port"
@@ -92,7 +92,7 @@ class LaunchSpec:
     run_dir: str | None = None
     grace_s: float = 60.0
     fork: bool = False
-    """Fork the workers from this process, which imported what they need (`ntp_ds.run.forked`); `command` must
+    """Fork the workers from this process, which imported what they need (`ntp_ds.supervise.forked`); `command` must
     then be `python -u -m MODULE ARGS`."""
     join: bool = False
     """Start workers that join the job running on `store` instead of starting one."""
@@ -153,10 +153,8 @@ def _free_port() -> int:
 def worker_env(spec: LaunchSpec, local_rank: int, store: str, master: tuple[str, int], base=os.environ,
                joining: tuple[int, int, int] | None = None) -> dict:
     """The environment of one worker; `joining` = (launch rank, job world size, first step) for a joiner."""
-    import ntp_ds
-
     env = dict(base)
-    package_root = str(Path(ntp_ds.__file__).resolve().parents[1])
+    package_root = str(Path(__file__).resolve().parents[2])  # the folder that holds ntp_ds
     env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.update(RANK=str(spec.node_rank * spec.nproc_per_node + local_rank), WORLD_SIZE=str(spec.world_size),
                LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(spec.nproc_per_node), GROUP_RANK=str(spec.node_rank),
@@ -375,7 +373,7 @@ class _Repairs:
 def _start(spec: LaunchSpec, env: dict):
     """Start one worker: a fresh interpreter, or a fork of this process (`spec.fork`)."""
     if spec.fork:
-        from ntp_ds.run.forked import fork_worker
+        from ntp_ds.supervise.forked import fork_worker
 
         return fork_worker(spec.command, env)
     return subprocess.Popen(spec.command, env=env)
@@ -407,7 +405,7 @@ def _stopped(proc) -> bool:
 
 class _StopRequests:
     """SIGINT and SIGTERM to the launcher: the first is passed to every worker, which stop cleanly at a step they
-    agree on (`ntp_ds.run.stop`) within `--grace-s`, else they are killed; a second one (at least DUPLICATE_S
+    agree on (`ntp_ds.supervise.stop`) within `--grace-s`, else they are killed; a second one (at least DUPLICATE_S
     later: the same Ctrl-C reaches the launcher and its workers together) kills them at once."""
 
     def __init__(self, clock=time.monotonic):

@@ -3,7 +3,7 @@
 Those launchers act on a worker's death: `deepspeed` kills every sibling when one exits non-zero, `torchrun` stops
 (or restarts) them all. So under them the process the launcher started becomes a sentinel: it touches no device,
 starts the training process again (the same command line, with `NTP_SENTINEL=child`), and supervises it as
-`ntp-ds launch` supervises its workers (`ntp_ds.launch.launch`, one worker per "node"): it records the worker's
+`ntp-ds launch` supervises its workers (`ntp_ds.supervise.launch.launch`, one worker per "node"): it records the worker's
 exit in the job's store, stops it when its peers declare it dead, starts a replacement that joins the job for a
 `repair`, and passes SIGINT and SIGTERM on. Rank 0's sentinel hosts the job's store (at MASTER_PORT + 1), so
 losing rank 0's worker loses neither the store nor the job. A sentinel exits only once the job is done, with status 0
@@ -50,7 +50,7 @@ def become_sentinel(repairs: Mapping[int, int] | None = None, env: Mapping[str, 
     """Start this process's command line again as the worker and supervise it (see the module's docstring); return
     the sentinel's exit status once the job is done. `repairs`: launch rank -> step of the repairs scheduled at
     launch (repairs sent to the job's store are read too)."""
-    from ntp_ds.launch import LaunchSpec, launch
+    from ntp_ds.supervise.launch import LaunchSpec, launch
 
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     store = f"{env['MASTER_ADDR']}:{int(env['MASTER_PORT']) + 1}"
@@ -70,7 +70,7 @@ def _outlast(store, rank: int, world: int, codes: dict[int, int], poll_s: float 
     has finished, exited or gone silent). Return 0 when some rank finished the job, else the status of this
     sentinel's first worker."""
     from ntp_ds.control.heartbeat import outlive_peers, read_exits
-    from ntp_ds.launch import shell_status
+    from ntp_ds.supervise.launch import shell_status
 
     failed = {r: c for r, c in codes.items() if c != 0}
     try:

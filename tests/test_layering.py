@@ -1,0 +1,134 @@
+"""The package's imports run one way: each part of ntp_ds imports only the parts listed before it, lowest first, as
+docs/design.md lists them ("Parts and data flow"), and no module imports itself back through others. Every import
+counts: those inside functions and those for type checking only are dependencies too."""
+
+import ast
+from pathlib import Path
+
+import ntp_ds
+
+ROOT = Path(ntp_ds.__file__).resolve().parent
+
+PARTS = [
+    ("layout", ("ntp_ds.layout",)),
+    ("batch", ("ntp_ds.batch",)),
+    ("comm", ("ntp_ds.comm",)),
+    ("control", ("ntp_ds.control",)),
+    ("models", ("ntp_ds.models",)),
+    ("engine", ("ntp_ds.engine",)),
+    ("recovery", ("ntp_ds.recovery",)),
+    ("supervise", ("ntp_ds.supervise",)),
+    ("testing", ("ntp_ds.testing",)),
+    ("schema", ("ntp_ds.schema", "ntp_ds.overrides")),
+    ("sim", ("ntp_ds.sim",)),
+    ("goodput", ("ntp_ds.goodput",)),
+    ("handle", ("ntp_ds", "ntp_ds.fault_tolerant")),
+    ("app", ("ntp_ds.run", "ntp_ds.train", "ntp_ds.cli", "ntp_ds.report")),
+]
+"""Lowest first. `handle`: the package's own `initialize` and the public handle (`FaultTolerantEngine`); `app`: the
+`ntp-ds` commands."""
+
+
+def module_name(path: Path) -> str:
+    parts = ["ntp_ds", *path.relative_to(ROOT).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def part_of(module: str) -> int:
+    """The index in PARTS of the part that holds `module` (the longest prefix that names it)."""
+    best = None
+    for i, (_, prefixes) in enumerate(PARTS):
+        for prefix in prefixes:
+            if module == prefix or (module.startswith(prefix + ".") and prefix != "ntp_ds"):
+                if best is None or len(prefix) > best[1]:
+                    best = (i, len(prefix))
+    if best is None:
+        raise AssertionError(f"{module} belongs to no part: add it to PARTS here and to docs/design.md's list")
+    return best[0]
+
+
+def imports_of(module: str) -> set[str]:
+    """The ntp_ds modules `module` imports, anywhere in its file. `from package import name` counts as an import of
+    the submodule where `name` is one, else of the package itself (its __init__)."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "ntp_ds"}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            if base.split(".")[0] != "ntp_ds":
+                continue
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+    return found - {module}
+
+
+GRAPH = {m: imports_of(m) for m in MODULES}
+
+
+def test_every_import_runs_down_the_parts():
+    upward = [f"{m} ({PARTS[part_of(m)][0]}) imports {t} ({PARTS[part_of(t)][0]})"
+              for m, targets in sorted(GRAPH.items()) for t in sorted(targets) if part_of(t) > part_of(m)]
+    assert not upward, "imports from a lower part to a higher one:\n" + "\n".join(upward)
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], [0]
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter[0]
+        counter[0] += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in graph:
+                    continue
+                if child not in index:
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_module_imports_itself_back():
+    assert not circles(GRAPH), f"import circles: {circles(GRAPH)}"
+
+
+def test_the_walk_sees_an_upward_import_and_a_circle():
+    # The checks themselves: an import from the lowest part into the highest, and two modules importing each other.
+    assert part_of("ntp_ds.layout.units") < part_of("ntp_ds.run.trainer")
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert "ntp_ds.comm.wire" in GRAPH["ntp_ds.engine.engine"], "the walk finds the engine's import of the wire"
+    assert "ntp_ds.engine.initialize" in GRAPH["ntp_ds"], "and imports inside functions"
