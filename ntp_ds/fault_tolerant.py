@@ -34,6 +34,7 @@ from ntp_ds.batch.loader import GlobalBatchSampler, replica_micro_batches
 from ntp_ds.comm import wire
 from ntp_ds.engine.balancer import StepWork
 from ntp_ds.engine.config import ConfigError, NTPConfig, env_world_size
+from ntp_ds.envs import JOIN_ENV, JOIN_STEP_ENV, RANK, WORLD_SIZE
 from ntp_ds.supervise.sentinel import become_sentinel, under_foreign_launcher
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,6 @@ def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_l
     """Build this rank's engine under live recovery, or, in a worker its launcher started to join a running job
     (NTP_JOIN), receive it from the job's members. Every check runs before a process group is built."""
     from ntp_ds.control.faults import FaultSchedule, send_fault
-    from ntp_ds.control.joins import JOIN_ENV
     from ntp_ds.control.store import job_store
     from ntp_ds.testing import register_test_backend
 
@@ -69,7 +69,7 @@ def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_l
     if store is None:
         raise ConfigError("ntp.fault_tolerance needs the job's coordination store: start the job with ntp-ds launch "
                           "(NTP_STORE), torchrun or deepspeed (rank 0 hosts it at MASTER_PORT+1), or pass store=")
-    if schedule.repairs() and int(os.environ.get("RANK", "0")) == 0 and not os.environ.get(JOIN_ENV) \
+    if schedule.repairs() and int(os.environ.get(RANK, "0")) == 0 and not os.environ.get(JOIN_ENV) \
             and not hosts_store:
         # `ntp-ds launch` starts a replacement for a repaired rank's worker; it learns of repairs sent to the job.
         for fault in schedule.faults:
@@ -87,19 +87,20 @@ def start(model, config, ntp: NTPConfig, store, schedule, *, hosts_store: bool =
     join a running job (NTP_JOIN) receives its engine from the members instead (`JoinRefused`, `JoinFailed` or
     `JoinTimeout` when it cannot). `ntp-ds train` starts its ranks through here too."""
     from ntp_ds.control.faults import FaultInjector
-    from ntp_ds.control.joins import JOIN_ENV
     from ntp_ds.engine.initialize import initialize as build
     from ntp_ds.engine.initialize import prepare
     from ntp_ds.recovery.manager import Recovery
+    from ntp_ds.testing import register_test_backend
 
+    register_test_backend()
     ft = ntp.fault_tolerance
-    rank = int(os.environ.get("RANK", "0"))
+    rank = int(os.environ.get(RANK, "0"))
     liveness = dict(heartbeat_interval_s=ft.heartbeat_interval_s, heartbeat_timeout_s=ft.heartbeat_timeout_s,
                     hang_timeout_s=ft.hang_timeout_s, last_good_dir=ft.last_good_dir)
     injector = FaultInjector(schedule, rank, store)
     if os.environ.get(JOIN_ENV):
         spec, _ = prepare(model, config, ntp, optimizer, lr_scheduler, seq_len)
-        recovery = Recovery.join(spec, store, rank, not_before=int(os.environ.get("NTP_JOIN_STEP", "0")),
+        recovery = Recovery.join(spec, store, rank, not_before=int(os.environ.get(JOIN_STEP_ENV, "0")),
                                  timeout_s=ft.join_timeout_s, on_phase=injector.check, **liveness)
         engine = recovery.engine
     else:
@@ -255,7 +256,7 @@ class FaultTolerantEngine:
         store = self.recovery.store
         mark_exited(store, self.recovery.rank, "finished", alarm=False)
         if self.hosts_store:
-            outlive_peers(store, self.recovery.rank, int(os.environ.get("WORLD_SIZE", "1")),
+            outlive_peers(store, self.recovery.rank, int(os.environ.get(WORLD_SIZE, "1")),
                           self.recovery.heartbeat_timeout_s)
 
     def __enter__(self) -> FaultTolerantEngine:
@@ -274,7 +275,8 @@ class FaultTolerantEngine:
         degrees, each phase's seconds, the bytes moved, `detection_s` from the injected fault's firing where one
         fired on this host); any other error is raised as is. `RecoveryImpossible` (no replica left, or some state
         without a surviving copy) propagates."""
-        from ntp_ds.control.faults import DeviceError, detection_from_faults, fired_faults
+        from ntp_ds.comm.failures import DeviceError
+        from ntp_ds.control.faults import detection_from_faults, fired_faults
         from ntp_ds.recovery.manager import RecoveryImpossible
 
         if isinstance(error, RecoveryImpossible):

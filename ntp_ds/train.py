@@ -18,6 +18,8 @@ import time
 import warnings
 from pathlib import Path
 
+from ntp_ds.envs import JOIN_ENV, RANK, WORLD_SIZE
+
 PROG = "ntp-ds train"
 
 USAGE = """usage: ntp-ds train [recipe=NAME] [GROUP=OPTION ...] [KEY=VALUE ...]
@@ -126,14 +128,14 @@ def run_worker(cfg, started: float, stop) -> int:
     from ntp_ds.comm import wire
     from ntp_ds.control.heartbeat import outlive_peers
     from ntp_ds.control.job import publish_job
-    from ntp_ds.control.joins import JOIN_ENV, JoinFailed, JoinRefused, JoinTimeout
+    from ntp_ds.control.joins import JoinFailed, JoinRefused, JoinTimeout
     from ntp_ds.control.store import job_store
     from ntp_ds.recovery.manager import QuiescedExit, RecoveryImpossible
     from ntp_ds.run.records import CHECKPOINTS, LAST_GOOD, RUN_CONFIG, RunRecorder
     from ntp_ds.run.rundir import run_dir_of
     from ntp_ds.run.trainer import Trainer, is_writer, seed_everything
 
-    rank = int(os.environ["RANK"])
+    rank = int(os.environ[RANK])
     console = setup_logging(rank, cfg.logging.level, cfg.logging.other_ranks_level)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     seed_everything(cfg.seed)
@@ -257,7 +259,7 @@ def prepare_run_dir(cfg, clear: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
-    under_launcher = "RANK" in os.environ
+    under_launcher = RANK in os.environ
     early: list[int] = []
     if under_launcher:  # hold a stop signal that arrives during the imports below; StopSignals takes it over
         for s in (signal.SIGINT, signal.SIGTERM):
@@ -272,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0
 
-    first = int(os.environ.get("RANK", "0")) == 0
+    first = int(os.environ.get(RANK, "0")) == 0
     if under_launcher:
         from ntp_ds.supervise.stop import StopSignals
 
@@ -281,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             stop.receive(signum)
     try:
         cfg = load_config(argv)
-        world = int(os.environ.get("WORLD_SIZE", "0")) if under_launcher and not cfg.dry_run else 0
+        world = int(os.environ.get(WORLD_SIZE, "0")) if under_launcher and not cfg.dry_run else 0
         cfg.validate(world or None)
         if under_launcher and not cfg.dry_run:
             from ntp_ds.supervise.sentinel import become_sentinel, under_foreign_launcher
@@ -289,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             if under_foreign_launcher():  # deepspeed, torchrun: a worker's death must not reach them
                 stop.uninstall()  # the sentinel passes signals on to its worker
                 return become_sentinel(cfg.fault_schedule().repairs())
-        if not cfg.dry_run and not os.environ.get("NTP_JOIN"):  # a joiner joins the run its directory holds
+        if not cfg.dry_run and not os.environ.get(JOIN_ENV):  # a joiner joins the run its directory holds
             prepare_run_dir(cfg, clear=first)
     except BAD_INPUT as e:
         return fail(PROG, e) if first else 2

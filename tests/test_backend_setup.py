@@ -7,7 +7,8 @@ import deepspeed.ops
 from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
 import ntp_ds.testing.nccl_model  # noqa: F401  (registers the backend its NCCL branch runs under)
-from ntp_ds.comm.groups import NCCL_DUMP_ENV, TEST_BACKEND_ENV, prepare_backend
+from ntp_ds.comm.groups import prepare_backend
+from ntp_ds.envs import NCCL_DUMP_ENV, TEST_BACKEND_ENV
 
 
 def test_deepspeed_does_not_build_its_shm_comm_op(monkeypatch):
@@ -69,7 +70,8 @@ def test_under_nccl_no_dump_signal_no_watchdog_sleep_no_monitor_kill(monkeypatch
 def test_under_nccl_groups_are_created_non_blocking_within_the_jobs_timeout(monkeypatch):
     from datetime import timedelta
 
-    from ntp_ds.comm.groups import NONBLOCKING_TIMEOUT_ENV, creation_options
+    from ntp_ds.comm.groups import creation_options
+    from ntp_ds.envs import NONBLOCKING_TIMEOUT_ENV
 
     monkeypatch.delenv(NONBLOCKING_TIMEOUT_ENV, raising=False)
     monkeypatch.setenv(TEST_BACKEND_ENV, "gloo")

@@ -4,11 +4,10 @@ import pytest
 import torch
 import transformers
 
-from ntp_ds.models import Llama
 from ntp_ds.layout.sharding import shard_tensor
-
+from ntp_ds.models import Llama
 from ntp_ds.testing.spawn import run_ranks
-from tests.training import tiny_config, train_ntp, train_with_checkpoint
+from tests.helpers.training import tiny_config, train_ntp, train_with_checkpoint
 
 NTP = {"tp": 3, "replicas": 2, "degrees": (3, 2)}
 
@@ -38,7 +37,7 @@ def save_and_count_communicators(rank, world, path):
     import ntp_ds
     from ntp_ds.batch.loader import GlobalBatchSampler, replica_micro_batches
     from ntp_ds.testing.nccl_model import communicator_sizes
-    from tests.training import dataset, deepspeed_config, full_model
+    from tests.helpers.training import dataset, deepspeed_config, full_model
 
     config = {**deepspeed_config("adamw", 1, 8, 2), "checkpoint": {"tag_validation": "Fail"}}
     engine = ntp_ds.initialize(model=full_model(tiny_config()), config=config, ntp={"tp": 2, "replicas": 2})

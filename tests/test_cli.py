@@ -7,37 +7,13 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
 from ntp_ds.cli import COMMANDS
 from ntp_ds.cli import main as cli
 from ntp_ds.run.compose import strip_launcher_args
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def run(args: list[str], timeout: float, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
-    """Run a command in its own session; on timeout kill the whole group (launcher and workers) and fail."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-                "WANDB_MODE": "offline", **(env or {})}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NTP_RUN_DIR", "NTP_STORE"):
-        if key not in (env or {}):
-            full_env.pop(key, None)
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
-                            cwd=cwd or REPO, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(args)} did not finish in {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
-    return subprocess.CompletedProcess(args, proc.returncode, out, err)
-
-
-def ntp_ds(*args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
-    return run([sys.executable, "-m", "ntp_ds.cli", *args], timeout, env)
+from tests.helpers.cli import REPO, ntp_ds, run
 
 
 def test_help_lists_every_command(capsys):

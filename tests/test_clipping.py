@@ -14,7 +14,7 @@ from ntp_ds.engine.initialize import model_config_of
 from ntp_ds.layout.sharding import shard_tensor
 from ntp_ds.models import empty_shard
 from ntp_ds.testing.spawn import run_ranks
-from tests.training import train_ntp, train_reference
+from tests.helpers.training import train_ntp, train_reference
 
 STEPS, GLOBAL_BATCH, MICRO = 4, 12, 2
 CLIP = 0.5
@@ -53,7 +53,7 @@ def test_clipped_update_equals_the_unsharded_reference(degrees, stage):
 def test_each_shared_kv_head_is_counted_by_its_lowest_holder_alone():
     from ntp_ds.engine.clipping import counted_kv_units
     from ntp_ds.layout import ShardLayout
-    from tests.training import tiny_config
+    from tests.helpers.training import tiny_config
 
     units = tiny_config().units()
     tp3 = ShardLayout.balanced(units, 3)  # heads 0-1 | 2-3 | 4-5 over KV heads {0: 0-2, 1: 3-5}

@@ -9,8 +9,8 @@ import pytest
 from ntp_ds.comm.wire import CallRecord
 from ntp_ds.testing.contract import check_calls
 from ntp_ds.testing.spawn import run_ranks
-from tests.test_equivalence import assert_matches_reference, reference_init
-from tests.training import full_model, tiny_config, train_ntp, train_reference, train_with_recovery
+from tests.helpers.reference import assert_matches_reference, reference_init
+from tests.helpers.training import full_model, tiny_config, train_ntp, train_reference, train_with_recovery
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ntp_ds"
 WIRE_CALLS = {
@@ -130,7 +130,7 @@ def _groups_after_release(rank, world_size, ntp, stage):
     import ntp_ds
     from ntp_ds.batch.loader import GlobalBatchSampler, replica_micro_batches
     from ntp_ds.comm import wire
-    from tests.training import dataset, deepspeed_config
+    from tests.helpers.training import dataset, deepspeed_config
 
     model = full_model(tiny_config())
     engine = ntp_ds.initialize(model=model, config=deepspeed_config("adamw", stage, 8, 2), ntp=ntp)

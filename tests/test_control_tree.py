@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from ntp_ds.comm.groups import control_tree
 from ntp_ds.testing.spawn import run_ranks
-from tests.test_recovery import assert_equivalent, assert_lossless_and_minimal, events_of, fault, run
+from tests.helpers.recovery import assert_equivalent, assert_lossless_and_minimal, events_of, fault, run
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -120,7 +120,7 @@ def test_the_tree_root_dying_between_the_votes_is_recovered_equal_to_the_failure
 def groups_under_a_bound_default_group(rank, world):
     from ntp_ds.comm import groups, wire
     from ntp_ds.layout import Topology, plan_gradient_sync
-    from tests.training import tiny_config
+    from tests.helpers.training import tiny_config
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     default = dist.distributed_c10d._get_default_group()

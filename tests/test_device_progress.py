@@ -6,7 +6,7 @@ import pytest
 
 from ntp_ds.comm import device, wire
 from ntp_ds.control.heartbeat import Beat, LivenessMonitor
-from tests.test_recovery import assert_hung_rank_3_found
+from tests.helpers.recovery import assert_hung_rank_3_found
 
 
 class _Event:

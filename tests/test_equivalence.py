@@ -3,45 +3,17 @@
 import functools
 
 import pytest
-import torch
 
-from ntp_ds.models import Llama
-from ntp_ds.layout.sharding import shard_tensor
 from ntp_ds.testing.spawn import run_ranks
-from tests.training import train_ntp, train_reference
+from tests.helpers.reference import assert_matches_reference, reference_init
+from tests.helpers.training import train_ntp, train_reference
 
 STEPS = 10
 
 
-def assert_matches_reference(results, reference: Llama, optim: str):
-    ref = dict(reference.named_parameters())
-    specs = reference.param_specs()
-
-    def check(got, want, where):
-        if optim == "sgd":
-            torch.testing.assert_close(got, want, msg=lambda m: f"{where}: {m}")
-        else:
-            diff = (got - want).abs().max().item()
-            assert diff <= 1e-4, f"{where}: max abs difference {diff:.3g} > 1e-4"
-
-    for res in results:
-        for name, shard in res["shards"].items():
-            want = shard_tensor(ref[name].detach(), specs[name][0], res["layout"], res["tp_rank"])
-            check(shard, want, f"replica {res['replica']} tp rank {res['tp_rank']} {name}")
-    full = next(r["full"] for r in results if r["full"] is not None)
-    assert set(full) == set(ref)
-    for name, tensor in full.items():
-        check(tensor, ref[name].detach(), f"consolidated {name}")
-    moved = max((ref[n].detach() - reference_init[n]).abs().max().item() for n in ref)
-    assert moved > 1e-3, "training must move the weights for the comparison to mean anything"
-
-
-reference_init = {}
-
-
 def run_case(degrees, stage, optim, policy="preserve_global_batch", global_batch=12, micro=2, tp=None,
              late_rank=None, **ntp):
-    from tests.training import full_model, tiny_config
+    from tests.helpers.training import full_model, tiny_config
 
     reference_init.clear()
     reference_init.update({n: p.detach().clone() for n, p in full_model(tiny_config()).named_parameters()})

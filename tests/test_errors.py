@@ -6,7 +6,7 @@ import torch.distributed as dist
 import ntp_ds
 from ntp_ds.engine import ConfigError
 from ntp_ds.engine.config import cuda_device_index
-from tests.training import deepspeed_config, full_model, tiny_config
+from tests.helpers.training import deepspeed_config, full_model, tiny_config
 
 
 def init(monkeypatch, ntp, ds=None, world_size=None, **model):

@@ -20,8 +20,8 @@ from ntp_ds.control.address import parse_etcd_address
 from ntp_ds.control.etcd_store import EtcdStore
 from ntp_ds.control.store import connect_store
 from ntp_ds.testing.etcd_cluster import EtcdCluster, etcd_binary
-from tests.test_cli import REPO, ntp_ds
-from tests.training import assert_same_final_weights, wait_for_lines
+from tests.helpers.cli import REPO, ntp_ds
+from tests.helpers.training import assert_same_final_weights, wait_for_lines
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="no etcd server on PATH (apt-get install etcd-server)")
 

@@ -8,7 +8,7 @@ import pytest
 
 from ntp_ds.engine import ConfigError
 from ntp_ds.testing.spawn import run_ranks
-from tests.training import assert_equivalent
+from tests.helpers.training import assert_equivalent
 
 STEPS, GLOBAL_BATCH, MICRO = 5, 12, 2
 
@@ -19,15 +19,15 @@ def user_loop(rank, world_size, ntp: dict, stage: int, steps: int, faults: list,
     step from which each joiner (started with NTP_JOIN, as a launcher starts a repaired GPU's worker) trains;
     `own_loss`: the script computes its own loss (a per-token mean cross-entropy) from `engine.logits(batch)`;
     `reduce_after_verdict`: a step whose last backward every rank that reaches it begins only once a peer's failure
-    is declared (as `tests.training.train_with_recovery` does)."""
+    is declared (as `tests.helpers.training.train_with_recovery` does)."""
     import os
-
-    from ntp_ds.comm import wire
 
     import torch.nn.functional as F
 
     import ntp_ds
-    from tests.training import _await_join_requests, dataset, deepspeed_config, full_model, host_shards, tiny_config
+    from ntp_ds.comm import wire
+    from tests.helpers.training import (_await_join_requests, dataset, deepspeed_config, full_model, host_shards,
+                                        tiny_config)
 
     joining = bool(os.environ.get("NTP_JOIN"))
     if joining:
@@ -130,7 +130,7 @@ def test_fault_tolerance_settings_are_checked_before_any_process_group(monkeypat
     import torch.distributed as dist
 
     import ntp_ds
-    from tests.training import deepspeed_config, full_model, tiny_config
+    from tests.helpers.training import deepspeed_config, full_model, tiny_config
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     cases = [({"heartbeat_interval_s": 5.0, "heartbeat_timeout_s": 2.0},

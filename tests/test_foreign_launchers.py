@@ -5,8 +5,8 @@ Judged by final state: the weights equal those of the failure-free run. Marker `
 import pytest
 
 from ntp_ds.run.records import read_run
-from tests.test_cli import ntp_ds, run
-from tests.training import final_weights
+from tests.helpers.cli import ntp_ds, run
+from tests.helpers.training import final_weights
 
 pytestmark = pytest.mark.launchers
 

@@ -16,7 +16,7 @@ from ntp_ds.layout.shard_layout import ShardLayout
 from ntp_ds.layout.sharding import gather_units, shard_tensor, unshard_into
 from ntp_ds.models import HFCausalLM
 from ntp_ds.testing.spawn import run_ranks
-from tests.parity_layouts import LOGITS, UNEVEN_2, UNEVEN_3, UNITS
+from tests.helpers.parity_layouts import LOGITS, UNEVEN_2, UNEVEN_3, UNITS
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -192,7 +192,7 @@ def test_qwen2_training_matches_reference(tmp_path):
     engine's save_pretrained writes a directory transformers loads."""
     import transformers
 
-    from tests.training import tiny_qwen2, train_ntp, train_reference
+    from tests.helpers.training import tiny_qwen2, train_ntp, train_reference
 
     steps, degrees = 4, (3, 2)
     ntp = {"tp": 3, "replicas": 2, "degrees": degrees, "batch_policy": "preserve_global_batch"}

@@ -13,7 +13,7 @@ def where_tokens_are_counted(rank, world):
 
     import ntp_ds
     import ntp_ds.engine.engine as engine_module
-    from tests.training import deepspeed_config, full_model, tiny_config
+    from tests.helpers.training import deepspeed_config, full_model, tiny_config
 
     engine = ntp_ds.initialize(model=full_model(tiny_config()), config=deepspeed_config("sgd", 0, 2, 2),
                                ntp={"tp": 1, "replicas": 1})

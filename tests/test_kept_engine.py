@@ -24,7 +24,7 @@ def _detached(rank, world, model, detach):
     import ntp_ds
     from ntp_ds.batch.loader import GlobalBatchSampler, replica_micro_batches
     from ntp_ds.comm import wire
-    from tests.training import dataset, deepspeed_config, full_model, tiny_config, tiny_qwen2
+    from tests.helpers.training import dataset, deepspeed_config, full_model, tiny_config, tiny_qwen2
 
     source = tiny_qwen2() if model == "hf" else full_model(tiny_config())
     engine = ntp_ds.initialize(model=source, config=deepspeed_config("adamw", 2, 4, 1),
@@ -78,7 +78,7 @@ def _state(engine) -> dict:
 
 def _one_step(engine, step: int) -> None:
     from ntp_ds.batch.loader import GlobalBatchSampler, replica_micro_batches
-    from tests.training import dataset, tiny_config
+    from tests.helpers.training import dataset, tiny_config
 
     data, sampler = dataset(tiny_config()), GlobalBatchSampler(256, seed=1)
     for batch in replica_micro_batches(data, sampler, engine.batch_plan, engine.ntp_groups.replica, step):
@@ -93,7 +93,7 @@ def _recover_then_save(rank, world, stage, ckpt):
     from ntp_ds.comm import wire
     from ntp_ds.control.faults import FaultInjector, FaultSchedule
     from ntp_ds.recovery.manager import Recovery
-    from tests.training import deepspeed_config, full_model, tiny_config
+    from tests.helpers.training import deepspeed_config, full_model, tiny_config
 
     engine = ntp_ds.initialize(model=full_model(tiny_config()), config=deepspeed_config("adamw", stage, GLOBAL_BATCH,
                                                                                         MICRO),
@@ -124,7 +124,7 @@ def _recover_then_save(rank, world, stage, ckpt):
 def _load_and_step(rank, world, stage, ckpt):
     """A fresh job at the recovered degrees: load the checkpoint, then train step 4."""
     import ntp_ds
-    from tests.training import deepspeed_config, full_model, tiny_config
+    from tests.helpers.training import deepspeed_config, full_model, tiny_config
 
     engine = ntp_ds.initialize(model=full_model(tiny_config(), seed=1),
                                config=deepspeed_config("adamw", stage, GLOBAL_BATCH, MICRO),
@@ -172,9 +172,8 @@ def test_set_tp_group_moves_every_reference_of_the_shard(monkeypatch, model):
     import weakref
 
     from ntp_ds.layout import ShardLayout
-    from ntp_ds.models import HFCausalLM, HFConfig, Llama
-    from ntp_ds.models import tp_layers
-    from tests.training import tiny_config, tiny_qwen2
+    from ntp_ds.models import HFCausalLM, HFConfig, Llama, tp_layers
+    from tests.helpers.training import tiny_config, tiny_qwen2
 
     monkeypatch.setattr(tp_layers.dist, "get_world_size", lambda group=None: 2)
     old, new = _Group(), _Group()

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ntp_ds.testing.spawn import run_ranks
-from tests.test_recovery import assert_equivalent, assert_lossless_and_minimal, events_of, fault, run
+from tests.helpers.recovery import assert_equivalent, assert_lossless_and_minimal, events_of, fault, run
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -69,12 +69,12 @@ def assert_no_world_communicator(results, largest=3):
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_and_keep_them_through_the_grow_back_that_follows(stage):
-    from tests import test_grow
+    from tests.helpers import grow
 
     # Rank 5 dies in step 2's backward pass; a worker (rank 6) joins and takes its place in replica 2 from step 4.
-    results = test_grow.run((2, 2, 2), stage, [fault(5, 2, "backward")], joins=[6])
+    results = grow.run((2, 2, 2), stage, [fault(5, 2, "backward")], joins=[6])
     assert set(results) == {0, 1, 2, 3, 4, 6}
-    assert_equivalent(results, test_grow.STEPS)
+    assert_equivalent(results, grow.STEPS)
     assert all(tuple(r["degrees"]) == (2, 2, 2) for r in results.values())
     healthy = ["tp", "tp-control"] if NCCL_RULES else ["tp"]
     for kind, event_of in (("recovery", lambda r: r["events"][0]), ("grow", lambda r: r["events"][-1])):
@@ -98,7 +98,7 @@ def _keep_after(rank, world, case):
     from ntp_ds.layout import Topology, plan_gradient_sync
     from ntp_ds.recovery.keep import keep
     from ntp_ds.testing import nccl_model
-    from tests.training import tiny_config
+    from tests.helpers.training import tiny_config
 
     dist.init_process_group("nccl_model" if case == "device-stopped" else "gloo", rank=rank, world_size=world)
     groups.start_generation(30.0)

@@ -10,6 +10,7 @@ import ntp_ds
 ROOT = Path(ntp_ds.__file__).resolve().parent
 
 PARTS = [
+    ("envs", ("ntp_ds.envs",)),
     ("layout", ("ntp_ds.layout",)),
     ("batch", ("ntp_ds.batch",)),
     ("comm", ("ntp_ds.comm",)),
@@ -132,3 +133,30 @@ def test_the_walk_sees_an_upward_import_and_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert "ntp_ds.comm.wire" in GRAPH["ntp_ds.engine.engine"], "the walk finds the engine's import of the wire"
     assert "ntp_ds.engine.initialize" in GRAPH["ntp_ds"], "and imports inside functions"
+
+
+def test_test_modules_share_helpers_not_each_other():
+    # What tests share lives in tests/helpers/ (and tests/conftest.py), not in another test module.
+    tests = Path(__file__).resolve().parent
+    borrowed = []
+    for path in sorted(tests.rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            borrowed += [f"{path.relative_to(tests)} imports {n}" for n in names
+                         if n.startswith("tests.") and n.rpartition(".")[2].startswith("test_")]
+    assert not borrowed, "\n".join(borrowed)
+
+
+def test_environment_variables_are_named_in_one_module():
+    # Every variable ntp_ds reads or sets is spelled once, in ntp_ds/envs.py; other modules use its constants.
+    from ntp_ds import envs
+
+    names = {v for k, v in vars(envs).items() if k.isupper() and isinstance(v, str)}
+    spelled = [f"{m}:{node.lineno} {node.value}" for m, path in sorted(MODULES.items()) if m != "ntp_ds.envs"
+               for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Constant) and node.value in names]
+    assert not spelled, "\n".join(spelled)

@@ -12,10 +12,10 @@ import torch.distributed as dist
 
 from ntp_ds.layout import units as U
 from ntp_ds.layout.shard_layout import LayoutError, ShardLayout
-from ntp_ds.models import Llama, LlamaConfig
 from ntp_ds.layout.sharding import gather_units, shard_tensor, unshard_into
+from ntp_ds.models import Llama, LlamaConfig
 from ntp_ds.testing.spawn import run_ranks
-from tests.parity_layouts import LOGITS, UNEVEN_2, UNEVEN_3, UNITS
+from tests.helpers.parity_layouts import LOGITS, UNEVEN_2, UNEVEN_3, UNITS
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=2)

@@ -518,7 +518,7 @@ def copies_in_flight_beside_the_data(rank, world):
 
     from ntp_ds.comm import groups, wire
     from ntp_ds.layout import Topology, plan_gradient_sync
-    from tests.training import tiny_config
+    from tests.helpers.training import tiny_config
 
     groups.start_generation(30.0)
     topology = Topology.from_degrees(tiny_config().units(), (1, 1))
@@ -543,7 +543,7 @@ def exchange_outside_every_family(rank, world):
 
     from ntp_ds.comm import groups, wire
     from ntp_ds.layout import Topology, plan_gradient_sync
-    from tests.training import tiny_config
+    from tests.helpers.training import tiny_config
 
     groups.start_generation(30.0)
     topology = Topology.from_degrees(tiny_config().units(), (2,))
@@ -578,7 +578,7 @@ def initialize_on_a_callers_group(rank, world, handling):
     TORCH_NCCL_ASYNC_ERROR_HANDLING as given (None: unset), then asks ntp_ds for an engine."""
     import ntp_ds
     from ntp_ds.engine.config import ConfigError
-    from tests.training import deepspeed_config, full_model, tiny_config
+    from tests.helpers.training import deepspeed_config, full_model, tiny_config
 
     os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
     if handling is not None:

@@ -5,8 +5,8 @@ import time
 
 from ntp_ds.batch.loader import GlobalBatchSampler, replica_micro_batches
 from ntp_ds.testing.spawn import run_ranks
-from tests.test_equivalence import assert_matches_reference, reference_init
-from tests.training import dataset, deepspeed_config, full_model, host_shards, tiny_config, train_reference
+from tests.helpers.reference import assert_matches_reference, reference_init
+from tests.helpers.training import dataset, deepspeed_config, full_model, host_shards, tiny_config, train_reference
 
 STEPS, SLOW_S = 3, 0.4
 

@@ -18,7 +18,7 @@ from ntp_ds.layout import units as U
 from ntp_ds.layout.shard_layout import OWNED_KINDS
 from ntp_ds.models import empty_shard
 from ntp_ds.testing.spawn import run_ranks
-from tests.training import assert_equivalent, full_model, tiny_config, train_with_recovery
+from tests.helpers.training import assert_equivalent, full_model, tiny_config, train_with_recovery
 
 STEPS = 5
 GLOBAL_BATCH, MICRO = 12, 2

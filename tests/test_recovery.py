@@ -16,63 +16,10 @@ import os
 import pytest
 
 from ntp_ds.testing.spawn import run_ranks
-from tests import training
-from tests.training import tiny_qwen2, train_reference, train_with_recovery
-
-STEPS = 5
-GLOBAL_BATCH, MICRO = 12, 2
-
-
-def fault(rank, step, phase, kind="crash"):
-    return {"rank": rank, "step": step, "phase": phase, "kind": kind}
-
-
-def run(degrees, stage, faults, redundancy=1, min_tp=1, timeout=200, last_good_dir=None, make_model=None, zero=None,
-        **ntp):
-    ntp = {"tp": max(degrees), "replicas": len(degrees), "min_tp": min_tp, **ntp}
-    return run_ranks(train_with_recovery, sum(degrees), ntp, "adamw", stage, GLOBAL_BATCH, MICRO, STEPS, faults,
-                     2.0, redundancy, last_good_dir, 12.0, None, None, make_model, zero, timeout=timeout, store=True)
-
-
-def assert_equivalent(results, steps=STEPS, make_model=None):
-    training.assert_equivalent(results, GLOBAL_BATCH, steps, make_model)
-
-
-def events_of(results):
-    """The recovery events, one list per generation, each with every surviving rank's copy."""
-    by_generation = {}
-    for res in results.values():
-        for event in res["events"]:
-            by_generation.setdefault(event["generation"], []).append(event)
-    return [by_generation[g] for g in sorted(by_generation)]
-
-
-def assert_lossless_and_minimal(results, degrees_after):
-    generations = events_of(results)
-    assert generations, "no recovery happened"
-    for copies in generations:
-        assert all(e["lossless"] for e in copies)
-        assert len({(e["bytes_moved"], e["lost_shard_bytes"]) for e in copies}) == 1, "ranks disagree on totals"
-        lost = copies[0]["lost_shard_bytes"]
-        # A GQA KV head that a sibling survivor already held, copied once more for the new layout, and units moved
-        # between survivors to even out work are reported apart from the lost shard.
-        moved = copies[0]["bytes_moved"] - copies[0]["kv_rereplicated_bytes"] - copies[0]["rebalanced_bytes"]
-        assert moved == lost, f"moved {moved} parameter bytes for a lost shard of {lost}"
-        # Optimizer state apart: every element no survivor holds is installed from the dead's copies (counted once).
-        restored = {(e["optimizer_bytes_restored"], e["lost_optimizer_bytes"]) for e in copies}
-        assert len(restored) == 1, "ranks disagree on the optimizer totals"
-        (restored, lost_state), = restored
-        print(f"generation {copies[0]['generation']}: optimizer_bytes_restored={restored} "
-              f"lost_optimizer_bytes={lost_state}")
-        assert restored == lost_state, f"restored {restored} optimizer bytes of the {lost_state} no survivor holds"
-        # Every rank found the fragments it holds where the layout rule puts them, so no addresses were gathered.
-        assert {e["state_index"] for e in copies} == {"layouts"}
-        assert copies[0]["traffic_bytes"]["parameters"] >= copies[0]["bytes_moved"]
-        for e in copies:
-            for key in ("detection_s", "agreement_s", "regroup_s", "reshard_s"):
-                assert e[key] >= 0
-    assert all(tuple(r["degrees"]) == degrees_after for r in results.values())
-
+from tests.helpers import training
+from tests.helpers.recovery import (GLOBAL_BATCH, MICRO, STEPS, assert_equivalent, assert_hung_rank_3_found,
+                                    assert_lossless_and_minimal, events_of, fault, run)
+from tests.helpers.training import tiny_qwen2, train_reference, train_with_recovery
 
 CASES = [  # (degrees, ZeRO stage, fault kind, phase, victim rank, degrees after)
     ((3, 3), 0, "crash", "forward", 4, (3, 2)),
@@ -222,29 +169,6 @@ def test_stalled_training_thread_is_found_hung_within_hang_timeout_plus_2s_and_r
     # with its stack). At 3 s one CI run saw a healthy rank judged hung before the first step: its store clients took
     # 3.4 s to connect outside a wait (now a wait, `Recovery.__init__`).
     assert_hung_rank_3_found(phase, stage, "stall")
-
-
-HANG_TIMEOUT_S = 6.0
-
-
-def assert_hung_rank_3_found(phase: str, stage: int, kind: str) -> None:
-    """Rank 3 of (2, 2, 2) fails as `kind` at `phase` of step 3 while it beats on: the others find it hung within
-    HANG_TIMEOUT_S + 2 s, recover once without it (its TP peer, rank 2, not fenced), to the failure-free weights."""
-    train = functools.partial(training.train_with_recovery, hang_timeout_s=HANG_TIMEOUT_S)
-    results = run_ranks(train, 6, {"tp": 2, "replicas": 3, "min_tp": 1}, "adamw", stage, GLOBAL_BATCH, MICRO, STEPS,
-                        [fault(3, 3, phase, kind)], 2.0, 2, None, 20.0, timeout=200, store=True)
-    assert set(results) == {0, 1, 2, 4, 5}
-    assert_equivalent(results)
-    assert_lossless_and_minimal(results, (2, 1, 2))
-    for rank, res in results.items():
-        assert 3 in res["fired"], f"rank 3 was judged hung before its {kind} fired (rank {rank} saw no record of it)"
-        assert len(res["recovered"]) == 1, f"rank {rank} recovered {len(res['recovered'])} times"
-        detected, recovered = res["noticed"][0] - res["fired"][3], res["recovered"][0] - res["fired"][3]
-        print(f"rank {rank}: {kind} seen after {detected:.2f} s, recovered after {recovered:.2f} s")
-        # Found within the bound; the recovery that follows (about a second here, up to two on a loaded machine, the
-        # ZeRO 2 engines rebuilt) is bounded apart: recovered <= bound held only at a few tenths of a second.
-        assert detected <= HANG_TIMEOUT_S + 2.0, f"rank {rank} saw the {kind} {detected:.2f} s after it began"
-        assert recovered <= HANG_TIMEOUT_S + 5.0, f"rank {rank} recovered {recovered:.2f} s after the {kind}"
 
 
 def _recovery_watching_rebuilt_shards(rank, world_size, *args, **kwargs):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ntp_ds.testing.spawn import run_ranks
-from tests.training import hf_weights
+from tests.helpers.training import hf_weights
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(240)
 def save(rank, world, path, degrees):
     import ntp_ds
     from ntp_ds.comm import wire
-    from tests.training import deepspeed_config, full_model, tiny_config
+    from tests.helpers.training import deepspeed_config, full_model, tiny_config
 
     ntp = {"tp": max(degrees), "replicas": len(degrees), "degrees": degrees}
     engine = ntp_ds.initialize(model=full_model(tiny_config()), config=deepspeed_config("sgd", 1, 12, 2), ntp=ntp)

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from ntp_ds.run.records import SUMMARY
-from tests.test_cli import REPO, ntp_ds
+from tests.helpers.cli import REPO, ntp_ds
 
 STEPS = 60
 ARGS = ("parallel.tp=1", "parallel.replicas=2", "parallel.timeout_s=20", "train.global_batch=4", "train.micro_batch=2",

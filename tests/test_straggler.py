@@ -296,8 +296,8 @@ def test_a_slowed_replica_gets_fewer_samples_and_the_weights_stay_the_failure_fr
         tmp_path, topology, slow_rank, slow_replica, base):
     """Under preserve_global_batch one rank runs 4x slower from step 1. The planner moves samples away from its
     replica at a step boundary; the final weights equal the run without the fault or the re-plan."""
-    from tests.test_cli import ntp_ds
-    from tests.training import final_weights
+    from tests.helpers.cli import ntp_ds
+    from tests.helpers.training import final_weights
 
     slowed, clean = tmp_path / "slowed", tmp_path / "clean"
     result = ntp_ds("train", *COMMON, *topology,

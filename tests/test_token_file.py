@@ -16,7 +16,7 @@ from ntp_ds.batch.token_file import TokenFile, TokenFileError, read_meta, sideca
 from ntp_ds.engine.config import ConfigError
 from ntp_ds.models import Llama
 from ntp_ds.run.compose import load_config
-from tests.test_cli import REPO, ntp_ds, run
+from tests.helpers.cli import REPO, ntp_ds, run
 
 WORDS = ["the", "cat", "dog", "sat", "ran", "on", "under", "a", "mat", "tree", "big", "small", "red", "quiet"]
 

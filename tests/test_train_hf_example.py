@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from ntp_ds.batch.token_file import write_token_file
-from tests.test_cli import REPO, run
-from tests.training import hf_weights, tiny_qwen2
+from tests.helpers.cli import REPO, run
+from tests.helpers.training import hf_weights, tiny_qwen2
 
 STEPS = 10
 FAULTS = [{"rank": 3, "step": 5, "phase": "forward", "kind": "crash"}, {"rank": 3, "step": 9, "kind": "repair"}]

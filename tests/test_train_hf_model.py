@@ -4,8 +4,8 @@ trained through a crash to the failure-free run's weights; the Qwen2.5-7B recipe
 import pytest
 from safetensors.torch import load_file
 
-from tests.test_cli import ntp_ds
-from tests.training import final_weights, tiny_qwen2
+from tests.helpers.cli import ntp_ds
+from tests.helpers.training import final_weights, tiny_qwen2
 
 JOB = ("model=hf", "parallel.tp=2", "parallel.replicas=2", "parallel.timeout_s=20", "train.steps=6",
        "train.global_batch=8", "train.micro_batch=2", "data.seq_len=16", "logging=disabled",

@@ -12,8 +12,8 @@ import torch
 
 from ntp_ds.goodput import BUCKETS
 from ntp_ds.models import Llama
-from tests.test_cli import ntp_ds
-from tests.test_wandb_offline import GOODPUT_KEYS, read_history
+from tests.helpers.cli import ntp_ds
+from tests.helpers.wandb_records import GOODPUT_KEYS, read_history
 
 STEPS = 4
 
@@ -397,7 +397,7 @@ def test_a_worker_that_joins_never_takes_the_records_from_one_that_trained_all_a
 
     from ntp_ds.layout import Topology
     from ntp_ds.run.trainer import is_writer
-    from tests.training import tiny_config
+    from tests.helpers.training import tiny_config
 
     # Two anchor replicas of TP 2; rank 0 died and launch rank 4 took its place (global rank 0 again).
     topology = Topology.from_degrees(tiny_config().units(), (2, 2))

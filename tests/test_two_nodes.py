@@ -20,8 +20,8 @@ import time
 
 import pytest
 
-from tests.test_cli import REPO, ntp_ds
-from tests.training import assert_same_final_weights, wait_for_lines
+from tests.helpers.cli import REPO, ntp_ds
+from tests.helpers.training import assert_same_final_weights, wait_for_lines
 
 STEPS = 14
 JOB = ["parallel.tp=2", "parallel.replicas=2", "parallel.timeout_s=20", f"train.steps={STEPS}",

@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 
 from ntp_ds.comm import wire
+from ntp_ds.envs import (GLOO_LAZY_ENV, NCCL_ASYNC_ERROR_HANDLING, NCCL_DUMP_ENV, NCCL_DUMP_WAIT_ENV,
+                         NCCL_MONITORING_ENV, NONBLOCKING_TIMEOUT_ENV, TEST_BACKEND_ENV)
 from ntp_ds.layout import SyncPlan, Topology
 
 log = logging.getLogger(__name__)
 
 
-TEST_BACKEND_ENV = "NTP_TEST_BACKEND"
-"""Run on another backend than the device's: `nccl_model` (NCCL's rules on CPU, for tests) or `gloo`."""
 
 
 def backend_for_device() -> str:
@@ -38,17 +38,13 @@ def backend_for_device() -> str:
     return chosen or ("nccl" if torch.cuda.is_available() else "gloo")
 
 
-NCCL_DUMP_ENV = "TORCH_NCCL_DUMP_ON_TIMEOUT"
-"""torch's switch for NCCL flight-recorder dumps on a failed op, signalled to every rank through the store."""
 NCCL_SET_ENV = {
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+    NCCL_ASYNC_ERROR_HANDLING: "0",
     NCCL_DUMP_ENV: "0",
-    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "100",
-    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    NCCL_DUMP_WAIT_ENV: "100",
+    NCCL_MONITORING_ENV: "0",
 }
 """What the product sets under NCCL before the first process group (`prepare_backend` says why)."""
-NONBLOCKING_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
-"""torch's bound, in seconds, on a non-blocking communicator's wait to be ready (and on each NCCL call in progress)."""
 
 
 def prepare_backend(timeout_s: float | None = None) -> None:
@@ -98,7 +94,6 @@ def skip_shm_comm_op() -> None:
     deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
-GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
 
 
 @contextlib.contextmanager

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ntp_ds.comm import device
+from ntp_ds.comm.failures import PeerFailure
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +54,6 @@ SLICE_S = 0.1
 NCCL_LIKE = ("nccl", "nccl_model")
 """Backends with NCCL's rules: `nccl_model` (ntp_ds.testing.nccl_model) keeps them on CPU, and takes every branch
 NCCL takes, so no code path runs only on GPUs."""
-
-
-class PeerFailure(RuntimeError):
-    """A wait ended because a peer was declared dead (hung or gone) by the liveness watcher."""
 
 
 @dataclass(frozen=True)

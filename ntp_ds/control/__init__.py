@@ -1,6 +1,7 @@
 """Control plane: the store outside every rank, heartbeats, membership agreement and fault injection."""
 
-from ntp_ds.control.faults import DeviceError, Fault, FaultInjector, FaultSchedule, send_fault
+from ntp_ds.comm.failures import DeviceError
+from ntp_ds.control.faults import Fault, FaultInjector, FaultSchedule, send_fault
 from ntp_ds.control.heartbeat import (Heartbeat, LivenessMonitor, LivenessReader, NodePublisher, mark_exited,
                                       poll_liveness)
 from ntp_ds.control.membership import (BarrierTimeout, Evicted, Membership, MembershipChange, MembershipTimeout,

@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ntp_ds.comm.failures import DeviceError
+
 log = logging.getLogger(__name__)
 
 PHASES = ("forward", "backward", "grad_sync", "optimizer", "in_optimizer", "refresh", "recovery", "rendezvous",
@@ -45,10 +47,6 @@ OPTIONAL_FIELDS = ("factor",)
 """`factor`: only with kind `slow`, how many times as long the rank's micro-batches take (at least 1)."""
 FAULT_COUNT_KEY = "fault/count"
 """Store counter of faults sent to the running job; fault n is stored under `fault/{n}`, n from 1."""
-
-
-class DeviceError(RuntimeError):
-    """This rank's device failed (or a failure was injected): the worker must treat its own GPU as lost."""
 
 
 def fault_key(n: int) -> str:

@@ -33,13 +33,15 @@ import logging
 import os
 import sys
 import threading
-import traceback
 import time
+import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
 from torch.distributed import DistStoreError
+
+from ntp_ds.envs import NODE_SIZE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +63,6 @@ FENCE_KEY = "fence"
 """Store key to which `request_fence` appends one `RANK REASON` line per worker its peers declared dead."""
 
 
-NODE_SIZE_ENV = "NTP_NODE_SIZE"
-"""Environment variable through which the launcher tells its workers how many ranks each node runs (rank r lives on
-node r // size) and that every node's launcher publishes `node/{n}`."""
 NODE_PUBLISH_S = 0.25
 """How often a launcher publishes its node's liveness key."""
 NODE_STALE_S = 1.0

@@ -25,9 +25,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-JOIN_ENV = "NTP_JOIN"
-"""Set (to 1) in a worker that joins a running job (`ntp-ds launch --join`, a repair, a joiner of `run_ranks`);
-`NTP_JOIN_STEP` is then the first step it may train."""
 REQUESTS_KEY = "join/requests"
 EVENTS_KEY = "join/events"
 

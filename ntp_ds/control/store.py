@@ -21,11 +21,10 @@ import time
 import torch.distributed as dist
 
 from ntp_ds.control.address import format_address, is_etcd_address, parse_address
+from ntp_ds.envs import MASTER_ADDR, MASTER_PORT, RANK, STORE_ENV
 
 log = logging.getLogger(__name__)
 
-STORE_ENV = "NTP_STORE"
-"""Environment variable through which the launcher passes the store's HOST:PORT to workers."""
 DEFAULT_TIMEOUT_S = 60.0
 """Default bound on connecting and on any blocking store call."""
 
@@ -161,10 +160,10 @@ def job_store(timeout_s: float, env=os.environ) -> tuple[dist.Store | None, bool
     """
     if env.get(STORE_ENV):
         return connect_from_env(timeout_s, env), False
-    if not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
+    if not (env.get(MASTER_ADDR) and env.get(MASTER_PORT)):
         return None, False
-    host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"]) + 1
-    if int(env.get("RANK", "0")) == 0:
+    host, port = env[MASTER_ADDR], int(env[MASTER_PORT]) + 1
+    if int(env.get(RANK, "0")) == 0:
         store, _ = host_store(port, host, timeout_s)
         log.info("no %s from the launcher: rank 0 hosts the job's store at %s (losing rank 0 ends the job)",
                  STORE_ENV, format_address(host, port))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ntp_ds.batch import POLICIES, BatchError
+from ntp_ds.envs import CUDA_VISIBLE_DEVICES, LOCAL_RANK, WORLD_SIZE
 
 
 class ConfigError(ValueError):
@@ -228,7 +229,7 @@ def load_deepspeed_config(config) -> dict:
 
 
 def env_world_size() -> int | None:
-    value = os.environ.get("WORLD_SIZE")
+    value = os.environ.get(WORLD_SIZE)
     return int(value) if value else None
 
 
@@ -236,7 +237,7 @@ def cuda_device_index(env: Mapping[str, str], device_count: int) -> int:
     """This rank's CUDA device: the LOCAL_RANK-th the process sees, as DeepSpeed's engine sets it too. Raise a
     ConfigError where two ranks of one node would share a device (NCCL refuses two ranks of one communicator on one
     device)."""
-    local_rank, world_size = env.get("LOCAL_RANK"), int(env.get("WORLD_SIZE") or 1)
+    local_rank, world_size = env.get(LOCAL_RANK), int(env.get(WORLD_SIZE) or 1)
     if local_rank is None:
         if world_size == 1:
             return 0
@@ -247,7 +248,7 @@ def cuda_device_index(env: Mapping[str, str], device_count: int) -> int:
     if 0 <= index < device_count:
         return index
     raise ConfigError(f"LOCAL_RANK={index} but this process sees {device_count} CUDA device(s) "
-                      f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '(unset)')}): ranks of this node "
+                      f"(CUDA_VISIBLE_DEVICES={env.get(CUDA_VISIBLE_DEVICES, '(unset)')}): ranks of this node "
                       f"would share a device. Start at most {device_count} ranks per node, each seeing all of them")
 
 

@@ -20,15 +20,17 @@ from ntp_ds.batch import BatchPlan, lockstep_replicas, max_micro_batch, plan_bat
 from ntp_ds.batch.planner import pace_costs, resume_plan
 from ntp_ds.batch.straggler import Replan, rebalance
 from ntp_ds.comm import wire
-from ntp_ds.comm.groups import (NCCL_DUMP_ENV, NTPMpu, ReplicaGroups, backend_for_device, build_groups,
-                                prepare_backend, start_generation, unconnected_default_group)
+from ntp_ds.comm.groups import (NTPMpu, ReplicaGroups, backend_for_device, build_groups, prepare_backend,
+                                start_generation, unconnected_default_group)
 from ntp_ds.engine.config import (ConfigError, NTPConfig, check_batch, cuda_device_index, env_world_size,
                                   load_deepspeed_config)
 from ntp_ds.engine.engine import NTPEngine, deepspeed_batch
+from ntp_ds.envs import (CUDA_DEVICE_MAX_CONNECTIONS, NCCL_ASYNC_ERROR_HANDLING, NCCL_BLOCKING_WAIT_ENV,
+                         NCCL_DESYNC_DEBUG_ENV, NCCL_DUMP_ENV, RANK, STORE_ENV, WORLD_SIZE)
 from ntp_ds.layout import LayoutError, Topology, plan_buddies, plan_gradient_sync, replica_paces
+from ntp_ds.layout.sharding import shard_tensor
 from ntp_ds.models import CausalLMShard, HFCausalLM, HFConfig, Llama, LlamaConfig
 from ntp_ds.models.hf import check_supported, is_hf_model, is_model_dir
-from ntp_ds.layout.sharding import shard_tensor
 
 
 @dataclass
@@ -154,16 +156,16 @@ def _rank_deepspeed_config(ds_config: dict, groups: ReplicaGroups, micro_sizes: 
 
 
 REFUSED_NCCL_ENV = {
-    "TORCH_NCCL_BLOCKING_WAIT": ("1", "a blocking wait ends a slow peer's op at the process-group timeout and tears "
+    NCCL_BLOCKING_WAIT_ENV: ("1", "a blocking wait ends a slow peer's op at the process-group timeout and tears "
                                       "the communicator down itself; ntp_ds bounds waits and aborts on a verdict"),
     NCCL_DUMP_ENV: ("1", "a failed op leaves a dump signal in the store, and a worker that joins later finds it and "
                          "is ended by its own NCCL monitor"),
-    "TORCH_NCCL_DESYNC_DEBUG": ("1", "torch then turns TORCH_NCCL_ASYNC_ERROR_HANDLING=0 into 3, and the first failed "
+    NCCL_DESYNC_DEBUG_ENV: ("1", "torch then turns TORCH_NCCL_ASYNC_ERROR_HANDLING=0 into 3, and the first failed "
                                      "op tears every survivor down"),
 }
 """Environment settings the product cannot run under NCCL with: variable -> (refused value, why)."""
 
-OVERLAP_REFUSED_ENV = ("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+OVERLAP_REFUSED_ENV = (CUDA_DEVICE_MAX_CONNECTIONS, "1")
 """With `redundancy_overlap` the state copies wait on peers on the device while the next step computes; one hardware
 queue serialises every stream's work behind the first stream wait on such a copy, the buckets and collectives of the
 next step included, which the peers wait for in turn."""
@@ -205,9 +207,9 @@ def prepare(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_len=
 def check_error_handling() -> None:
     """Refuse a default group the caller built under NCCL without TORCH_NCCL_ASYNC_ERROR_HANDLING=0: NCCL's
     watchdog would then tear this process down at a peer's failure, and no survivor would survive it."""
-    if dist.get_backend() in wire.NCCL_LIKE and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") != "0":
+    if dist.get_backend() in wire.NCCL_LIKE and os.environ.get(NCCL_ASYNC_ERROR_HANDLING) != "0":
         raise ConfigError(f"TORCH_NCCL_ASYNC_ERROR_HANDLING="
-                          f"{os.environ.get('TORCH_NCCL_ASYNC_ERROR_HANDLING', '(unset)')}: the process group was "
+                          f"{os.environ.get(NCCL_ASYNC_ERROR_HANDLING, '(unset)')}: the process group was "
                           "built before ntp_ds.initialize, so it must be built with "
                           "TORCH_NCCL_ASYNC_ERROR_HANDLING=0 in the environment (export it before launching, or let "
                           "ntp_ds.initialize build the group)")
@@ -227,8 +229,8 @@ def join_world(ntp: NTPConfig, store=None, generation: int = 0, rank: int | None
         return
     from ntp_ds.control.store import generation_store
 
-    rank = int(os.environ["RANK"]) if rank is None else rank
-    world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
+    rank = int(os.environ[RANK]) if rank is None else rank
+    world_size = int(os.environ[WORLD_SIZE]) if world_size is None else world_size
     with unconnected_default_group(backend_for_device(), world_size, ntp.control_fanout):
         dist.init_process_group(backend_for_device(), store=generation_store(store, generation), rank=rank,
                                 world_size=world_size, timeout=timeout)
@@ -287,7 +289,7 @@ def initialize(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_l
     launcher's, from `NTP_STORE`, when set). Every check runs before a process group is built.
     """
     spec, topology = prepare(model, config, ntp, optimizer, lr_scheduler, seq_len)
-    if store is None and os.environ.get("NTP_STORE"):
+    if store is None and os.environ.get(STORE_ENV):
         from ntp_ds.control.store import connect_from_env
 
         store = connect_from_env(spec.ntp.timeout_s)

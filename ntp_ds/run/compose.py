@@ -12,6 +12,7 @@ import re
 import sys
 
 from ntp_ds.engine.config import ConfigError
+from ntp_ds.envs import LOCAL_RANK
 from ntp_ds.overrides import UsageError, config_dir, flatten, hydra_value, parse, read_recipe, recipes_dir
 from ntp_ds.run.config import RunConfig
 from ntp_ds.schema import find_schema_error, recipe_note, to_plain
@@ -34,11 +35,11 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
     while i < len(argv):
         arg = argv[i]
         if arg in ("--local_rank", "--local-rank") and i + 1 < len(argv):
-            os.environ.setdefault("LOCAL_RANK", argv[i + 1])
+            os.environ.setdefault(LOCAL_RANK, argv[i + 1])
             i += 2
             continue
         if arg.startswith(("--local_rank=", "--local-rank=")):
-            os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
+            os.environ.setdefault(LOCAL_RANK, arg.split("=", 1)[1])
         else:
             out.append(arg)
         i += 1

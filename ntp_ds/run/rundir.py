@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ntp_ds.engine.config import ConfigError
 from ntp_ds.engine.engine import TOPOLOGY_FILE
+from ntp_ds.envs import RUN_DIR_ENV
 from ntp_ds.run.config import ModelConfig
 from ntp_ds.run.records import CHECKPOINTS, EVENTS, FINAL_WEIGHTS, LAST_GOOD, METRICS, RUN_CONFIG, SUMMARY
 
@@ -149,4 +150,4 @@ def clear_run(run_dir: str | Path) -> None:
 
 def run_dir_of(cfg) -> str:
     """The run directory the workers will use: the launcher's NTP_RUN_DIR, else the config's."""
-    return os.environ.get("NTP_RUN_DIR") or cfg.run_dir
+    return os.environ.get(RUN_DIR_ENV) or cfg.run_dir

@@ -22,6 +22,8 @@ import sys
 import threading
 import traceback
 
+from ntp_ds.envs import OMP_NUM_THREADS
+
 PRELOAD = ("torch", "torch._dynamo", "deepspeed", "deepspeed.runtime.zero.utils",
            "deepspeed.runtime.zero.muon.muon_optimizer", "ntp_ds", "ntp_ds.train", "ntp_ds.run.trainer",
            "ntp_ds.fault_tolerant", "ntp_ds.recovery.manager", "ntp_ds.control.job", "ntp_ds.control.heartbeat",
@@ -103,7 +105,7 @@ def _become_worker(env: dict) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ.clear()
     os.environ.update(env)
-    threads = env.get("OMP_NUM_THREADS", "")
+    threads = env.get(OMP_NUM_THREADS, "")
     if threads.isdigit() and int(threads) > 0:
         import torch
 

@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ntp_ds.envs import DS_ACCELERATOR, LOCAL_WORLD_SIZE, NODE_SIZE_ENV, OMP_NUM_THREADS, RUN_DIR_ENV
 from ntp_ds.supervise.stop import DUPLICATE_S, SIGNALS
 
 PROG = "ntp-ds launch"
@@ -163,22 +164,22 @@ def worker_env(spec: LaunchSpec, local_rank: int, store: str, master: tuple[str,
     if joining is not None:
         rank, world, step = joining
         env.update(RANK=str(rank), WORLD_SIZE=str(world), NTP_JOIN="1", NTP_JOIN_STEP=str(step))
-        env.pop("NTP_NODE_SIZE")  # its rank lies outside the node numbering: watchers read its beats per rank
+        env.pop(NODE_SIZE_ENV)  # its rank lies outside the node numbering: watchers read its beats per rank
     if spec.run_dir:
-        env["NTP_RUN_DIR"] = str(Path(spec.run_dir).resolve())
+        env[RUN_DIR_ENV] = str(Path(spec.run_dir).resolve())
     env.update(spec.env)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(env["LOCAL_WORLD_SIZE"]))))
+    env.setdefault(OMP_NUM_THREADS, str(max(1, (os.cpu_count() or 1) // int(env[LOCAL_WORLD_SIZE]))))
     set_cpu_accelerator(env)
     return env
 
 
 def set_cpu_accelerator(env=os.environ) -> None:
     """Tell DeepSpeed to use its CPU accelerator where there is no GPU (it otherwise warns on every import)."""
-    if "DS_ACCELERATOR" not in env:
+    if DS_ACCELERATOR not in env:
         import torch
 
         if not torch.cuda.is_available():
-            env["DS_ACCELERATOR"] = "cpu"
+            env[DS_ACCELERATOR] = "cpu"
 
 
 def shell_status(code: int) -> int:
@@ -229,12 +230,7 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1, finish=None) -> int:
     """Start the workers, wait for every one, report each exit; return the exit status described above, or what
     `finish(store, codes)` returns (called once every worker has exited, while this process still holds the store)
     if it returns a status."""
-    from ntp_ds.control.heartbeat import (
-        NODE_PUBLISH_S,
-        NodePublisher,
-        mark_exited,
-        prepare_store,
-    )
+    from ntp_ds.control.heartbeat import NODE_PUBLISH_S, NodePublisher, mark_exited, prepare_store
 
     store, address, master = _rendezvous(spec)
     published_at, exits = -math.inf, {}

@@ -22,8 +22,9 @@ import sys
 import time
 from collections.abc import Mapping
 
-SENTINEL_ENV = "NTP_SENTINEL"
-"""`0`: no sentinel; `child`: this process is the worker a sentinel started."""
+from ntp_ds.envs import (LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, RANK, RUN_DIR_ENV, SENTINEL_ENV,
+                         STORE_ENV, WORLD_SIZE)
+
 OUTLIVE_TIMEOUT_S = 3.0
 """How long a peer may be silent before a sentinel waiting for the job's end counts it gone."""
 JOB_OVER_KEY = "sentinel/job_over"
@@ -39,9 +40,7 @@ DONE_WAIT_S = 30.0
 def under_foreign_launcher(env: Mapping[str, str] = os.environ) -> bool:
     """Whether this process is a worker started by a launcher other than `ntp-ds launch` (no NTP_STORE), with the
     env:// rendezvous variables a sentinel needs, and no sentinel yet."""
-    from ntp_ds.control.store import STORE_ENV
-
-    return ("RANK" in env and "WORLD_SIZE" in env and bool(env.get("MASTER_ADDR")) and bool(env.get("MASTER_PORT"))
+    return (RANK in env and WORLD_SIZE in env and bool(env.get(MASTER_ADDR)) and bool(env.get(MASTER_PORT))
             and not env.get(STORE_ENV) and env.get(SENTINEL_ENV) not in ("0", "child"))
 
 
@@ -52,13 +51,13 @@ def become_sentinel(repairs: Mapping[int, int] | None = None, env: Mapping[str, 
     launch (repairs sent to the job's store are read too)."""
     from ntp_ds.supervise.launch import LaunchSpec, launch
 
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    store = f"{env['MASTER_ADDR']}:{int(env['MASTER_PORT']) + 1}"
-    local_world = env.get("LOCAL_WORLD_SIZE", "1")
+    rank, world = int(env[RANK]), int(env[WORLD_SIZE])
+    store = f"{env[MASTER_ADDR]}:{int(env[MASTER_PORT]) + 1}"
+    local_world = env.get(LOCAL_WORLD_SIZE, "1")
     command = [sys.executable, *(sys.orig_argv[1:] if argv is None else argv)]
     spec = LaunchSpec(command, nproc_per_node=1, nnodes=world, node_rank=rank, store=store,
-                      run_dir=env.get("NTP_RUN_DIR"), repairs=dict(repairs or {}),
-                      env={"LOCAL_RANK": env.get("LOCAL_RANK", "0"), "LOCAL_WORLD_SIZE": local_world,
+                      run_dir=env.get(RUN_DIR_ENV), repairs=dict(repairs or {}),
+                      env={LOCAL_RANK: env.get(LOCAL_RANK, "0"), LOCAL_WORLD_SIZE: local_world,
                            SENTINEL_ENV: "child"})
     return launch(spec, finish=lambda job_store, codes: _outlast(job_store, rank, world, codes))
 

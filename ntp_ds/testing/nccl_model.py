@@ -78,17 +78,18 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, PrefixStore, ProcessGroupGloo
 
+from ntp_ds import envs
 from ntp_ds.comm import device
 
 log = logging.getLogger(__name__)
 
 NAME = "nccl_model"
 RULES = ("coalesce", "async", "order", "tags", "first", "abort", "device", "create", "sync", "watchdog")
-OFF_ENV = "NTP_NCCL_MODEL_OFF"
-DEADLOCK_ENV = "NTP_NCCL_MODEL_DEADLOCK_S"
-NONBLOCKING_ENV = "TORCH_NCCL_USE_COMM_NONBLOCKING"
-NONBLOCKING_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
-DUMP_WAIT_ENV = "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"
+OFF_ENV = envs.MODEL_OFF_ENV
+DEADLOCK_ENV = envs.MODEL_DEADLOCK_ENV
+NONBLOCKING_ENV = envs.NONBLOCKING_ENV
+NONBLOCKING_TIMEOUT_ENV = envs.NONBLOCKING_TIMEOUT_ENV
+DUMP_WAIT_ENV = envs.NCCL_DUMP_WAIT_ENV
 DUMP_WAIT_MS = 15_000
 """torch's default for DUMP_WAIT_ENV: the watchdog sleeps four times this after each op that timed out."""
 

@@ -18,7 +18,7 @@ import socket
 import time
 import traceback
 
-from ntp_ds.control.joins import JOIN_ENV
+from ntp_ds.envs import CUDA_VISIBLE_DEVICES, DS_ACCELERATOR, JOIN_ENV, STORE_ENV, TEST_DEVICE_ENV
 
 
 def free_port() -> int:
@@ -35,10 +35,10 @@ def _child(fn, rank, world_size, port, store_address, args, results, environ):
     if rank >= world_size:  # a joiner: it asks the running job for a place instead of starting with it
         os.environ[JOIN_ENV] = "1"
     if store_address:
-        os.environ["NTP_STORE"] = store_address
-    if os.environ.get("NTP_TEST_DEVICE", "cpu") == "cpu":
-        os.environ["DS_ACCELERATOR"] = "cpu"
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        os.environ[STORE_ENV] = store_address
+    if os.environ.get(TEST_DEVICE_ENV, "cpu") == "cpu":
+        os.environ[DS_ACCELERATOR] = "cpu"
+        os.environ[CUDA_VISIBLE_DEVICES] = ""
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for every thread's stack at a timeout
     try:
         import torch

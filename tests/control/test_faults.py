@@ -13,19 +13,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from ntp_ds.comm.failures import DeviceError
 from ntp_ds.control import inject
-from ntp_ds.control.faults import (
-    FAULT_COUNT_KEY,
-    DeviceError,
-    Fault,
-    FaultInjector,
-    FaultSchedule,
-    clock_domain,
-    fault_key,
-    fired_key,
-    send_fault,
-    trigger,
-)
+from ntp_ds.control.faults import (FAULT_COUNT_KEY, Fault, FaultInjector, FaultSchedule, clock_domain, fault_key,
+                                   fired_key, send_fault, trigger)
 from ntp_ds.control.heartbeat import mark_exited
 from ntp_ds.control.job import publish_job, publish_step
 from ntp_ds.control.store import host_store
@@ -165,7 +156,8 @@ def test_device_error_is_a_runtime_error():
 
 CHILD = """
 import json, sys, time
-from ntp_ds.control.faults import PHASES, DeviceError, FaultInjector, FaultSchedule
+from ntp_ds.comm.failures import DeviceError
+from ntp_ds.control.faults import PHASES, FaultInjector, FaultSchedule
 from ntp_ds.control.store import connect_store
 store = connect_store(sys.argv[2], 20.0) if len(sys.argv) > 2 else None
 inj = FaultInjector(FaultSchedule.from_config(json.loads(sys.argv[1]), 2), 1, store, poll_interval_s=0.01)

@@ -13,37 +13,14 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ntp_ds.control.heartbeat import (
-    ALARM_BUCKETS_KEY,
-    FENCE_KEY,
-    Beat,
-    Heartbeat,
-    LivenessMonitor,
-    alarm_bucket,
-    alarm_epoch,
-    alarm_key,
-    heartbeat_key,
-    mark_exited,
-    poll_liveness,
-    prepare_store,
-    raise_alarm,
-    read_beats,
-    read_exits,
-    read_fences,
-    register_alarm_watcher,
-    request_fence,
-)
+from ntp_ds.control.heartbeat import (ALARM_BUCKETS_KEY, FENCE_KEY, Beat, Heartbeat, LivenessMonitor, alarm_bucket,
+                                      alarm_epoch, alarm_key, heartbeat_key, mark_exited, poll_liveness, prepare_store,
+                                      raise_alarm, read_beats, read_exits, read_fences, register_alarm_watcher,
+                                      request_fence)
 from ntp_ds.control.store import host_store
+from tests.helpers.clock import FakeClock
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class FakeClock:
-    def __init__(self, now: float = 100.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 # -- pure monitor ------------------------------------------------------------------------------------------------

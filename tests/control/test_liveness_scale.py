@@ -8,28 +8,13 @@ import ast
 import pytest
 import torch.distributed as dist
 
-from ntp_ds.control.heartbeat import (
-    EXITED_KEY,
-    FENCE_KEY,
-    NODE_PUBLISH_S,
-    WATCHES_PER_BEAT,
-    Beat,
-    Heartbeat,
-    LivenessMonitor,
-    LivenessReader,
-    NodeLiveness,
-    NodePublisher,
-    mark_exited,
-    next_pause,
-    node_key,
-    poll_liveness,
-    prepare_store,
-    request_fence,
-)
+from ntp_ds.control.heartbeat import (EXITED_KEY, FENCE_KEY, NODE_PUBLISH_S, WATCHES_PER_BEAT, Beat, Heartbeat,
+                                      LivenessMonitor, LivenessReader, NodeLiveness, NodePublisher, mark_exited,
+                                      next_pause, node_key, poll_liveness, prepare_store, request_fence)
 from ntp_ds.control.membership import Membership, MembershipChange, barrier
 from ntp_ds.supervise.launch import LaunchSpec, worker_env
 from ntp_ds.testing.liveness_load import CountingStore, LoadSpec, peers_of, run_load
-from tests.control.test_heartbeat import FakeClock
+from tests.helpers.clock import FakeClock
 
 
 def _job(nodes: int, per_node: int) -> dist.HashStore:
@@ -259,7 +244,7 @@ out.write_text(f"{hb.reader.node_size} {after} {reasons} get={store.calls['get']
 @pytest.mark.timeout(90)
 @pytest.mark.long  # .ci/run: its long stage (and the nccl_model stage where its file runs); README suite under 10 min
 def test_launched_workers_read_their_peers_per_node(tmp_path):
-    from tests.test_cli import ntp_ds
+    from tests.helpers.cli import ntp_ds
 
     script = tmp_path / "worker.py"
     script.write_text(LAUNCHED)

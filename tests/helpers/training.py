@@ -202,7 +202,8 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
 
     import ntp_ds
     from ntp_ds.comm import wire
-    from ntp_ds.control.faults import DeviceError, FaultInjector, FaultSchedule, fired_key
+    from ntp_ds.comm.failures import DeviceError
+    from ntp_ds.control.faults import FaultInjector, FaultSchedule, fired_key
     from ntp_ds.control.joins import JoinFailed, JoinRefused
     from ntp_ds.control.store import connect_from_env
     from ntp_ds.engine.initialize import prepare

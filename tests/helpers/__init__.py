@@ -1,0 +1,1 @@
+"""What the test modules share: the training harness, the failure-case runners, the CLI runner, the references."""
