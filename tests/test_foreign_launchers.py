@@ -1,5 +1,6 @@
 """`ntp-ds train` under the `deepspeed` launcher trains through a crash and its repair: each worker runs behind a
-sentinel (`ntp_ds.supervise.sentinel`), so the launcher never sees the death, and rank 0's store outlives rank 0's worker.
+sentinel (`ntp_ds.supervise.sentinel`), so the launcher never sees the death, and rank 0's store outlives rank 0's
+worker.
 Judged by final state: the weights equal those of the failure-free run. Marker `launchers` (CI's second stage)."""
 
 import pytest

@@ -1,5 +1,5 @@
-"""Forked workers (`ntp_ds.supervise.forked`): a worker forked from the launcher starts as a fresh interpreter would (its
-own environment, default signal handlers, no inherited descriptors, the thread count it asks for), ends as one
+"""Forked workers (`ntp_ds.supervise.forked`): a worker forked from the launcher starts as a fresh interpreter would
+(its own environment, default signal handlers, no inherited descriptors, the thread count it asks for), ends as one
 (exit status, exit handlers run) and is handled as `subprocess.Popen` is (poll, signals, kill).
 
 The end-to-end runs of `ntp-ds train` (tests/test_train_run.py and the others) fork their workers: forking is

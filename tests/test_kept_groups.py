@@ -106,7 +106,7 @@ def _keep_after(rank, world, case):
     built = groups.build_groups(topology, plan_gradient_sync(topology), rank, 30.0)
     wire.all_reduce(torch.ones(1), built.tp_group)
     pending = None
-    if case == "one-op-unmatched" and rank == 0:  # an operation its peer never posts, as a member cut off mid-collective
+    if case == "one-op-unmatched" and rank == 0:  # an operation its peer never posts (a member cut off mid-collective)
         pending = dist.all_reduce(torch.ones(1), group=built.tp_group, async_op=True)
     if case == "device-stopped":  # both post a second operation; rank 1's device stops before it runs its kernel
         if rank == 1:

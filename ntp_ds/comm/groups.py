@@ -24,8 +24,6 @@ from ntp_ds.layout import SyncPlan, Topology
 log = logging.getLogger(__name__)
 
 
-
-
 def backend_for_device() -> str:
     """NCCL where CUDA is present, gloo on CPU: one code path for both (NTP_TEST_BACKEND overrides it)."""
     chosen = os.environ.get(TEST_BACKEND_ENV, "")
@@ -92,8 +90,6 @@ def skip_shm_comm_op() -> None:
     from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
     deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
-
-
 
 
 @contextlib.contextmanager

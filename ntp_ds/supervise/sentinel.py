@@ -3,8 +3,8 @@
 Those launchers act on a worker's death: `deepspeed` kills every sibling when one exits non-zero, `torchrun` stops
 (or restarts) them all. So under them the process the launcher started becomes a sentinel: it touches no device,
 starts the training process again (the same command line, with `NTP_SENTINEL=child`), and supervises it as
-`ntp-ds launch` supervises its workers (`ntp_ds.supervise.launch.launch`, one worker per "node"): it records the worker's
-exit in the job's store, stops it when its peers declare it dead, starts a replacement that joins the job for a
+`ntp-ds launch` supervises its workers (`ntp_ds.supervise.launch.launch`, one worker per "node"): it records the
+worker's exit in the job's store, stops it when its peers declare it dead, starts a replacement that joins the job for a
 `repair`, and passes SIGINT and SIGTERM on. Rank 0's sentinel hosts the job's store (at MASTER_PORT + 1), so
 losing rank 0's worker loses neither the store nor the job. A sentinel exits only once the job is done, with status 0
 when some rank finished the job, so the launcher never sees a failure it would act on. Only rank 0's sentinel judges

@@ -135,7 +135,6 @@ def train_reference(optim: str, global_samples: int, steps: int, model_overrides
     return model
 
 
-
 def assert_equivalent(results, global_batch: int, steps: int, make_model=None) -> None:
     """Every surviving rank ended at `steps`, and its shards and the consolidated weights equal the single-process
     reference trained on the same samples (AdamW, max abs difference at most 1e-4)."""
