@@ -108,6 +108,15 @@ def _keep_after(rank, world, case):
     pending = None
     if case == "one-op-unmatched" and rank == 0:  # an operation its peer never posts (a member cut off mid-collective)
         pending = dist.all_reduce(torch.ones(1), group=built.tp_group, async_op=True)
+    if case == "left-with-fewer":  # rank 0 posts an operation rank 1 never will, and rank 1 leaves for the recovery
+        from ntp_ds.recovery.keep import depart, departed
+
+        store = connect_from_env(30.0)
+        wire.on_departure(lambda group: departed(store, 3, group))
+        if rank == 0:
+            pending = dist.all_reduce(torch.ones(1), group=built.tp_group, async_op=True)
+            wire._enter(pending, built.tp_group)
+        depart(store, 3)
     if case == "device-stopped":  # both post a second operation; rank 1's device stops before it runs its kernel
         if rank == 1:
             nccl_model.hang_device()
@@ -127,16 +136,19 @@ def _keep_after(rank, world, case):
     return {"kept": held, "registered": left, "decided_s": decided_s}
 
 
-@pytest.mark.parametrize("case", ["drained", "one-op-unmatched", "device-stopped"])
+@pytest.mark.parametrize("case", ["drained", "one-op-unmatched", "left-with-fewer", "device-stopped"])
 def test_a_group_is_kept_only_if_its_members_posted_equally_many_operations_all_complete(case):
     # "device-stopped": the members posted equally many operations, but the last never runs (under NCCL's rules a
     # member's device stopped behind it). Before: kept, its kernel carried into the next generation.
+    # "left-with-fewer": rank 0's last operation is one its peer, gone to the recovery, never posts: rank 0 stops
+    # looking for its completion at the departure record (on gloo nothing aborts the group), not at the timeout.
     results = run_ranks(_keep_after, 2, case, timeout=120, store=True)
     kept = [sorted(results[r]["kept"]) for r in (0, 1)]
     # Both members decide alike on the TP group; a group not kept is closed (out of torch's registry). Each rank's
     # data-parallel group is itself alone (one replica): nothing to check, kept.
     # Under NCCL's rules the TP group has a gloo twin for the control reductions, on which nothing was left running.
-    expected = {"drained": ["dp", "tp"], "one-op-unmatched": ["dp"], "device-stopped": ["dp", "tp-control"]}[case]
+    expected = {"drained": ["dp", "tp"], "one-op-unmatched": ["dp"], "left-with-fewer": ["dp"],
+                "device-stopped": ["dp", "tp-control"]}[case]
     assert kept == [expected, expected]
     assert [results[r]["registered"] for r in (0, 1)] == [len(expected)] * 2
     # A look bounded by the timeout (5 s), ended at once where nothing is left running.

@@ -717,8 +717,11 @@ def drained(group, within_s: float) -> bool:
     """Whether every data op this rank posted on `group` is seen complete within `within_s`: looked at, never
     waited on (no device sync). A group carried into the next generation must hold no kernel still running: a kernel
     that never ends there (a member's device stopped) would block the next generation's ops and device syncs, and
-    its communicator's abort, for ever. An op cut by an abort is not complete."""
+    its communicator's abort, for ever. An op cut by an abort is not complete, nor is one the members that left the
+    group for the recovery never posted (`_departed`, looked at once a second while an op is pending: under gloo
+    nothing aborts such a group, and its op never completes)."""
     deadline = time.monotonic() + within_s
+    look = time.monotonic()
     while True:
         with _abort_lock:
             queue = _state.ledger.get(group, deque())
@@ -728,8 +731,13 @@ def drained(group, within_s: float) -> bool:
                 return True
             if queue[0].cut:
                 return False
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             return False
+        if now >= look:
+            if _departed(group, guess=False):
+                return False
+            look = now + DEPARTURE_CHECK_S
         time.sleep(SLICE_S / 10)
 
 
