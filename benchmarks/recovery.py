@@ -96,39 +96,38 @@ def _fired(store) -> float | None:
 # -- ntp_ds: live recovery ---------------------------------------------------------------------------------------
 def ntp_worker(rank, world_size, args):
     """One rank of the ntp_ds job; returns its step completion times and what the recovery resumed from."""
-    import ntp_ds
     from ntp_ds.batch.loader import GlobalBatchSampler, SyntheticTokens, replica_micro_batches
-    from ntp_ds.control.faults import FaultInjector, FaultSchedule
-    from ntp_ds.recovery.manager import Recovery
+    from ntp_ds.control.faults import FaultSchedule
+    from ntp_ds.control.store import connect_from_env
+    from ntp_ds.engine.config import NTPConfig
+    from ntp_ds.fault_tolerant import start
 
     config = _model(args)
-    engine = ntp_ds.initialize(model=config, config=_ds_config(args), seq_len=args.seq,
-                               ntp={"tp": TP, "replicas": REPLICAS, "timeout_s": args.timeout_s})
+    ntp = NTPConfig.from_any({"tp": TP, "replicas": REPLICAS, "timeout_s": args.timeout_s, "fault_tolerance": {
+        "heartbeat_timeout_s": args.heartbeat_timeout_s, "hang_timeout_s": None}})
+    store = connect_from_env(args.timeout_s)
+    engine = start(config, _ds_config(args), ntp, store, FaultSchedule.from_config(_faults(args), world_size),
+                   seq_len=args.seq, stop_on_signals=False)  # the public handle, as users and `ntp-ds train` run it
     bandwidth = _bandwidth(rank)
-    recovery = Recovery(engine, engine.store, rank, heartbeat_timeout_s=args.heartbeat_timeout_s)
-    injector = FaultInjector(FaultSchedule.from_config(_faults(args), world_size), rank, engine.store)
-    engine.on_phase = recovery.on_phase = injector.check
     data = SyntheticTokens(config.vocab_size, args.seq, size=4096, seed=0)
     sampler = GlobalBatchSampler(len(data), seed=0)
     done, resumed_at_steps, noticed, recovered = {}, None, None, None
-    while engine.global_steps < args.steps:
-        step = engine.global_steps
+    for step in engine.train_steps(args.steps):
         try:
             for batch in replica_micro_batches(data, sampler, engine.batch_plan, engine.ntp_groups.replica, step):
                 engine.backward(engine(batch))
                 engine.step()
         except (RuntimeError, TimeoutError, ConnectionError) as error:
             noticed = time.time()
-            engine = recovery.recover(error).engine
+            engine.recover(error)
             recovered = time.time()
-            engine.on_phase = injector.check
             resumed_at_steps = engine.global_steps
             continue
         done[step + 1] = time.time()
+    events = engine.recovery.events
     engine.close()
-    recovery.close()
-    return {"done": done, "resumed_at_steps": resumed_at_steps, "fired": _fired(engine.store), "noticed": noticed,
-            "recovered": recovered, "bandwidth": bandwidth, "event": recovery.events[-1] if recovery.events else None}
+    return {"done": done, "resumed_at_steps": resumed_at_steps, "fired": _fired(store), "noticed": noticed,
+            "recovered": recovered, "bandwidth": bandwidth, "event": events[-1] if events else None}
 
 
 # -- DeepSpeed: checkpoint-restart -------------------------------------------------------------------------------

@@ -18,8 +18,8 @@ dies) it measures:
   (the three roles and a spread of others) run the real code paths, each in its own threads with its real peer set
   (TP group, data-parallel group, buddies): its `Heartbeat` (beats, peer polls through the per-node
   `LivenessReader`, the alarm thread), `request_fence` for a peer found dead, and the training thread's part of
-  `Recovery._attempt` (`Recovery._detect`, `request_fence`, `Membership.report_failure`, `await_decision`,
-  `confirm`, `Recovery._arrive`, the done barrier), against a store pre-populated as the other ranks of a W-rank
+  `Recovery._attempt` (`Detector.detect`, `request_fence`, `Detector.agree`: the report, the decision and the
+  watched confirm, `Detector.arrive`, the done barrier), against a store pre-populated as the other ranks of a W-rank
   job leave it: every rank's beat and every node's liveness key (real `NodePublisher`), every watcher registered
   for alarms, the dead rank marked exited by its launcher (real `mark_exited`, which raises the alarm), the other
   survivors' failure reports (each survivor reports when detection beats the settle window, which the alarms make
@@ -47,7 +47,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from collections import Counter
 from pathlib import Path
 
@@ -60,8 +59,10 @@ from ntp_ds.comm.groups import ring_neighbours  # noqa: E402
 from ntp_ds.control.heartbeat import (ALARM_BUCKET, Beat, Heartbeat, LivenessMonitor, LivenessReader,  # noqa: E402
                                       NodePublisher, alarm_bucket, heartbeat_key, mark_exited, prepare_store,
                                       register_alarm_watcher, request_fence)
-from ntp_ds.control.membership import FailureReport, Membership, barrier, replica_membership  # noqa: E402
+from ntp_ds.control.membership import FailureReport, Membership, barrier  # noqa: E402
 from ntp_ds.layout import Topology, plan_buddies, plan_gradient_sync  # noqa: E402
+from ntp_ds.layout.generation import replica_membership  # noqa: E402
+from ntp_ds.recovery.detect import barrier_key  # noqa: E402
 from ntp_ds.testing.shapes import llama_70b, shape_specs, zero_order  # noqa: E402
 
 TP = 8
@@ -141,7 +142,7 @@ def context_offers(old: Topology, gathered: list[dict]) -> list[dict]:
 
 def plan_case(world: int, role: str) -> dict:
     """Plan rank `role`'s recovery from the loss of DEAD in a W-rank job; return its time, memory and plan sizes."""
-    from ntp_ds.recovery.placement import Placement
+    from ntp_ds.layout.generation import Placement
     from ntp_ds.recovery.plan import collector_paused
 
     config = llama_70b()
@@ -269,7 +270,7 @@ def populate(store, world: int, sample: set[int]) -> None:
         register_alarm_watcher(store, bucket * ALARM_BUCKET)  # one watcher of each bucket (the others add nothing)
 
 
-def others_after_crash(store, world: int, sample: set[int], digest: str, wall: float) -> None:
+def others_after_crash(store, world: int, sample: set[int], survivors: tuple[int, ...], wall: float) -> None:
     """What the survivors outside the sample leave in the store, as `Membership.report_failure` files it: the first
     of them claimed the death and filed the one report, every one of them acknowledged; and their arrivals at the
     confirm, arrive and done barriers."""
@@ -283,14 +284,14 @@ def others_after_crash(store, world: int, sample: set[int], digest: str, wall: f
     store.add("membership/0/events", 1)
     store.multi_set([f"membership/0/acks/{r}" for r in others], ["1"] * count)
     store.add("membership/0/acks", count)
-    for name in ("membership/1/confirm", f"recovery/1/arrive/{digest}", f"recovery/1/done/{digest}"):
+    for name in ("membership/1/confirm", barrier_key(1, "arrive", survivors), barrier_key(1, "done", survivors)):
         store.add(f"{name}/count", count)
 
 
 def sampled_rank(rank: int, store, world: int, watched: list[int], out: dict, timeout_s: float) -> None:
     """One rank's part of a failure on `store`: its heartbeat (beats, peer polls, alarms) runs throughout; its
     training thread runs `Recovery._attempt`'s store path until the done barrier."""
-    from ntp_ds.recovery.manager import Recovery, _digest
+    from ntp_ds.recovery.detect import Detector
 
     members = tuple(range(world))
     reader = LivenessReader(store.clone(), TP, stale_s=WATCH_BOUND_S)
@@ -307,23 +308,15 @@ def sampled_rank(rank: int, store, world: int, watched: list[int], out: dict, ti
     if not out["go"].wait(timeout_s):
         raise TimeoutError("the crash was not staged in time")
     start = time.monotonic()
-    recovery = types.SimpleNamespace(
-        store=store, rank=rank, members=members, declared={}, heartbeat_timeout_s=WATCH_BOUND_S,
-        first_beat_timeout_s=WATCH_BOUND_S,
-        heartbeat_interval_s=0.5, job=types.SimpleNamespace(ntp=types.SimpleNamespace(timeout_s=timeout_s)),
-        monitor=LivenessMonitor((), WATCH_BOUND_S),
-        reader=LivenessReader(store, TP, stale_s=WATCH_BOUND_S),
-        membership=Membership(store, rank, members, 0, settle_s=0.3))
-    recovery._poll_dead = types.MethodType(Recovery._poll_dead, recovery)
-    recovery.monitor = heartbeat.watch([])  # as `Recovery._attempt` does: the detection judges the watched peers
-    dead, reason = Recovery._detect(recovery, RuntimeError("Connection closed by peer"))
+    detector = Detector(LivenessReader(store, TP, stale_s=WATCH_BOUND_S), heartbeat_timeout_s=WATCH_BOUND_S,
+                        heartbeat_interval_s=0.5, first_beat_timeout_s=WATCH_BOUND_S, collective_timeout_s=timeout_s)
+    membership = Membership(store, rank, members, 0, settle_s=0.3)
+    detector.monitor = heartbeat.watch([])  # as `Recovery._attempt` does: the detection judges the watched peers
+    dead, reason = detector.detect(membership, RuntimeError("Connection closed by peer"))
     request_fence(store, dead, reason)
-    recovery.membership.report_failure(0, dead, time.time(), reason, {r: 0.05 for r in dead})
-    change = recovery.membership.await_decision(0, timeout_s)
-    recovery.membership.confirm(change, timeout_s)
-    Recovery._arrive(recovery, change.generation, change.survivors)
-    barrier(store, f"recovery/{change.generation}/done/{_digest(change.survivors)}", rank, change.survivors,
-            timeout_s)
+    change = detector.agree(membership, dead, reason, {r: 0.05 for r in dead})
+    detector.arrive(store, rank, change.generation, change.survivors)
+    barrier(store, barrier_key(change.generation, "done", change.survivors), rank, change.survivors, timeout_s)
     out["seconds"] = time.monotonic() - start
     out["dead"] = sorted(dead)
     time.sleep(max(0.0, out["window_end"] - time.monotonic()))  # the heartbeat beats and polls on meanwhile
@@ -334,8 +327,6 @@ def sampled_rank(rank: int, store, world: int, watched: list[int], out: dict, ti
 
 def store_case(world: int, timeout_s: float) -> dict:
     """Count the store calls and bytes of a sample of ranks through one failure of a W-rank job."""
-    from ntp_ds.recovery.manager import _digest
-
     old = job_topology(world)
     roles = role_ranks(old)
     spread = [r for r in range(TP - 1, world, max(TP, world // SAMPLE_OTHERS)) if r != DEAD][:SAMPLE_OTHERS]
@@ -369,7 +360,7 @@ def store_case(world: int, timeout_s: float) -> dict:
     window_end = time.monotonic() + WINDOW_S
     mark_exited(job_store, DEAD, "exit code -9")  # the dead rank's launcher: an exit record and the alarm
     launcher = Counter(job_meter)
-    others_after_crash(host, world, set(sample), _digest(tuple(r for r in range(world) if r != DEAD)), crash)
+    others_after_crash(host, world, set(sample), tuple(r for r in range(world) if r != DEAD), crash)
     for rank in sample:
         outs[rank]["window_end"] = window_end
         outs[rank]["go"].set()

@@ -238,7 +238,7 @@ class FaultTolerantEngine:
         """Leave the job (every rank calls it, after its last collective: after `train_steps` and whatever the caller
         saves): stop judging the peers, meet them, stop beating and record this rank's exit. The rank that hosts the
         store waits for the others to leave."""
-        from ntp_ds.control.heartbeat import mark_exited, outlive_peers
+        from ntp_ds.control.liveness_store import mark_exited, outlive_peers
 
         if self._closed:
             return

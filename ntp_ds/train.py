@@ -126,7 +126,7 @@ def run_worker(cfg, started: float, stop) -> int:
     import ntp_ds
     from ntp_ds import fault_tolerant
     from ntp_ds.comm import wire
-    from ntp_ds.control.heartbeat import outlive_peers
+    from ntp_ds.control.liveness_store import outlive_peers
     from ntp_ds.control.job import publish_job
     from ntp_ds.control.joins import JoinFailed, JoinRefused, JoinTimeout
     from ntp_ds.control.store import job_store

@@ -114,7 +114,7 @@ def test_dry_run_starts_nothing():
 WORKER = textwrap.dedent("""
     import os, signal, sys, time
     from pathlib import Path
-    from ntp_ds.control.heartbeat import read_exits
+    from ntp_ds.control.liveness_store import read_exits
     from ntp_ds.control.store import connect_from_env
 
     rank, out = int(os.environ["RANK"]), Path(sys.argv[1])

@@ -4,7 +4,7 @@ host does."""
 
 import pytest
 
-from ntp_ds.comm import device, wire
+from ntp_ds.comm import activity, device, wire
 from ntp_ds.control.heartbeat import Beat, LivenessMonitor
 from tests.helpers.recovery import assert_hung_rank_3_found
 
@@ -68,7 +68,7 @@ def test_a_wait_on_a_busy_device_is_not_a_wait_on_peers(monkeypatch):
         events.append(_Event())
         return events[-1]
 
-    monkeypatch.setattr(wire, "_device", device.DeviceWatch())
+    monkeypatch.setattr(activity, "_device", device.DeviceWatch())
     monkeypatch.setattr(wire._state, "record_event", record)
     with wire.waiting():
         inside = wire.progress()

@@ -87,6 +87,7 @@ def test_a_grow_that_fails_on_a_world_the_verdict_aborted_falls_back_to_the_reco
     # Seen in CI (nccl_model): the member took that AssertionError for its own error and stopped.
     from ntp_ds.comm import wire
     from ntp_ds.control.joins import JoinPlan
+    from ntp_ds.layout.generation import Generation
     from ntp_ds.recovery import manager
 
     class Engine:
@@ -108,10 +109,12 @@ def test_a_grow_that_fails_on_a_world_the_verdict_aborted_falls_back_to_the_reco
 
     fell_back = []
     recovery = object.__new__(manager.Recovery)
-    recovery.rank, recovery.members, recovery.engine = 1, (0, 1, 2), Engine()
+    recovery.rank, recovery.engine = 1, Engine()
+    recovery.generation = Generation.unplaced(1, (0, 1, 2))
     recovery.membership = Membership()
     recovery._grow = grow
-    recovery._recover_from = lambda snapshot, members, error, failed_at: fell_back.append((snapshot, members, error))
+    recovery._recover_from = lambda snapshot, before, error, failed_at: fell_back.append((snapshot, before.members,
+                                                                                         error))
     monkeypatch.setattr(manager, "mark_communicators", lambda: None)
     plan = JoinPlan(1, 4, (4,), (0, 1, 2), (0, 1, 2, 4))
     try:

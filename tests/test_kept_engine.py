@@ -89,35 +89,27 @@ def _one_step(engine, step: int) -> None:
 def _recover_then_save(rank, world, stage, ckpt):
     """3 replicas at TP 2; rank 5 dies in step 2's backward. After step 3 the survivors save a DeepSpeed
     checkpoint, then train step 4."""
-    import ntp_ds
-    from ntp_ds.comm import wire
-    from ntp_ds.control.faults import FaultInjector, FaultSchedule
-    from ntp_ds.recovery.manager import Recovery
+    from ntp_ds.control.faults import FaultSchedule
+    from ntp_ds.control.store import connect_from_env
+    from ntp_ds.engine.config import NTPConfig
+    from ntp_ds.fault_tolerant import start
     from tests.helpers.training import deepspeed_config, full_model, tiny_config
 
-    engine = ntp_ds.initialize(model=full_model(tiny_config()), config=deepspeed_config("adamw", stage, GLOBAL_BATCH,
-                                                                                        MICRO),
-                               ntp={"tp": 2, "replicas": 3, "timeout_s": 12.0})
-    recovery = Recovery(engine, engine.store, rank, heartbeat_timeout_s=2.0)
-    injector = FaultInjector(FaultSchedule.from_config([{"rank": 5, "step": 2, "phase": "backward",
-                                                         "kind": "crash"}], world), rank, engine.store)
-    engine.on_phase = recovery.on_phase = injector.check
-    first = engine
-    while engine.global_steps < 3:
-        try:
-            _one_step(engine, engine.global_steps)
-        except Exception as error:
-            if not wire.is_wire_failure(error):
-                raise
-            engine = recovery.recover(error).engine
-            engine.on_phase = injector.check
+    ntp = NTPConfig.from_any({"tp": 2, "replicas": 3, "timeout_s": 12.0,
+                              "fault_tolerance": {"heartbeat_timeout_s": 2.0, "hang_timeout_s": None}})
+    crash = FaultSchedule.from_config([{"rank": 5, "step": 2, "phase": "backward", "kind": "crash"}], world)
+    engine = start(full_model(tiny_config()), deepspeed_config("adamw", stage, GLOBAL_BATCH, MICRO), ntp,
+                   connect_from_env(12.0), crash, stop_on_signals=False)
+    first = engine.engine
+    for step in engine.train_steps(3):
+        with engine.attempt(step):
+            _one_step(engine, step)
     engine.save_checkpoint(ckpt, tag="after_recovery")
-    saved = _state(engine)
+    saved = _state(engine.engine)
     _one_step(engine, 3)
-    out = {"kept": engine is first, "saved": saved, "after": _state(engine),
+    out = {"kept": engine.engine is first, "saved": saved, "after": _state(engine.engine),
            "degrees": tuple(engine.ntp_groups.topology.degrees)}
     engine.close()
-    recovery.close(finished=True)
     return out
 
 

@@ -174,7 +174,7 @@ def _healthy_tp_group(rank, world, backend):
 
 
 def _departures(rank, world):
-    from ntp_ds.comm import wire
+    from ntp_ds.comm import waits, wire
     from ntp_ds.recovery.keep import depart, departed
 
     tp, store = _healthy_tp_group(rank, world, "gloo")
@@ -187,13 +187,13 @@ def _departures(rank, world):
         store.wait(["rank0-left"])
     else:
         store.wait(["rank1-left"])
-        seen["level"] = wire._departed(tp)  # as many operations as the leaver: nothing of this rank's is unmatched
+        seen["level"] = waits._departed(tp)  # as many operations as the leaver: nothing of this rank's is unmatched
         pending = dist.all_reduce(torch.ones(1), group=tp, async_op=True)  # one the leaver never posts
-        seen["ahead"] = wire._departed(tp)
+        seen["ahead"] = waits._departed(tp)
         depart(store, 7)  # leaves with two: the members did not stop together
         store.set("rank0-left", "1")
     seen["after"] = departed(store, 7, tp)
-    seen["released"] = wire._departed(tp)
+    seen["released"] = waits._departed(tp)
     wire.discard([tp])
     if rank == 0:
         del pending

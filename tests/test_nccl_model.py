@@ -388,8 +388,8 @@ def test_only_ops_seen_complete_before_the_abort_are_proven(sweep, monkeypatch):
 
 def _proofs_maybe_without_sweep(rank, world):
     if os.environ.get("NTP_TEST_NO_SWEEP"):
-        from ntp_ds.comm import wire
-        wire._observe = lambda groups: None
+        from ntp_ds.comm import ledger
+        ledger._observe = lambda groups: None
     return proofs_of_arrival(rank, world)
 
 

@@ -173,16 +173,16 @@ def test_stalled_training_thread_is_found_hung_within_hang_timeout_plus_2s_and_r
 
 def _recovery_watching_rebuilt_shards(rank, world_size, *args, **kwargs):
     """`train_with_recovery`, noting the dtype and device of every shard a recovery builds."""
-    from ntp_ds.recovery import manager
+    from ntp_ds.recovery import install
 
-    built, real = [], manager.empty_shard
+    built, real = [], install.empty_shard
 
     def spy(*a, **k):
         module = real(*a, **k)
         built.append(sorted({f"{p.dtype} {p.device.type}" for p in module.parameters()}))
         return module
 
-    manager.empty_shard = spy
+    install.empty_shard = spy
     result = training.train_with_recovery(rank, world_size, *args, **kwargs)
     result["built"] = built
     return result

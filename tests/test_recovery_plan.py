@@ -77,7 +77,7 @@ def _reference_unit_moves(old, new, old_rank_of, stale):
 @given(st.lists(st.integers(1, 4), min_size=2, max_size=5), st.data())
 @settings(max_examples=150, deadline=None)
 def test_the_planner_matches_its_rule_written_plainly(degrees, data):
-    from ntp_ds.control.membership import replica_membership
+    from ntp_ds.layout.generation import replica_membership
 
     old = Topology.from_degrees(UNITS, degrees)
     dead = data.draw(st.sets(st.integers(0, old.world_size - 1), min_size=1, max_size=old.world_size - 1))
@@ -196,7 +196,7 @@ def test_lost_state_counts_what_no_survivor_holds_once_and_the_plan_restores_it(
     # dead state: restored bytes counted per move exceed the lost state, which only what no survivor holds is.
     from collections import defaultdict
 
-    from ntp_ds.control.membership import replica_membership
+    from ntp_ds.layout.generation import replica_membership
     from ntp_ds.layout import plan_gradient_sync
     from ntp_ds.layout.regions import block_in_full
     from ntp_ds.models import LlamaConfig

@@ -8,7 +8,7 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from ntp_ds.control.membership import replica_membership
+from ntp_ds.layout.generation import replica_membership
 from ntp_ds.layout import KINDS, Topology, plan_gradient_sync
 from ntp_ds.layout import units as U
 from ntp_ds.recovery.plan import plan_unit_moves, rereplicated_moves

@@ -5,7 +5,7 @@ import threading
 
 import torch.distributed as dist
 
-from ntp_ds.control.heartbeat import mark_exited, prepare_store
+from ntp_ds.control.liveness_store import mark_exited, prepare_store
 from ntp_ds.supervise.sentinel import DONE_KEY, JOB_OVER_KEY, _outlast
 
 

@@ -219,7 +219,8 @@ def fake_trainer(tmp_path, recovery=FakeRecovery, faults=(), injector=None):
     cfg = RunConfig.from_dict({"model": {"name": "tiny", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
                                          "num_hidden_layers": 1, "num_attention_heads": 2},
                                "train": {"steps": 3, "global_batch": 4, "micro_batch": 2},
-                               "data": {"seq_len": 8, "size": 64}, "fault": {"faults": list(faults)}})
+                               "data": {"seq_len": 8, "size": 64}, "fault": {"faults": list(faults)},
+                               "parallel": {"tp": 2, "replicas": 2}})
     ticks = iter(range(10_000))
     engine = FakeEngine((2, 2), fail_at_step=2)
     if recovery is not None:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ntp_ds.comm import device, wire
-from ntp_ds.control.heartbeat import Beat, LivenessMonitor
+from ntp_ds.control.liveness import Beat, LivenessMonitor
 from ntp_ds.testing.spawn import free_port
 
 

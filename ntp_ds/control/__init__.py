@@ -5,10 +5,10 @@ from ntp_ds.control.faults import Fault, FaultInjector, FaultSchedule, send_faul
 from ntp_ds.control.heartbeat import (Heartbeat, LivenessMonitor, LivenessReader, NodePublisher, mark_exited,
                                       poll_liveness)
 from ntp_ds.control.membership import (BarrierTimeout, Evicted, Membership, MembershipChange, MembershipTimeout,
-                                       ReplicaMembership, StaleGeneration, barrier, replica_membership)
+                                       StaleGeneration, barrier)
 from ntp_ds.control.store import connect_from_env, connect_store, generation_store, host_store
 
 __all__ = ["BarrierTimeout", "DeviceError", "Evicted", "Fault", "FaultInjector", "FaultSchedule", "Heartbeat",
            "LivenessMonitor", "LivenessReader", "Membership", "MembershipChange", "MembershipTimeout", "NodePublisher",
-           "ReplicaMembership", "StaleGeneration", "barrier", "connect_from_env", "connect_store", "generation_store", "host_store",
-           "mark_exited", "poll_liveness", "replica_membership", "send_fault"]
+           "StaleGeneration", "barrier", "connect_from_env", "connect_store", "generation_store", "host_store",
+           "mark_exited", "poll_liveness", "send_fault"]

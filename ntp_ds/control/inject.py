@@ -17,7 +17,7 @@ import argparse
 import sys
 
 from ntp_ds.control.faults import KINDS, PHASES, REPAIR_PHASE, Fault, send_fault
-from ntp_ds.control.heartbeat import read_exits
+from ntp_ds.control.liveness_store import read_exits
 from ntp_ds.control.job import read_job
 from ntp_ds.control.store import connect_store, parse_address
 

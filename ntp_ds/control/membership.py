@@ -30,12 +30,10 @@ import bisect
 import json
 import operator
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
-from ntp_ds.layout import ShardLayout, Topology
 
 
 class StaleGeneration(ValueError):
@@ -451,73 +449,3 @@ class DecisionWait:
         way; a rank that acknowledged and then died counts, and its death too is left for the next)."""
         dead = set().union(*(r.ranks for r in self._reports))
         return self._acks >= len(self._members) - len(dead & self._members)
-
-
-@dataclass(frozen=True)
-class ReplicaMembership:
-    """Which TP ranks each replica lost, which replicas are gone, and each surviving replica's new layout."""
-
-    lost: dict[int, frozenset[int]]
-    """Replica -> TP ranks (in its old layout) it lost; only replicas that lost some appear."""
-    gone: tuple[int, ...]
-    """Replicas that lost every rank."""
-    layouts: dict[int, ShardLayout]
-    """Replica -> layout after the loss, for every replica not gone (unchanged for untouched ones)."""
-    members: dict[int, tuple[int, ...]]
-    """Replica -> launch ranks it keeps, in new TP-rank order, for every replica not gone."""
-
-    @property
-    def degraded(self) -> tuple[int, ...]:
-        """Return the replicas that lost some ranks and keep at least one."""
-        return tuple(r for r in sorted(self.lost) if r not in self.gone)
-
-    def below(self, min_tp: int) -> tuple[int, ...]:
-        """Return the surviving replicas whose new TP degree is below `min_tp`."""
-        return tuple(r for r, lay in sorted(self.layouts.items()) if lay.tp < min_tp)
-
-    def topology(self, drop: Iterable[int] = ()) -> Topology:
-        """Return the topology of the surviving replicas, less `drop`, in their old order."""
-        drop = set(drop)
-        return Topology(tuple(lay for r, lay in sorted(self.layouts.items()) if r not in drop))
-
-    def ranks(self, drop: Iterable[int] = ()) -> tuple[int, ...]:
-        """Return the launch ranks of that topology in global-rank order (replica after replica)."""
-        drop = set(drop)
-        return tuple(m for r, ms in sorted(self.members.items()) if r not in drop for m in ms)
-
-
-def replica_membership(topology: Topology, dead: Iterable[int],
-                       members: Sequence[int] | None = None) -> ReplicaMembership:
-    """Map dead launch ranks onto `topology`'s replicas (pure).
-
-    `members[i]` is the launch rank at global rank i of `topology` (default: the identity, as at launch).
-    """
-    members = tuple(range(topology.world_size)) if members is None else tuple(members)
-    if len(members) != topology.world_size:
-        raise ValueError(f"members lists {len(members)} ranks but the topology has {topology.world_size}")
-    dead = frozenset(dead)
-    if len(dead) <= 16:  # the usual few: one scan in C each, not a Python loop over the W members
-        at = {m: members.index(m) for m in dead if m in members}
-    else:
-        at = {m: g for g, m in enumerate(members) if m in dead}
-    unknown = sorted(dead - set(at))
-    if unknown:
-        raise ValueError(f"dead ranks {unknown} are not members {list(members)}")
-    hit: dict[int, set[int]] = defaultdict(set)  # replica -> the TP indices it lost
-    for g in at.values():
-        replica, tp_rank = topology.locate(g)
-        hit[replica].add(tp_rank)
-    starts = topology._starts
-    lost, gone, layouts, kept = {}, [], {}, {}
-    for replica, layout in enumerate(topology.layouts):
-        ranks = members[starts[replica]:starts[replica + 1]]
-        if replica not in hit:  # most replicas: kept whole, no per-rank work
-            layouts[replica], kept[replica] = layout, ranks
-            continue
-        tp_lost = lost[replica] = frozenset(hit[replica])
-        if len(tp_lost) == layout.tp:
-            gone.append(replica)
-            continue
-        layouts[replica] = layout.without_ranks(tp_lost)
-        kept[replica] = tuple(m for m in ranks if m not in dead)
-    return ReplicaMembership(lost, tuple(gone), layouts, kept)

@@ -39,21 +39,30 @@ class StragglerConfig:
 
 
 @dataclass
-class FaultToleranceConfig:
-    """Live recovery in the caller's own training loop (`ntp_ds.fault_tolerant`): `ntp.fault_tolerance` is true, or a
-    mapping of these fields."""
+class LivenessConfig:
+    """The liveness bounds of a job under live recovery: declared once, read by `ntp.fault_tolerance` (the library)
+    and by `parallel` (`ntp-ds train`'s Hydra schema, `ntp_ds.run.config.ParallelConfig`)."""
 
-    enabled: bool = False
-    """`ntp_ds.initialize` returns a `FaultTolerantEngine`, whose `attempt` recovers a step a peer's failure broke."""
     heartbeat_interval_s: float = 0.5
     """How often each rank beats to the job's store."""
     heartbeat_timeout_s: float = 3.0
     """A peer silent this long is dead (a crash is seen at once, through its launcher or its connections)."""
     hang_timeout_s: float | None = 120.0
-    """A peer that beats but whose training (its host, or its device: `ntp_ds.comm.device`) makes no progress this
-    long while this rank waits on it is hung (None: never judged by progress; as `parallel.hang_timeout_s`)."""
+    """A peer that beats but whose training (its host, or its device: `ntp_ds.comm.device`) makes no progress (no
+    phase point, outside any wait) this long while this rank waits on it is hung: it is fenced and its launcher
+    kills it (None: never judged by progress). Longer than a rank's longest stretch of its own work between phase
+    points (a micro-batch, a write of its weights)."""
     join_timeout_s: float = 600.0
-    """How long a joining worker (started with NTP_JOIN by its launcher) waits to be taken in."""
+    """How long a joining worker (a repair, `ntp-ds launch --join`, NTP_JOIN) waits to be taken in."""
+
+
+@dataclass
+class FaultToleranceConfig(LivenessConfig):
+    """Live recovery in the caller's own training loop (`ntp_ds.fault_tolerant`): `ntp.fault_tolerance` is true, or a
+    mapping of these fields and of `LivenessConfig`'s."""
+
+    enabled: bool = False
+    """`ntp_ds.initialize` returns a `FaultTolerantEngine`, whose `attempt` recovers a step a peer's failure broke."""
     faults: tuple = ()
     """Injected faults: `{rank, step, phase, kind}` entries, as `fault.faults` of `ntp-ds train`."""
     last_good_dir: str | None = None
@@ -95,8 +104,9 @@ def _sub_config(cls, value, where: str, mapping_enables: bool = False):
 
 
 @dataclass
-class NTPConfig:
-    """How replicas are laid out and how a degraded replica trains."""
+class ReplicaConfig:
+    """How replicas are laid out and how a degraded replica trains: declared once, read by `ntp` (the library's
+    `NTPConfig`) and by `parallel` (`ntp-ds train`'s Hydra schema, `ntp_ds.run.config.ParallelConfig`)."""
 
     tp: int = 1
     """Healthy tensor-parallel degree of a replica."""
@@ -134,14 +144,27 @@ class NTPConfig:
     reduction crosses about fanout x log_fanout(world) hops, instead of a ring's 2 x world."""
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     """Give a replica slower than its peers a smaller share of the global batch (a mapping of its fields also works)."""
-    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
-    """Live recovery in the caller's own loop: true, or a mapping of `FaultToleranceConfig` fields."""
 
     def __post_init__(self):
         if self.degrees is not None:
             self.degrees = tuple(int(d) for d in self.degrees)
         if isinstance(self.straggler, Mapping) or self.straggler is None:
             self.straggler = _sub_config(StragglerConfig, self.straggler, "ntp.straggler")
+
+    @property
+    def replica_degrees(self) -> tuple[int, ...]:
+        return tuple(self.degrees) if self.degrees is not None else (self.tp,) * self.replicas
+
+
+@dataclass
+class NTPConfig(ReplicaConfig):
+    """The library's NTP settings (`ntp_ds.initialize(ntp=...)`): `ReplicaConfig`'s, and live recovery."""
+
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    """Live recovery in the caller's own loop: true, or a mapping of `FaultToleranceConfig` fields."""
+
+    def __post_init__(self):
+        super().__post_init__()
         self.fault_tolerance = _sub_config(FaultToleranceConfig, self.fault_tolerance, "ntp.fault_tolerance",
                                            mapping_enables=True)
 
@@ -157,10 +180,6 @@ class NTPConfig:
         if unknown:
             raise ConfigError(f"ntp.{unknown[0]} is not a known NTP setting; valid: {sorted(known)}")
         return cls(**value)
-
-    @property
-    def replica_degrees(self) -> tuple[int, ...]:
-        return self.degrees if self.degrees is not None else (self.tp,) * self.replicas
 
     def validate(self, world_size: int | None) -> None:
         if self.tp < 1:

@@ -11,13 +11,8 @@ A new batch plan (different samples and micro-batches per replica, same topology
 from __future__ import annotations
 
 import contextlib
-import hashlib
-
-import json
 import logging
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,74 +22,17 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from ntp_ds.batch import BatchPlan
 from ntp_ds.batch.loader import counted_tokens
 from ntp_ds.comm import wire
-from ntp_ds.comm.exchange import Side, assemble_whole, same_layout
+from ntp_ds.comm.exchange import same_layout
 from ntp_ds.comm.groups import NTPMpu, ReplicaGroups, ring_neighbours
-from ntp_ds.comm.streams import (IncomingGradients, IncomingParameters, OutgoingGradients, OutgoingParameters,
-                                 stale_units)
-from ntp_ds.engine import clipping
+from ntp_ds.comm.streams import IncomingGradients, IncomingParameters, OutgoingGradients, OutgoingParameters
+from ntp_ds.engine import checkpoint, clipping
 from ntp_ds.engine import fragments as state
 from ntp_ds.engine.copies import StateCopies
 from ntp_ds.engine.recut import recut_zero
-from ntp_ds.layout import ParamSpec, plan_whole_tensors
-from ntp_ds.layout import units as U
-from ntp_ds.layout.sharding import unshard_into
-from ntp_ds.models.checkpoint import write_whole_tensors
+from ntp_ds.engine.snapshot import Snapshot, lr_state, take_snapshot
+from ntp_ds.layout import ParamSpec
 
-
-TOPOLOGY_FILE = "ntp_topology.json"
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Snapshot:
-    """A survivor's state at the moment of a failure, in its old topology's terms."""
-
-    topology: object
-    rank: int
-    params: dict[str, torch.Tensor]
-    fragments: dict
-    keys: tuple[str, ...]
-    optimizer_step: int
-    held: dict
-    global_steps: int
-    global_samples: int
-    mid_step: bool
-    stale: dict
-    """Units (by kind) of this rank's shard still at the previous step: their streamed copy never arrived."""
-    lr_state: tuple | None = None
-    """(scheduler state, learning rate of each parameter group) of an anchor; None elsewhere."""
-    before_step: tuple | None = None
-    """(global_steps, global_samples, lr_state, optimizer step) as the last step began (at its ready vote): where
-    a roll-back returns to."""
-    previous: dict = field(default_factory=dict)
-    """With `redundancy_keep_previous`: the whole copies of the step before the newest, by owner."""
-    stale_by_rank: dict = field(default_factory=dict)
-    """Filled in by recovery: every new rank's stale units."""
-    carried_lr: tuple | None = None
-    """Filled in by recovery: the learning-rate state the new anchors take."""
-    any_mid_step: bool = False
-    """Filled in by recovery: some member was between the votes of a step."""
-    rolled_back: bool = False
-    """Filled in by recovery: the members return to the state the last step began from (`recovery.rollback`)."""
-    order: object = None
-    """An anchor's `layout.zero.FlatOrder`: how its optimizer laid out the state its fragments are part of."""
-    batch_plan: BatchPlan | None = None
-    """The plan of the step the failure interrupted."""
-    whole_grads: bool = False
-    """This rank holds the interrupted step's gradients of its whole share, none reduced yet
-    (`NTPEngine.allreduce_gradients`): a recovery that keeps its replica's engines may keep them."""
-    whole_by_rank: dict = field(default_factory=dict)
-    """Filled in by recovery: `whole_grads` of every new rank."""
-    refused: dict = field(default_factory=dict)
-    """What arrived by a wait that returned but was not proven to have arrived (cut by an abort) and was refused:
-    `param_buckets` (their units are stale), `copies` (the owners whose copy was dropped), `grads` (the kept
-    gradients, dropped)."""
-
-    @property
-    def params_from_masters(self) -> bool:
-        """Whether the survivors' parameters may differ from the optimizer state installed (a step half applied, or
-        rolled back), so the new engine derives them from its masters."""
-        return self.any_mid_step or self.rolled_back
 
 
 class NTPEngine(DeepSpeedEngine):
@@ -424,7 +362,7 @@ class NTPEngine(DeepSpeedEngine):
             # A contributor's parameters no module used in this step's forward; with redundancy_overlap, the previous
             # step's copies, which travelled meanwhile.
             self.quiesce()
-            self._before_step = (self.global_steps, self.global_samples, self._lr_state(),
+            self._before_step = (self.global_steps, self.global_samples, lr_state(self),
                                  state.optimizer_step(self) if self.is_anchor else 0)
             wire.vote(True, name="ready_vote")
             self.in_optimizer_step = True
@@ -600,148 +538,34 @@ class NTPEngine(DeepSpeedEngine):
             for name, grad in grads.items():
                 params[name].grad = grad.mul_(scale) if scale != 1.0 else grad
 
-    def snapshot(self) -> "Snapshot":
+    def snapshot(self) -> Snapshot:
         """Everything a survivor carries into recovery (views of live tensors: keep this engine until done)."""
-        try:
-            self.copies.finish(salvage=True)
-        except Exception as err:  # a copy in flight did not arrive whole: it is dropped, and recovery says so
-            log.warning("a redundant copy in flight was lost (%s)", err)
-        stale = self._params_in.settle(salvage=True)
-        if not all(e.proven() for e in self._synced):  # the last copy of the anchors' parameters was cut
-            synced = stale_units(self._params, [b for bs in self._params.incoming.values() for b in bs])
-            stale = {k: U.union(stale.get(k, ()), synced.get(k, ())) for k in stale.keys() | synced.keys()}
-        whole = self._whole_grads_step == self.global_steps + 1
-        grads_proven = not whole or wire.proven(self._grads_proof)
-        refused = {"param_buckets": self._params_in.refused, "copies": sorted(self.copies.refused),
-                   "grads": not grads_proven}
-        if any(refused.values()):
-            log.warning("rank %d: refused what was not proven to have arrived: %s", self.ntp_groups.rank, refused)
-        keys = self.optimizer_keys()
-        return Snapshot(
-            topology=self.ntp_groups.topology, rank=self.ntp_groups.rank,
-            params={n: p.detach() for n, p in self.named_shards().items()},
-            fragments=state.local_fragments(self, keys) if self.is_anchor else {},
-            keys=keys, optimizer_step=state.optimizer_step(self) if self.is_anchor else 0,
-            held=dict(self.copies.held), global_steps=self.global_steps, global_samples=self.global_samples,
-            mid_step=self.in_optimizer_step, stale=stale, lr_state=self._lr_state(),
-            before_step=self._before_step, previous=dict(self.copies.previous),
-            order=state.flat_order(self) if self.is_anchor else None, batch_plan=self.batch_plan,
-            whole_grads=whole and grads_proven, refused=refused)
+        return take_snapshot(self)
 
-    def _lr_state(self) -> tuple | None:
-        if not self.is_anchor or self.optimizer is None:
-            return None
-        scheduler = self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None
-        return scheduler, [group["lr"] for group in self.optimizer.param_groups]
-
-    # -- DeepSpeed checkpoints ---------------------------------------------------------------------------------
+    # -- DeepSpeed checkpoints and consolidated weights (`engine.checkpoint`) --------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
         """DeepSpeed's checkpoint, written by the anchors; a contributor's state is a copy of its anchor's."""
-        self.settle_parameters()
-        if not self.is_anchor:
-            self.save_non_zero_checkpoint = False
-            self.save_zero_checkpoint = False
-        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
-        with wire.waiting(), _barriers_along_the_control_tree():  # DeepSpeed's barriers around every rank's writes
-            ok = super().save_checkpoint(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
-        if self.global_rank == self.ntp_groups.topology.ranks_of(self.ntp_groups.plan.anchors[0])[0]:
-            meta = {"degrees": list(self.ntp_groups.topology.degrees), "global_steps": self.global_steps,
-                    "global_samples": self.global_samples}
-            (Path(save_dir) / tag / TOPOLOGY_FILE).write_text(json.dumps(meta))
-        wire.barrier()
-        return ok
+        return checkpoint.save(self, lambda tag: super(NTPEngine, self).save_checkpoint(
+            save_dir, tag, client_state, save_latest, exclude_frozen_parameters), save_dir, tag)
 
     def _checkpoint_tag_validation(self, tag) -> None:
-        """DeepSpeed's check that every rank saves under the same tag, along the control tree: DeepSpeed's own
-        all-reduces the tag's digest on the default group, which under NCCL creates a communicator of the world."""
-        if not self.checkpoint_tag_validation_enabled():
-            return
-        digest = torch.tensor(list(hashlib.sha1(tag.encode()).digest()), dtype=torch.int32)
-        highest = wire.control_all_reduce(digest.clone(), "max", "tag_check")
-        lowest = wire.control_all_reduce(digest.clone(), "min", "tag_check")
-        if torch.equal(highest, digest) and torch.equal(lowest, digest):
-            return
-        message = (f"rank {self.global_rank}: the checkpoint tag {tag!r} differs between ranks; every rank must save "
-                   "under the same tag")
-        if self.checkpoint_tag_validation_fail():
-            raise ValueError(message)
-        log.warning(message)
+        """DeepSpeed's check that every rank saves under the same tag, along the control tree."""
+        checkpoint.check_tag(self, tag)
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         """Load a checkpoint written by the same topology; contributors then copy their anchors' parameters."""
-        if tag is None:
-            tag = (Path(load_dir) / "latest").read_text().strip()
-        meta = json.loads((Path(load_dir) / str(tag) / TOPOLOGY_FILE).read_text())
-        degrees = list(self.ntp_groups.topology.degrees)
-        if meta["degrees"] != degrees:
-            raise ValueError(f"checkpoint {load_dir}/{tag} was written by TP degrees {meta['degrees']}, this job "
-                             f"runs {degrees}; move between topologies with save_pretrained/from_pretrained")
-        if self.is_anchor:
-            with wire.waiting():
-                path, client_state = super().load_checkpoint(load_dir, tag, **kwargs)
-        else:
-            path, client_state = str(Path(load_dir) / str(tag)), {}
-            self.global_steps, self.global_samples = meta["global_steps"], meta["global_samples"]
-        self.sync_parameters()
-        return path, client_state
+        return checkpoint.load(self, lambda tag: super(NTPEngine, self).load_checkpoint(load_dir, tag, **kwargs),
+                               load_dir, tag)
 
-    # -- consolidated weights ----------------------------------------------------------------------------------
-    @torch.no_grad()
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Unsharded weights, assembled on TP rank 0 of the first anchor replica (None elsewhere), through pickled
-        objects: for tests and small models (`save_pretrained` never gathers the whole model on one host).
+        """Unsharded weights on TP rank 0 of the first anchor replica (None elsewhere): for tests and small
+        models (`checkpoint.consolidated_state_dict`)."""
+        return checkpoint.consolidated_state_dict(self)
 
-        Collective over that replica's TP group; every rank may call it, the others return at once.
-        """
-        self.settle_parameters()
-        g = self.ntp_groups
-        if g.replica != g.plan.anchors[0]:
-            return None
-        layout = g.layout
-        local = {n: p.detach().to("cpu", torch.float32) for n, p in self.named_shards().items()}
-        gathered = wire.gather_object(local, g.tp_ranks[0], g.tp_control)
-        if g.tp_rank != 0:
-            return None
-        full = {}
-        for name, spec in self.param_specs.items():
-            out = torch.empty(self.full_shapes[name])
-            for r, shards in enumerate(gathered):
-                unshard_into(out, shards[name], spec, layout, r)
-            full[name] = out
-        return full
-
-    @torch.no_grad()
     def save_pretrained(self, path) -> None:
-        """Write the weights as a sharded HF directory (config.json, an index, a safetensors file per writer; fp32),
-        which `from_pretrained` loads. The first anchor replica's ranks write: each assembles about 1/tp of the
-        tensors whole, the units it lacks sent by its TP peers over the TP group, so no rank holds the whole model
-        and no tensor is pickled. Every rank calls it; the other replicas' return at once."""
-        self.settle_parameters()
-        g = self.ntp_groups
-        if g.replica == g.plan.anchors[0]:
-            wire.open_for_batches(g.tp_group)  # (NCCL: a group's first op must involve every member)
-            holders = list(g.topology.ranks_of(g.replica))
-            writer, moves = plan_whole_tensors(g.topology, holders, self.param_specs, self.full_shapes)
-            full = assemble_whole(moves, writer, g.tp_rank, holders, self.param_specs, self.full_shapes,
-                                  Side(g.layout, g.tp_rank), {n: p.detach() for n, p in self.named_shards().items()},
-                                  self.job.ntp.bucket_size, wire.device_of(), "save_pretrained", group=g.tp_group)
-            write_whole_tensors(path, self.module.config, {n: t.cpu() for n, t in full.items()}, g.tp_rank, writer,
-                                self.full_shapes)
-        wire.barrier(g.tp_control)
-
-
-@contextlib.contextmanager
-def _barriers_along_the_control_tree():
-    """Run DeepSpeed's `dist.barrier()` (two in `save_checkpoint`, on the default group: under NCCL a communicator of
-    the world) as the generation's barrier along the control tree, for the block."""
-    import deepspeed.comm
-
-    own = deepspeed.comm.barrier
-    deepspeed.comm.barrier = lambda *args, **kwargs: wire.barrier()
-    try:
-        yield
-    finally:
-        deepspeed.comm.barrier = own
+        """Write the weights as a sharded HF directory, which `from_pretrained` loads (`checkpoint.save_pretrained`).
+        Every rank calls it."""
+        checkpoint.save_pretrained(self, path)
 
 
 def deepspeed_batch(micro_sizes: tuple[int, ...], dp_size: int, anchor: bool) -> dict:

@@ -16,7 +16,7 @@ import logging
 import torch.distributed as dist
 
 from ntp_ds.comm import wire
-from ntp_ds.comm.groups import role_of, wanted_groups
+from ntp_ds.comm.groups import adopt, discard_unused, role_of, wanted_groups
 from ntp_ds.control.membership import barrier
 from ntp_ds.layout import SyncPlan, Topology
 
@@ -146,3 +146,22 @@ def keep(store, rank: int, candidates, old_members: tuple[int, ...], new_members
     kept = wire.stop_watching(kept)
     wire.discard([g for g in candidates if g not in kept])
     return kept
+
+
+def tear_down(candidates, held=None) -> None:
+    """Close this rank's connections of the old generation, but for the `candidates` a recovery may keep (and the
+    engine `held`, which an attempt before this one may have rebound to its groups, let go of them). Closing fails
+    every collective a live peer still waits on with this rank, so it joins the recovery at once instead of at its
+    process-group timeout (gloo closes them once unreferenced; NCCL communicators are aborted first). The candidates
+    stay open until `keep` decides (a peer waiting in one of them stops once a member has departed: `depart`)."""
+    if held is not None:
+        held.detach()
+    discard_unused()
+    wire.teardown(keep=candidates)
+
+
+def carry(kept, before: tuple[int, ...], after: tuple[int, ...]) -> None:
+    """Carry the `kept` groups of the generation of members `before` into the generation of members `after`."""
+    if kept:
+        new_rank = positions(after)
+        adopt(kept, {r: new_rank[before[r]] for g in kept for r in dist.get_process_group_ranks(g)})

@@ -431,10 +431,11 @@ def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...], dea
     return figures
 
 
-def reslice(engine, snapshot, dead: set[int] = frozenset(), own: bool = True) -> dict:
+def reslice(engine, snapshot, copies: dict, dead: set[int] = frozenset(), own: bool = True) -> dict:
     """Give every new anchor rank the optimizer state of its new fragments; return this rank's measured figures.
-    `dead`: old global ranks that died, whose state comes from copies. `own=False` (a roll-back): this rank's live
-    fragments may be partly updated, so only the copies it keeps are served.
+    `copies`: the buddy copies this rank serves, by owner. `dead`: old global ranks that died, whose state comes from
+    copies. `own=False` (a roll-back): this rank's live fragments may be partly updated, so only the copies it keeps
+    are served.
 
     Every rank contributes only the steps of what it can serve (a few numbers) and the lowest new anchor broadcasts
     the optimizer's flat order: the addresses follow from the layouts. Each rank first checks that rule against the
@@ -443,7 +444,7 @@ def reslice(engine, snapshot, dead: set[int] = frozenset(), own: bool = True) ->
     held = {}  # owner old global rank -> (step, {name: Fragment}) this rank can serve
     if snapshot.fragments and own:
         held[snapshot.rank] = (snapshot.optimizer_step, snapshot.fragments)
-    for owner, copy in snapshot.held.items():
+    for owner, copy in copies.items():
         held[owner] = (copy.step, copy.fragments)
     steps = {int(o): int(step) for o, (step, _) in held.items()}  # plain ints: the index reads them as they come
     new_order = S.flat_order(engine) if engine.is_anchor else None

@@ -19,15 +19,13 @@ from typing import Any
 
 from ntp_ds.batch import POLICIES
 from ntp_ds.control.faults import FaultSchedule
-from ntp_ds.engine.config import (ConfigError, FaultToleranceConfig, NTPConfig, StragglerConfig, check_batch,
-                                  load_deepspeed_config)
+from ntp_ds.engine.config import (ConfigError, FaultToleranceConfig, LivenessConfig, NTPConfig, ReplicaConfig,
+                                  check_batch, load_deepspeed_config)
 from ntp_ds.layout import LayoutError, Topology
 from ntp_ds.models import LlamaConfig
 from ntp_ds.schema import SchemaError, build, register
 
 WANDB_MODES = ("online", "offline", "disabled")
-_NOT_NTP = ("zero_stage", "heartbeat_interval_s", "heartbeat_timeout_s", "hang_timeout_s", "join_timeout_s")
-"""`parallel` fields read by DeepSpeed and the liveness checks rather than by `NTPConfig`."""
 OPTIMIZERS = ("adamw", "sgd")
 DATASETS = ("synthetic", "tokens")
 PRECISIONS = ("fp32", "bf16")
@@ -90,65 +88,22 @@ ModelConfig.__doc__ = ("The `model` group: `name`, then every `LlamaConfig` fiel
 
 
 @dataclass
-class ParallelConfig:
-    """Replicas, their TP degrees, the ZeRO stage and the failure bounds; most fields are `NTPConfig` fields."""
+class ParallelConfig(ReplicaConfig, LivenessConfig):
+    """Replicas, their TP degrees, the ZeRO stage and the failure bounds: `ReplicaConfig`'s and `LivenessConfig`'s
+    fields (declared there once, with their defaults; conf/parallel/default.yaml sets this command's), and the ZeRO
+    stage DeepSpeed reads."""
 
-    tp: int = 2
-    """Healthy tensor-parallel degree of a replica (its scale-up domain)."""
-    replicas: int = 2
-    """Data-parallel replicas."""
-    degrees: list[int] | None = None
-    """TP degree of each replica at start; null: every replica at `tp`. E.g. [2, 1] starts one replica degraded."""
     zero_stage: int = 1
     """DeepSpeed ZeRO stage: 0, 1 or 2."""
-    batch_policy: str = "preserve_global_batch"
-    """`preserve_global_batch`: healthy replicas take a degraded one's shortfall; `proportional`: the batch shrinks."""
-    min_tp: int = 1
-    """Smallest TP degree a replica may train at; below it the replica is dropped."""
-    zero_redundancy: int = 1
-    """In-memory copies of each ZeRO partition kept on other replicas."""
-    redundancy_on_host: bool = False
-    """Keep the copies in host memory (pinned), filled through bucket-sized device staging buffers."""
-    redundancy_overlap: bool = False
-    """Copies travel during the next step (faster; a death before a copy arrives loses that step's partition)."""
-    redundancy_keep_previous: bool = False
-    """Also keep the copies of the step before while the next travel (twice the memory): a death in the refresh rolls
-    back one step instead of losing the dead rank's last one (whole with zero_redundancy >= 2)."""
-    memory_budget_gb: float | None = None
-    """Per-GPU memory budget; a degraded replica lowers its micro-batch to fit it; null: no limit."""
-    timeout_s: float = 300.0
-    """Bound on every wait for a peer (collectives, the transfers of a recovery), in seconds."""
-    bucket_size: int = 500_000_000
-    """Elements per message of the gradient and parameter exchange between replicas (like reduce_bucket_size)."""
-    control_fanout: int = 32
-    """Members of one group of the control tree carrying the per-step votes and sums (log-depth in the world size)."""
-    heartbeat_interval_s: float = 0.5
-    """Seconds between two liveness beats of a worker to the job's store."""
-    heartbeat_timeout_s: float = 3.0
-    """A worker whose beats stop for this long counts as dead (how a hang is detected)."""
-    hang_timeout_s: float = 120.0
-    """A worker that beats but whose training makes no progress (no phase point, outside any wait) for this long,
-    while a peer waits on it, counts as hung: it is fenced and its launcher kills it. Longer than a rank's longest
-    stretch of its own work between phase points (a micro-batch, a write of its weights)."""
-    join_timeout_s: float = 3600.0
-    """How long a joining worker (a repair, `ntp-ds launch --join`) waits for the running job to take it in."""
-    straggler: StragglerConfig = field(default_factory=StragglerConfig)
-    """Straggler-aware batch planning: `enabled`, `threshold`, `every_steps` (see `ntp_ds.engine.config`)."""
 
     def ntp(self, live: bool = False) -> NTPConfig:
         """The engine's NTP settings; `live`: with `fault_tolerance` on, at this config's liveness bounds (the faults
         are armed from `fault.faults` by whoever starts the rank)."""
-        kw = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_NTP}
+        kw = {f.name: getattr(self, f.name) for f in fields(ReplicaConfig)}
         if live:
             kw["fault_tolerance"] = FaultToleranceConfig(
-                enabled=True, heartbeat_interval_s=self.heartbeat_interval_s,
-                heartbeat_timeout_s=self.heartbeat_timeout_s, hang_timeout_s=self.hang_timeout_s,
-                join_timeout_s=self.join_timeout_s)
+                enabled=True, **{f.name: getattr(self, f.name) for f in fields(LivenessConfig)})
         return NTPConfig(**kw)
-
-    @property
-    def replica_degrees(self) -> tuple[int, ...]:
-        return tuple(self.degrees) if self.degrees is not None else (self.tp,) * self.replicas
 
 
 @dataclass
@@ -406,6 +361,8 @@ class RunConfig:
         for name in ("tp", "replicas"):
             _check_positive(f"parallel.{name}", getattr(p, name))
         for name in ("timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "hang_timeout_s", "join_timeout_s"):
+            if name == "hang_timeout_s" and p.hang_timeout_s is None:  # never judged by progress
+                continue
             if not getattr(p, name) > 0:
                 raise ConfigError(f"parallel.{name}={getattr(p, name)} must be positive")
         if p.heartbeat_interval_s >= p.heartbeat_timeout_s:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ntp_ds.engine.config import ConfigError
-from ntp_ds.engine.engine import TOPOLOGY_FILE
+from ntp_ds.engine.checkpoint import TOPOLOGY_FILE
 from ntp_ds.envs import RUN_DIR_ENV
 from ntp_ds.run.config import ModelConfig
 from ntp_ds.run.records import CHECKPOINTS, EVENTS, FINAL_WEIGHTS, LAST_GOOD, METRICS, RUN_CONFIG, SUMMARY

@@ -230,7 +230,7 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1, finish=None) -> int:
     """Start the workers, wait for every one, report each exit; return the exit status described above, or what
     `finish(store, codes)` returns (called once every worker has exited, while this process still holds the store)
     if it returns a status."""
-    from ntp_ds.control.heartbeat import NODE_PUBLISH_S, NodePublisher, mark_exited, prepare_store
+    from ntp_ds.control.liveness_store import NODE_PUBLISH_S, NodePublisher, mark_exited, prepare_store
 
     store, address, master = _rendezvous(spec)
     published_at, exits = -math.inf, {}
@@ -378,7 +378,7 @@ def _start(spec: LaunchSpec, env: dict):
 def _fence(store, running: dict) -> None:
     """Kill this node's workers that their peers declared dead (hung): a fenced worker never rejoins, and its
     closed connections end every wait on it at once."""
-    from ntp_ds.control.heartbeat import read_fences
+    from ntp_ds.control.liveness_store import read_fences
 
     try:
         fences = read_fences(store)

@@ -68,7 +68,7 @@ def _outlast(store, rank: int, world: int, codes: dict[int, int], poll_s: float 
     wait for its verdict, bounded by the store's life (it ends with rank 0's sentinel, which ends once every worker
     has finished, exited or gone silent). Return 0 when some rank finished the job, else the status of this
     sentinel's first worker."""
-    from ntp_ds.control.heartbeat import outlive_peers, read_exits
+    from ntp_ds.control.liveness_store import outlive_peers, read_exits
     from ntp_ds.supervise.launch import shell_status
 
     failed = {r: c for r, c in codes.items() if c != 0}

@@ -26,8 +26,9 @@ import types
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ntp_ds.control.heartbeat import (NODE_PUBLISH_S, WATCHES_PER_BEAT, Heartbeat, LivenessMonitor, LivenessReader,
-                                      NodePublisher, next_pause, prepare_store)
+from ntp_ds.control.heartbeat import WATCHES_PER_BEAT, Heartbeat, next_pause
+from ntp_ds.control.liveness import LivenessMonitor
+from ntp_ds.control.liveness_store import NODE_PUBLISH_S, LivenessReader, NodePublisher, prepare_store
 from ntp_ds.control.membership import BarrierWait, DecisionWait, Membership, MembershipChange
 from ntp_ds.control.store import connect_store, host_store
 

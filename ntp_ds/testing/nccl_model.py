@@ -4,59 +4,10 @@ gloo forgives what NCCL does not: its point-to-point ops complete without a matc
 its results are in place once the host passes the call, its Works are per op, its timeouts end any op. Importing
 this module registers `nccl_model`, which wraps a gloo group and keeps NCCL's rules instead, so a CPU test of code
 that would break on GPUs fails on CPU. Each rule can be switched off alone (`NTP_NCCL_MODEL_OFF=rule,rule`), to
-show it is the one that catches a given bug:
+show it is the one that catches a given bug; `ntp_ds.testing.nccl_rules` lists and explains them.
 
-- `coalesce`: `batch_isend_irecv` and the coalesced collectives return ONE Work for the whole batch, and it fails
-  as a unit. torch takes its coalesced path only for a plain ProcessGroup with a C++ backend, which a Python group
-  is not, so this module wraps `torch.distributed.batch_isend_irecv` for its own groups (other groups are passed
-  through untouched).
-- `async`: an op's outputs (a collective's result, a received buffer) hold a poison pattern (NaN for floating
-  tensors, the type's extreme value for integers) until its Work is waited or reports completion, and its inputs
-  must not change before then: the wait raises `RuleViolation` when an input was written while in flight (NCCL
-  would send whatever the buffer held when its kernel read it).
-- `order`: each group runs its ops one after another, as an NCCL communicator's stream does, and a point-to-point
-  op (alone or in a batch) runs only once the peer's matching op reaches the head of the peer's stream. A send
-  posted before its receive on both sides of a pair (or around a ring) never progresses: after
-  `NTP_NCCL_MODEL_DEADLOCK_S` seconds (default 60) its Work fails with `Deadlock`, naming the ops and ranks.
-- `tags`: tags are ignored; messages between a pair match in posting order.
-- `first`: a communicator's first op may be a batch of point-to-point ops only if it involves every rank of the
-  group (torch documents anything else as undefined under NCCL); start a group with a collective.
-- `abort`: no timeout ends an op (async error handling 0): an op whose peer died stays pending until the group is
-  aborted. `abort()` ends every pending op as torch 2.13's `ProcessGroupNCCL` does: the aborted kernel exits, so
-  the Work reports complete (`WorkNCCL::isCompleted` skips its error check once the communicator is aborted) and
-  its wait returns without raising (`WorkNCCL::wait` only orders the stream); each output holds some chunks of the
-  message (NCCL moves a message over several channels, in no fixed order) and what the memory held before
-  elsewhere (here: the poison). Any later op on the group raises, as on an aborted NCCL communicator. Only a
-  completion observed before the abort proves that an op's data arrived (`ntp_ds.comm.wire`, "proofs").
-- `create`: a communicator is created at its group's first op (torch's `ProcessGroupNCCL::collective` and
-  `pointToPoint` call `initNCCLComm` when the group has none; no device is bound at group creation), by a blocking
-  `ncclCommInitRank` on the posting thread, which returns only once every member of the group has reached its own
-  first op: the host blocks in the post, even of an async op, and no abort reaches it (torch enters the communicator
-  in the map an abort walks only after the init returns). A member that never gets there strands the others: NCCL
-  hangs for good; after `NTP_NCCL_MODEL_DEADLOCK_S` seconds the post raises `Deadlock`, naming the missing ranks.
-  A non-blocking communicator (`config.blocking = 0` in the group's options, else
-  `TORCH_NCCL_USE_COMM_NONBLOCKING=1`) is created the same way, but its first use waits for it at most
-  `TORCH_NCCL_NONBLOCKING_TIMEOUT` seconds (1800 by default; torch's `NCCLComm::waitReady`) and then raises
-  `DistBackendError` ("NCCL timeout"); no abort ends that wait either (it holds the communicator's mutex).
-- `device`: the process has one device, which can stop (`hang_device`: a kernel that never ends on the stream the
-  training thread queues to, as `torch.cuda._sleep` spins): an op posted after it never starts (ProcessGroupNCCL
-  orders each op's stream after the current stream), pending until the group is aborted, and a device event
-  recorded after it never completes (`record_event`, registered with `ntp_ds.comm.device`). With the rule off the
-  device never stops.
-- `sync`: a device sync (`synchronize`, registered with `ntp_ds.comm.device`; the product's `settle_device`) returns
-  only once the device has run what it waits for. A stream sync (`torch.cuda.current_stream().synchronize()`, as a
-  `.item()` or `.tolist()` of a device tensor makes) waits for everything queued on the training thread's stream: it
-  never returns once the device has stopped (a spin kernel is not ended by an abort). A sync of the whole device
-  (`torch.cuda.synchronize()`) also waits for every kernel still running on any of the process's communicators,
-  until it completes or an abort of its communicator ends it. (A stream sync does not wait for a communicator's
-  ops: the current stream waits on an op only once its Work is waited, and here a wait blocks the host.) NCCL
-  hangs for good; after `NTP_NCCL_MODEL_DEADLOCK_S` seconds the sync raises `Deadlock`.
-- `watchdog`: an op still pending at its group's timeout is caught by the group's watchdog, as torch's
-  `Watchdog::runLoop` does under async error handling 0: nothing is aborted and the caller's Work does not change
-  (the watchdog marks its own copy: the op stays incomplete, its wait returns nothing new, its exception stays
-  None), but the watchdog then sleeps 4 x `TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC` (15 s by default) holding the
-  group's work list, whatever the dump setting, so the next op posted on the group blocks its host until the sleep
-  ends (one sleep per op that timed out, one after another).
+Here: the Works (`ModelWork`), the process group torch sees (`ModelGroup`: the ops a caller posts on a communicator,
+`nccl_communicator`) and the registration of the backend and of its device (`nccl_device`).
 
 Tensors live on the CPU; the package's `nccl` branches are taken for `nccl_model` too (`ntp_ds.comm.wire.is_nccl`).
 """
@@ -64,68 +15,31 @@ Tensors live on the CPU; the package's `nccl` branches are taken for `nccl_model
 from __future__ import annotations
 
 import itertools
-import logging
 import os
-import queue
 import threading
 import time
-import weakref
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions, PrefixStore, ProcessGroupGloo
+from torch._C._distributed_c10d import AllgatherOptions, ProcessGroupGloo
 
-from ntp_ds import envs
 from ntp_ds.comm import device
+from ntp_ds.testing.nccl_communicator import ModelCommunicator, StreamOp
+from ntp_ds.testing.nccl_device import (communicator_created, communicator_sizes, device_stopped, hang_device,
+                                        record_event, synchronize)
+from ntp_ds.testing.nccl_rules import (NONBLOCKING_ENV, RULES, Aborted, Deadlock, DeviceStopped, RuleViolation,
+                                       rule_on)
 
-log = logging.getLogger(__name__)
+__all__ = ["CHANNELS", "NAME", "RULES", "Aborted", "Deadlock", "DeviceStopped", "ModelGroup", "ModelWork",
+           "RuleViolation", "batch_isend_irecv", "communicator_sizes", "hang_device", "poison", "record_event",
+           "rule_on", "synchronize"]
 
 NAME = "nccl_model"
-RULES = ("coalesce", "async", "order", "tags", "first", "abort", "device", "create", "sync", "watchdog")
-OFF_ENV = envs.MODEL_OFF_ENV
-DEADLOCK_ENV = envs.MODEL_DEADLOCK_ENV
-NONBLOCKING_ENV = envs.NONBLOCKING_ENV
-NONBLOCKING_TIMEOUT_ENV = envs.NONBLOCKING_TIMEOUT_ENV
-DUMP_WAIT_ENV = envs.NCCL_DUMP_WAIT_ENV
-DUMP_WAIT_MS = 15_000
-"""torch's default for DUMP_WAIT_ENV: the watchdog sleeps four times this after each op that timed out."""
-
-
-class DeviceStopped(RuntimeError):
-    """An op queued behind a kernel that never ends: it never starts (pending until its group is aborted)."""
-
-
-class RuleViolation(RuntimeError):
-    """The program broke a rule NCCL imposes (a buffer used while its op was in flight)."""
-
-
-class Deadlock(BaseException):
-    """NCCL would hang here for good (a point-to-point op that never met its match, a blocking communicator
-    creation a member never reached, a device sync behind a kernel that never ends). Not an Exception: the code
-    under test cannot take it for a failure it recovers from, since on NCCL its thread would never return."""
-
-
-class Aborted(RuntimeError):
-    """An op was posted on an aborted communicator (its pending ops were cut: they report complete, and their
-    outputs hold part of the message at most)."""
-
 
 CHANNELS = 4
 """The chunks an output of an op cut by an abort is written in: the even ones arrived, the odd ones did not."""
-
-
-def rule_on(rule: str) -> bool:
-    """Whether `rule` is enforced (all are, unless named in NTP_NCCL_MODEL_OFF)."""
-    if rule not in RULES:
-        raise ValueError(f"unknown nccl_model rule {rule!r}; rules: {', '.join(RULES)}")
-    off = {r.strip() for r in os.environ.get(OFF_ENV, "").split(",") if r.strip()}
-    unknown = off - set(RULES)
-    if unknown:
-        raise ValueError(f"{OFF_ENV} names unknown rules {sorted(unknown)}; rules: {', '.join(RULES)}")
-    return rule not in off
 
 
 def poison(t: torch.Tensor) -> None:
@@ -157,6 +71,8 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 # -- Works -------------------------------------------------------------------------------------------------------
+# The Works and the ops that post them live in this file: `wire.is_wire_failure` knows an error of the wire by this
+# file's name in its traceback, and a caller waits on a Work directly, not through torch.
 class ModelWork(dist.Work):
     """One pending op (or batch): completes when its stream ran it; hands over its outputs at the wait."""
 
@@ -265,114 +181,8 @@ class ModelWork(dist.Work):
                     t.copy_(private)
 
 
-# -- the device: one per process -----------------------------------------------------------------------------------
-_stopped = threading.Event()
-
-
-def hang_device() -> None:
-    """Stop this process's device for good, as a kernel that never ends would (the `device` rule); the host goes on."""
-    if rule_on("device"):
-        _stopped.set()
-
-
-@dataclass
-class ModelEvent:
-    """An event recorded on the device: complete at once (the host computed what came before), never once the
-    device has stopped."""
-
-    done: bool
-
-    def query(self) -> bool:
-        return self.done
-
-
-def record_event() -> ModelEvent:
-    return ModelEvent(not _stopped.is_set())
-
-
-def synchronize(whole_device: bool = False) -> None:
-    """A device sync (the `sync` rule): of the training thread's stream, or of the `whole_device`."""
-    if not rule_on("sync"):
-        return
-    bound = float(os.environ.get(DEADLOCK_ENV, "60"))
-    if _stopped.wait(0):
-        time.sleep(bound)
-        raise Deadlock(f"nccl_model: deadlock: a device sync has waited {bound:g} s behind a kernel that never ends "
-                       "(the device stopped); the host waits there for ever")
-    if not whole_device:
-        return
-    deadline = time.monotonic() + bound
-    for group in list(_GROUPS):
-        with group._lock:
-            running = list(group._pending)
-        for work in running:
-            if not work._done.wait(max(0.0, deadline - time.monotonic())):
-                raise Deadlock(f"nccl_model: deadlock: a sync of the whole device has waited {bound:g} s for "
-                               f"{work.what}, still running on a communicator; only its completion or an abort of "
-                               "its communicator ends it")
-
-
-_GROUPS: weakref.WeakSet = weakref.WeakSet()
-"""The process's communicators (a sync of the whole device waits for their kernels)."""
-
-_CREATED: list[int] = []
-"""The size of every communicator this process created (NCCL creates one at its group's first op), in order."""
-
-
-def communicator_sizes() -> list[int]:
-    """Sizes of the communicators this process has created so far (groups that carried an op)."""
-    return list(_CREATED)
-
-
-# -- the stream: one op at a time per communicator ----------------------------------------------------------------
-@dataclass
-class _Op:
-    work: ModelWork
-    run: Callable[[ModelWork], list]
-    """Posts the op's gloo works (on the work's private buffers) and returns them."""
-    p2p: list[tuple[str, int, int]] = field(default_factory=list)
-    """(kind, peer, index) of every point-to-point message: the index-th message between the pair that way."""
-    number: int = 0
-    behind_stop: bool = False
-    """Posted after the device stopped: it never starts."""
-    started: list | None = None
-    """The gloo works, when the op was started at posting (the `order` rule off)."""
-
-
-class ModelGroup(dist.ProcessGroup):
-    """An NCCL-like communicator over a gloo group of the same ranks."""
-
-    def __init__(self, store, rank: int, size: int, timeout: timedelta, blocking: bool = True):
-        super().__init__(rank, size)
-        self._blocking = blocking
-        self._rank, self._size = rank, size
-        # Under `create`, the transport underneath is connected at the group's first op, as NCCL creates its
-        # communicator then, and a group's construction waits for nobody; with the rule off, at construction, as
-        # gloo connects every member then.
-        self._transport = (PrefixStore("gloo/", store), rank, size, timeout)
-        self._gloo = None if rule_on("create") else ProcessGroupGloo(*self._transport)
-        self._creating = threading.Lock()
-        self._store = PrefixStore("match/", store.clone())
-        self._deadlock_s = float(os.environ.get(DEADLOCK_ENV, "60"))
-        self._ordered = rule_on("order")
-        self._queue: queue.Queue = queue.Queue()
-        self._pending: set[ModelWork] = set()
-        self._lock = threading.Lock()
-        self._aborted = ""
-        self._counts = {}  # (kind, peer) -> messages posted so far
-        self._posted = 0
-        self._numbers = itertools.count()
-        self._batch: list | None = None
-        self._timeout_s = timeout.total_seconds()
-        self._dump_wait_s = float(os.environ.get(DUMP_WAIT_ENV, str(DUMP_WAIT_MS))) / 1000
-        self._late: list[float] = []  # the timeouts of ops that ended after them, not yet slept on
-        self._watched = 0.0  # when the watchdog's sleeps so far end
-        # The worker holds the group weakly: a group must never be freed on it (a daemon thread that frees a gloo
-        # group while the interpreter exits takes the process down).
-        self._thread = threading.Thread(target=_run_stream, args=(weakref.ref(self), self._queue),
-                                        name=f"nccl_model-{id(self):x}", daemon=True)
-        self._thread.start()
-        _GROUPS.add(self)
+class ModelGroup(ModelCommunicator):
+    """The process group torch sees: an NCCL-like communicator whose ops each return one ModelWork (a batch too)."""
 
     def getBackendName(self) -> str:
         return NAME
@@ -394,48 +204,13 @@ class ModelGroup(dist.ProcessGroup):
                 raise Aborted(f"nccl_model: {what} on an aborted communicator ({self._aborted})")
             self._pending.add(work)
             if not self._posted:  # NCCL creates a communicator at its group's first op
-                _CREATED.append(self._size)
+                communicator_created(self._size)
             self._posted += 1
-        op = _Op(work, run, list(p2p), next(self._numbers), _stopped.is_set())
+        op = StreamOp(work, run, list(p2p), next(self._numbers), device_stopped())
         if not self._ordered and not op.behind_stop:  # gloo's way: every op starts as it is posted
             op.started = run(work)
         self._queue.put(op)
         return work
-
-    def _create(self, what: str) -> None:
-        """The init at the group's first op: wait (on the posting thread, abort or not) until every member has
-        reached its own first op, for ever if the init is blocking, at most TORCH_NCCL_NONBLOCKING_TIMEOUT if not.
-        (The stream's store client is idle until the group's first op is posted.)"""
-        bound = self._deadlock_s if self._blocking else float(os.environ.get(NONBLOCKING_TIMEOUT_ENV, "1800"))
-        self._store.set(f"create/{self._rank}", "1")
-        try:
-            self._store.wait([f"create/{r}" for r in range(self._size)], timedelta(seconds=bound))
-        except Exception:
-            missing = [r for r in range(self._size) if not self._store.check([f"create/{r}"])]
-            if not self._blocking:
-                raise dist.DistBackendError(
-                    f"NCCL timeout in: nccl_model: the non-blocking communicator of group rank {self._rank} was not "
-                    f"ready within {NONBLOCKING_TIMEOUT_ENV}={bound:g} s at its first op ({what}): group rank(s) "
-                    f"{missing} never reached theirs") from None
-            raise Deadlock(f"nccl_model: deadlock: group rank {self._rank} has waited {self._deadlock_s:g} s in the "
-                           f"creation of its communicator at its first op ({what}) for group rank(s) {missing}, "
-                           "which never reached theirs (a blocking ncclCommInitRank: no abort ends it)") from None
-
-    def _behind_the_watchdog(self) -> None:
-        """Block the post while the watchdog sleeps after the ops that timed out on this group (`watchdog`)."""
-        now = time.monotonic()
-        with self._lock:
-            timed_out = self._late + [w.posted_at + self._timeout_s for w in self._pending
-                                      if not w.watched and now > w.posted_at + self._timeout_s]
-            for w in self._pending:
-                w.watched = w.watched or now > w.posted_at + self._timeout_s
-            self._late = []
-            for at in sorted(timed_out):
-                self._watched = max(self._watched, at) + 4 * self._dump_wait_s
-            until = self._watched
-        if until > now:
-            log.debug("nccl_model: a post waits %.1f s behind the watchdog's sleep", until - now)
-            time.sleep(until - now)
 
     def ops_posted(self) -> int:
         """Operations posted on this communicator so far (a batch counts once): NCCL's own sequence number."""
@@ -448,95 +223,6 @@ class ModelGroup(dist.ProcessGroup):
 
     def _tag(self, tag: int) -> int:
         return 0 if rule_on("tags") else tag
-
-    # -- the worker ------------------------------------------------------------------------------------------------
-    def _next(self, op: _Op, broken: BaseException | None) -> BaseException | None:
-        """Run the op at the head of the stream; return what breaks the stream from here on (None if nothing)."""
-        if self._aborted:
-            return broken
-        if isinstance(broken, Deadlock):
-            self._end(op.work, Deadlock(f"nccl_model: {op.work.what} is queued behind a deadlock: {broken}"))
-            return broken
-        if broken is not None:
-            return broken  # a stream whose op never completes runs nothing after it: pending until aborted
-        if op.behind_stop:
-            return DeviceStopped(f"nccl_model: {op.work.what} is queued behind a kernel that never ends")
-        try:
-            if self._ordered:
-                self._store.set(f"head/{self._rank}", f"op #{op.number}: {op.work.what}")  # for deadlock reports
-            if self._ordered and op.p2p:
-                self._rendezvous(op)
-            works = op.started if op.started is not None else op.run(op.work)
-        except Deadlock as err:
-            self._end(op.work, err)
-            return err
-        except BaseException as err:  # the op could not be posted (its arguments): the caller's error
-            self._end(op.work, err)
-            return None
-        try:
-            for w in works:
-                w.wait()
-        except BaseException as err:  # the wire failed under it
-            if rule_on("abort"):  # NCCL with async error handling 0: no error, no timeout; pending
-                log.debug("nccl_model: %s failed underneath (%s); pending until aborted", op.work.what, err)
-                return err
-            self._end(op.work, err)
-            return None
-        self._end(op.work, None)
-        return None
-
-    def _end(self, work: ModelWork, error: BaseException | None) -> None:
-        with self._lock:
-            self._pending.discard(work)
-            if not work.watched and time.monotonic() > work.posted_at + self._timeout_s:
-                self._late.append(work.posted_at + self._timeout_s)  # the watchdog caught it before it ended
-        work.finish(error)
-
-    def _rendezvous(self, op: _Op) -> None:
-        """Announce this stream's point-to-point ops at its head, then wait for each peer's matching op at its."""
-        me = self._rank
-        mine = [self._key(kind, peer, n, me) for kind, peer, n in op.p2p]
-        theirs = [self._key("recv" if kind == "send" else "send", me, n, peer) for kind, peer, n in op.p2p]
-        for key in mine:
-            self._store.set(key, "1")
-        try:
-            self._store.wait(theirs, timedelta(seconds=self._deadlock_s))
-        except Exception:
-            peers = sorted({peer for _, peer, _ in op.p2p})
-            heads = {}
-            for p in peers:
-                try:
-                    heads[p] = self._store.get(f"head/{p}").decode() if self._store.check([f"head/{p}"]) else "?"
-                except Exception:  # the report is best effort; the deadlock is the finding
-                    heads[p] = "?"
-            raise Deadlock(f"nccl_model: deadlock: group rank {me} has waited {self._deadlock_s:g} s at op "
-                           f"#{op.number} ({op.work.what}) for its peers' matching ops; the peers' stream heads: "
-                           + "; ".join(f"rank {p}: {h}" for p, h in heads.items())) from None
-        for key in theirs:
-            self._store.delete_key(key)
-
-    @staticmethod
-    def _key(kind: str, peer: int, n: int, me: int) -> str:
-        src, dst = (me, peer) if kind == "send" else (peer, me)
-        return f"{kind}/{src}-{dst}/{n}"
-
-    # -- abort ---------------------------------------------------------------------------------------------------
-    def abort(self) -> None:
-        if not rule_on("abort"):
-            return
-        with self._lock:
-            if self._aborted:
-                return
-            self._aborted = "aborted by this process"
-            pending, self._pending = list(self._pending), set()
-        for w in pending:
-            w.cut()
-        self._queue.put(None)
-
-    def shutdown(self) -> None:
-        self._queue.put(None)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=0.2)  # a worker blocked on a dead peer is left behind (it holds no reference)
 
     # -- point to point ----------------------------------------------------------------------------------------------
     def send(self, tensors, dst: int, tag: int = 0):
@@ -693,18 +379,6 @@ def _split(flat: list, sizes: list[int]) -> list[list]:
         out.append(flat[i:i + n])
         i += n
     return out
-
-
-def _run_stream(group_ref, ops: queue.Queue) -> None:
-    """A group's stream: its ops one after another, until the group is shut down, aborted or gone."""
-    broken = None
-    while True:
-        op = ops.get()
-        group = group_ref()
-        if op is None or group is None:
-            return
-        broken = group._next(op, broken)
-        del op, group
 
 
 # -- registration ---------------------------------------------------------------------------------------------

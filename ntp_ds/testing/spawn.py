@@ -97,7 +97,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, store: bool = 
                     if not store and p.exitcode != 0:
                         raise RuntimeError(f"rank {r} exited with code {p.exitcode}")
                     if p.exitcode != 0:
-                        from ntp_ds.control.heartbeat import mark_exited
+                        from ntp_ds.control.liveness_store import mark_exited
 
                         mark_exited(host, r, f"exit code {p.exitcode}")
                         done.add(r)
@@ -152,7 +152,7 @@ def _context():
 
 def _fence(store, procs, done) -> None:
     """Kill the children their peers declared dead, as `ntp-ds launch` does."""
-    from ntp_ds.control.heartbeat import read_fences
+    from ntp_ds.control.liveness_store import read_fences
 
     for r in read_fences(store):
         p = procs[r]

@@ -17,7 +17,7 @@ from ntp_ds.comm.failures import DeviceError
 from ntp_ds.control import inject
 from ntp_ds.control.faults import (FAULT_COUNT_KEY, Fault, FaultInjector, FaultSchedule, clock_domain, fault_key,
                                    fired_key, send_fault, trigger)
-from ntp_ds.control.heartbeat import mark_exited
+from ntp_ds.control.liveness_store import mark_exited
 from ntp_ds.control.job import publish_job, publish_step
 from ntp_ds.control.store import host_store
 

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ntp_ds.control.heartbeat import (ALARM_BUCKETS_KEY, FENCE_KEY, Beat, Heartbeat, LivenessMonitor, alarm_bucket,
-                                      alarm_epoch, alarm_key, heartbeat_key, mark_exited, poll_liveness, prepare_store,
-                                      raise_alarm, read_beats, read_exits, read_fences, register_alarm_watcher,
-                                      request_fence)
+from ntp_ds.control.heartbeat import Heartbeat
+from ntp_ds.control.liveness import Beat, LivenessMonitor
+from ntp_ds.control.liveness_store import (ALARM_BUCKETS_KEY, FENCE_KEY, alarm_bucket, alarm_epoch, alarm_key,
+                                           heartbeat_key, mark_exited, poll_liveness, prepare_store, raise_alarm,
+                                           read_beats, read_exits, read_fences, register_alarm_watcher, request_fence)
 from ntp_ds.control.store import host_store
 from tests.helpers.clock import FakeClock
 
@@ -183,7 +184,7 @@ def test_a_standstill_is_timed_from_when_the_sender_saw_it_begin():
 
 
 def test_beats_carry_progress_through_the_store_and_the_node_key():
-    from ntp_ds.control.heartbeat import NodeLiveness
+    from ntp_ds.control.liveness_store import NodeLiveness
 
     for beat in (Beat(3, 7.25), Beat(4, 8.5, 12, True), Beat(5, 9.0, 0, False), Beat(6, 9.5, 3, False, 4.25)):
         assert Beat.decode(beat.encode()) == beat

@@ -8,9 +8,11 @@ import ast
 import pytest
 import torch.distributed as dist
 
-from ntp_ds.control.heartbeat import (EXITED_KEY, FENCE_KEY, NODE_PUBLISH_S, WATCHES_PER_BEAT, Beat, Heartbeat,
-                                      LivenessMonitor, LivenessReader, NodeLiveness, NodePublisher, mark_exited,
-                                      next_pause, node_key, poll_liveness, prepare_store, request_fence)
+from ntp_ds.control.heartbeat import WATCHES_PER_BEAT, Heartbeat, next_pause
+from ntp_ds.control.liveness import Beat, LivenessMonitor
+from ntp_ds.control.liveness_store import (EXITED_KEY, FENCE_KEY, NODE_PUBLISH_S, LivenessReader, NodeLiveness,
+                                           NodePublisher, mark_exited, node_key, poll_liveness, prepare_store,
+                                           request_fence)
 from ntp_ds.control.membership import Membership, MembershipChange, barrier
 from ntp_ds.supervise.launch import LaunchSpec, worker_env
 from ntp_ds.testing.liveness_load import CountingStore, LoadSpec, peers_of, run_load
@@ -210,7 +212,9 @@ def test_4096_workers_on_512_nodes_see_no_false_death_at_a_3s_timeout():
 LAUNCHED = """
 import os, signal, sys, threading, time
 from pathlib import Path
-from ntp_ds.control.heartbeat import Heartbeat, LivenessMonitor, LivenessReader
+from ntp_ds.control.heartbeat import Heartbeat
+from ntp_ds.control.liveness import LivenessMonitor
+from ntp_ds.control.liveness_store import LivenessReader
 from ntp_ds.control.store import connect_from_env
 from ntp_ds.testing.liveness_load import CountingStore
 

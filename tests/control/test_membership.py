@@ -22,10 +22,10 @@ from ntp_ds.control.membership import (
     StaleGeneration,
     barrier,
     decide,
-    replica_membership,
 )
 from ntp_ds.control.store import connect_store, host_store
 from ntp_ds.layout import ModelUnits, Topology
+from ntp_ds.layout.generation import replica_membership
 
 UNITS = ModelUnits(heads=8, kv_heads=4, ffn=16, vocab=32)
 

@@ -197,91 +197,79 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
     `reduce_after_verdict`: a step whose last backward (and so its gradient reduction) every rank that reaches it
     begins only once a peer's failure is declared (bounded): a replica's backward that outlasts the detection.
     """
-    import os
+    import traceback
 
-    import ntp_ds
     from ntp_ds.comm import wire
     from ntp_ds.comm.failures import DeviceError
-    from ntp_ds.control.faults import FaultInjector, FaultSchedule, fired_key
+    from ntp_ds.control.faults import FaultSchedule, fired_key
     from ntp_ds.control.joins import JoinFailed, JoinRefused
     from ntp_ds.control.store import connect_from_env
-    from ntp_ds.engine.initialize import prepare
-    from ntp_ds.recovery.manager import Recovery, RecoveryImpossible
+    from ntp_ds.engine.config import NTPConfig
+    from ntp_ds.envs import JOIN_ENV, JOIN_STEP_ENV
+    from ntp_ds.fault_tolerant import start
+    from ntp_ds.recovery.errors import RecoveryImpossible
 
     model = make_model() if make_model else full_model(tiny_config())
     config = model.config
-    ntp = dict(ntp, timeout_s=timeout_s, zero_redundancy=zero_redundancy)
     ds = deepspeed_config(optim, stage, global_batch, micro, bf16=bf16, zero=zero)
+    ntp = NTPConfig.from_any(dict(ntp, timeout_s=timeout_s, zero_redundancy=zero_redundancy, fault_tolerance={
+        "heartbeat_timeout_s": heartbeat_timeout_s, "hang_timeout_s": hang_timeout_s, "last_good_dir": last_good_dir,
+        "join_timeout_s": 120.0}))
     schedule = FaultSchedule.from_config(faults, world_size + len(joins or {}))  # joiners may fail too
-    if os.environ.get("NTP_JOIN"):
-        spec, _ = prepare(model, {**ds, **(joiner_overrides or {}).get(rank, {})}, ntp)
-        store = connect_from_env(timeout_s)
-        injector = FaultInjector(schedule, rank, store)
-        try:
-            recovery = Recovery.join(spec, store, rank, not_before=(joins or {}).get(rank, 0), timeout_s=120.0,
-                                     heartbeat_timeout_s=heartbeat_timeout_s, hang_timeout_s=hang_timeout_s,
-                                     last_good_dir=last_good_dir, on_phase=injector.check)
-        except (JoinRefused, JoinFailed) as refused:
-            return {"refused": str(refused)}
-        engine = recovery.engine
-    else:
-        engine = ntp_ds.initialize(model=model, config=ds, ntp=ntp)
-        recovery = Recovery(engine, engine.store, rank, heartbeat_timeout_s=heartbeat_timeout_s,
-                            hang_timeout_s=hang_timeout_s, last_good_dir=last_good_dir)
-        injector = FaultInjector(schedule, rank, engine.store)
+    joining = bool(os.environ.get(JOIN_ENV))
+    if joining:
+        os.environ[JOIN_STEP_ENV] = str((joins or {}).get(rank, 0))
+        ds = {**ds, **(joiner_overrides or {}).get(rank, {})}
+    store = connect_from_env(timeout_s)
+    try:  # the public handle, as `ntp-ds train` starts it
+        handle = start(model, ds, ntp, store, schedule, stop_on_signals=False)
+    except (JoinRefused, JoinFailed) as refused:
+        return {"refused": str(refused)}
+    check = handle.injector.check
+
     def on_phase(step: int, phase: str) -> None:
         if phase == "grad_sync" and step == reduce_after_verdict:
             wire.verdict(timeout_s)
-        injector.check(step, phase)
+        check(step, phase)
 
-    engine.on_phase = recovery.on_phase = on_phase
-    if joins and not os.environ.get("NTP_JOIN"):
-        _await_join_requests(engine.store, len(joins))
+    handle.injector.check = handle.engine.on_phase = handle.recovery.on_phase = on_phase
+    if joins and not joining:
+        _await_join_requests(store, len(joins))
     data, sampler = dataset(config), GlobalBatchSampler(256, seed=1)
     noticed, recovered, kept_grads = [], [], []
-    while engine.global_steps < steps:
-        step = engine.global_steps
-        try:
-            if step > 0 and (grown := recovery.at_boundary(step, steps)) is not None:
-                engine = grown.engine
-                engine.on_phase = on_phase
-            for batch in replica_micro_batches(data, sampler, engine.batch_plan, engine.ntp_groups.replica,
-                                               engine.global_steps):
-                engine.backward(engine(batch))
-                engine.step()
-        except DeviceError:
-            recovery.leave("device error")
-        except Exception as error:
-            if not wire.is_wire_failure(error) and not isinstance(error, RecoveryImpossible):
-                # This rank's own error ends it at once, as an uncaught error ends `ntp-ds train`; its peers
-                # recover without it.
-                import traceback
-
-                traceback.print_exc()
-                os._exit(1)
-            if isinstance(error, RecoveryImpossible):
-                recovery.close(finished=True)
-                return {"stopped": str(error), "events": recovery.events}
-            noticed.append(time.time())
+    try:
+        for _ in handle.train_steps(steps):
             try:
-                engine = recovery.recover(error).engine
+                for batch in replica_micro_batches(data, sampler, handle.batch_plan, handle.ntp_groups.replica,
+                                                   handle.global_steps):
+                    handle.backward(handle(batch))
+                    handle.step()
+            except RecoveryImpossible:
+                raise
+            except Exception as error:
+                if not (wire.is_wire_failure(error) or isinstance(error, DeviceError)):
+                    # This rank's own error ends it at once, as an uncaught error ends `ntp-ds train`; its peers
+                    # recover without it.
+                    traceback.print_exc()
+                    os._exit(1)
+                noticed.append(time.time())
+                handle.recover(error)  # a device error of its own: this rank leaves (QuiescedExit)
                 recovered.append(time.time())
-                kept_grads.append(engine.kept_grads_step)
-            except RecoveryImpossible as stop:
-                recovery.close(finished=True)
-                return {"stopped": str(stop), "events": recovery.events}
-            engine.on_phase = on_phase
+                kept_grads.append(handle.engine.kept_grads_step)
+    except RecoveryImpossible as stop:
+        handle.recovery.close(finished=True)
+        return {"stopped": str(stop), "events": handle.recovery.events}
+    engine = handle.engine
     full = engine.consolidated_state_dict()
-    fired = {r: json.loads(engine.store.get(fired_key(r)))["wall"] for r in range(world_size)
-             if engine.store.check([fired_key(r)])}
-    engine.close()  # beat until every rank is done: a silent rank would be declared dead by a busy peer
-    recovery.close(finished=True)
-    return {"replica": engine.ntp_groups.replica, "tp_rank": engine.ntp_groups.tp_rank,
-            "layout": engine.ntp_groups.layout, "shards": host_shards(engine.module),
-            "full": full, "events": recovery.events, "global_steps": engine.global_steps,
-            "degrees": engine.ntp_groups.topology.degrees, "noticed": noticed, "recovered": recovered, "fired": fired,
-            "kept_grads_steps": kept_grads,
-            "failed_attempts": recovery.failed_attempts, "communicators": communicators_created()}
+    fired = {r: json.loads(store.get(fired_key(r)))["wall"] for r in range(world_size) if store.check([fired_key(r)])}
+    result = {"replica": engine.ntp_groups.replica, "tp_rank": engine.ntp_groups.tp_rank,
+              "layout": engine.ntp_groups.layout, "shards": host_shards(engine.module),
+              "full": full, "events": handle.recovery.events, "global_steps": engine.global_steps,
+              "degrees": engine.ntp_groups.topology.degrees, "noticed": noticed, "recovered": recovered,
+              "fired": fired, "kept_grads_steps": kept_grads, "failed_attempts": handle.recovery.failed_attempts,
+              "communicators": communicators_created()}
+    handle.close()  # beat until every rank is done: a silent rank would be declared dead by a busy peer
+    return result
 
 
 def communicators_created() -> list[int] | None:

@@ -1,0 +1,295 @@
+"""Liveness in the store: what workers, launchers and watchers write there (beats, node keys, the exit and fence
+logs, alarms) and how a watcher reads it (`LivenessReader`, `poll_liveness`).
+
+Reading every peer's key every poll does not scale: at thousands of ranks the store would serve hundreds of millions
+of reads per second at the worst moment, delaying healthy beats past the timeout. So the launcher of each node reads
+its own workers' beats (one request) and publishes one key per node, `node/{n}` (`NodePublisher`); a watcher reads
+the keys of the nodes its peers live on in one request (`LivenessReader`) and backs off while nothing is news. A
+worker started without a launcher (no `NTP_NODE_SIZE`) is read per rank, and so is a node whose key has stopped
+moving (its launcher is gone): per-node reads are an economy, never a second source of truth.
+
+Backing off makes a quiet watcher slow to learn of a death, so every record of one (an abnormal exit, a fence
+request) also raises an alarm (`raise_alarm`): it bumps the job's alarm epoch and sets, in one request, one key per
+bucket of ALARM_BUCKET watchers (`alarm/{bucket}/{epoch}`, the buckets listed in `alarm/buckets`). Each watching
+heartbeat has a thread blocked in the store's `wait` for its bucket's key of the next epoch, which wakes it to poll
+at once. The store answers such a wait when the key is set (no polling), so a death reaches every rank in one store
+round trip whatever the backoff, a raise costs O(W / ALARM_BUCKET) key writes, and a quiet job costs nothing but one
+open wait per rank. A stopping heartbeat sets its bucket's key to end its own waiting thread (a thread still inside
+the store's C++ call when the interpreter finalizes can abort the process); its bucket-mates wake too, see that the
+epoch has not moved, and wait again, so a job's end costs each rank at most ALARM_BUCKET wakes.
+
+Ranks here are launch ranks (the RANK a worker started with): they name a worker across every generation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from ntp_ds.control.liveness import Beat, LivenessMonitor
+from ntp_ds.envs import NODE_SIZE_ENV
+
+log = logging.getLogger("ntp_ds.control.heartbeat")  # liveness logs under one name, whichever of its modules logs
+
+EXITED_KEY = "exited"
+"""Store key to which `mark_exited` appends one `RANK REASON` line per worker known to have exited."""
+ALARM_BUCKET = 32
+"""Watching ranks per alarm key: rank r waits on the key of bucket r // ALARM_BUCKET. Larger buckets make a raise
+cheaper (W / ALARM_BUCKET keys) and each stop wake more bucket-mates."""
+ALARM_EPOCH_KEY = "alarm/epoch"
+"""Store counter of the alarms raised so far in the job."""
+ALARM_BUCKETS_KEY = "alarm/buckets"
+"""Store key to which the first watcher of each bucket appends the bucket's number: whose key an alarm sets."""
+FENCE_KEY = "fence"
+"""Store key to which `request_fence` appends one `RANK REASON` line per worker its peers declared dead."""
+
+
+NODE_PUBLISH_S = 0.25
+"""How often a launcher publishes its node's liveness key."""
+NODE_STALE_S = 1.0
+"""A node key unchanged for this long (its launcher is gone or hung) is bypassed: its ranks are read per rank."""
+
+
+def heartbeat_key(rank: int) -> str:
+    return f"heartbeat/{rank}"
+
+
+def node_key(node: int) -> str:
+    return f"node/{node}"
+
+
+
+def read_beats(store, ranks: Iterable[int]) -> dict[int, Beat]:
+    """Read the latest beat of each rank that has beaten at least once (two store round trips when all have)."""
+    ranks = list(ranks)
+    keys = [heartbeat_key(r) for r in ranks]
+    if not keys:
+        return {}
+    if store.check(keys):
+        return {r: Beat.decode(v) for r, v in zip(ranks, store.multi_get(keys))}
+    return {r: Beat.decode(store.get(k)) for r, k in zip(ranks, keys) if store.check([k])}
+
+
+def mark_exited(store, rank: int, reason: str, alarm: bool = True) -> None:
+    """Record that worker `rank` has exited (the launcher saw it, or the worker is leaving on its own) and wake the
+    watchers (`alarm=False`: a worker that finished the job, whose peers are finishing too)."""
+    store.append(EXITED_KEY, f"{rank} {' '.join(reason.split())}\n")
+    if alarm:
+        raise_alarm(store)
+
+
+def alarm_bucket(rank: int) -> int:
+    """The alarm bucket of watching rank `rank`."""
+    return rank // ALARM_BUCKET
+
+
+def alarm_key(bucket: int, epoch: int) -> str:
+    """Store key whose setting wakes the watchers of `bucket` waiting for alarm `epoch`."""
+    return f"alarm/{bucket}/{epoch}"
+
+
+def alarm_epoch(store) -> int:
+    """How many alarms the job has raised so far."""
+    return int(store.add(ALARM_EPOCH_KEY, 0))
+
+
+def register_alarm_watcher(store, rank: int) -> None:
+    """List the bucket of `rank` among those an alarm wakes (once per bucket: the registry stays W / ALARM_BUCKET
+    entries long)."""
+    bucket = alarm_bucket(rank)
+    if store.add(f"alarm/watchers/{bucket}", 1) == 1:
+        store.append(ALARM_BUCKETS_KEY, f"{bucket} ")
+
+
+def raise_alarm(store) -> None:
+    """Wake every watching heartbeat now: it polls its peers at once instead of at its backed-off pace. Call after
+    the record that is news (an exit, a fence request), so a woken watcher reads it. The epoch moves first, so a
+    watcher woken by its key always finds it moved; then one request sets the new epoch's key of every bucket."""
+    epoch = store.add(ALARM_EPOCH_KEY, 1)
+    if not store.check([ALARM_BUCKETS_KEY]):
+        return
+    buckets = sorted({int(b) for b in store.get(ALARM_BUCKETS_KEY).decode().split()})
+    if buckets:
+        store.multi_set([alarm_key(b, epoch) for b in buckets], ["1"] * len(buckets))
+
+
+def read_exits(store) -> dict[int, str]:
+    """Return {rank: reason} of every worker marked as exited."""
+    return _read_lines(store, EXITED_KEY)
+
+
+def prepare_store(store) -> None:
+    """Create the exit and fence logs empty if absent, so a watcher can read them in the same request as node keys
+    (a `multi_get` of a missing key would wait for it). Idempotent: every launcher calls it."""
+    for key in (EXITED_KEY, FENCE_KEY):
+        store.compare_set(key, "", "")
+
+
+def request_fence(store, ranks: Iterable[int], reason: str) -> None:
+    """Ask the launchers to stop workers `ranks` for good: their peers declared them dead (a hung worker must never
+    come back into the job, and stopping it closes its connections, which ends every wait on it).
+
+    Only the first request for a rank is logged and raises the alarm: every peer that sees a death, and then every
+    survivor's recovery, asks for its fence, and a line per request would grow the log (which every watcher reads) by
+    the world size at each failure, an alarm per request cost the store survivors x watchers key writes.
+    """
+    news = False
+    for rank in ranks:
+        if store.add(f"{FENCE_KEY}/{rank}", 1) == 1:
+            store.append(FENCE_KEY, f"{rank} {' '.join(reason.split())}\n")
+            news = True
+    if news:
+        raise_alarm(store)
+
+
+def read_fences(store) -> dict[int, str]:
+    """Return {rank: reason} of every worker some peer asked to be stopped."""
+    return _read_lines(store, FENCE_KEY)
+
+
+def _read_lines(store, key: str) -> dict[int, str]:
+    if not store.check([key]):
+        return {}
+    return _parse_lines(store.get(key))
+
+
+def _parse_lines(raw: bytes) -> dict[int, str]:
+    out = {}
+    for line in raw.decode().splitlines():
+        rank, _, reason = line.partition(" ")
+        out.setdefault(int(rank), reason)
+    return out
+
+
+@dataclass(frozen=True)
+class NodeLiveness:
+    """What a node's launcher publishes: a sequence number that rises with every publication, the latest beat of each
+    of its workers that has beaten, and those of its workers that have exited."""
+
+    seq: int
+    beats: dict[int, Beat]
+    exited: dict[int, str]
+
+    def encode(self) -> str:
+        return json.dumps({"seq": self.seq, "beats": {str(r): b.fields() for r, b in self.beats.items()},
+                           "exited": {str(r): why for r, why in self.exited.items()}}, separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> NodeLiveness:
+        d = json.loads(raw)
+        return cls(d["seq"], {int(r): Beat.from_fields(f) for r, f in d["beats"].items()},
+                   {int(r): why for r, why in d["exited"].items()})
+
+
+class NodePublisher:
+    """A launcher's side of liveness: read its own workers' beats and publish them as one key, `node/{node}`.
+
+    Two requests per publication however many workers the node runs (one once every worker has beaten).
+    """
+
+    def __init__(self, store, node: int, ranks: Iterable[int]):
+        self.store, self.node, self.ranks = store, node, tuple(ranks)
+        self.seq = 0
+        self._all_beating = False
+
+    def publish(self, exited: Mapping[int, str] | None = None) -> NodeLiveness:
+        """Publish the latest beats of this node's workers and those of them known to have exited."""
+        keys = [heartbeat_key(r) for r in self.ranks]
+        if self._all_beating:  # keys are never deleted: once all exist, skip the existence check
+            beats = {r: Beat.decode(v) for r, v in zip(self.ranks, self.store.multi_get(keys))}
+        else:
+            beats = read_beats(self.store, self.ranks)
+            self._all_beating = len(beats) == len(self.ranks)
+        self.seq += 1
+        liveness = NodeLiveness(self.seq, beats, dict(exited or {}))
+        self.store.set(node_key(self.node), liveness.encode())
+        return liveness
+
+
+@dataclass(frozen=True)
+class LivenessView:
+    """One read of the store for a watcher: beats of the watched ranks, exits and fence requests."""
+
+    beats: dict[int, Beat]
+    exited: dict[int, str]
+    fences: dict[int, str]
+
+
+class LivenessReader:
+    """Read what a watcher needs to judge `ranks`: per node when launchers publish node keys, per rank otherwise.
+
+    With `node_size` (rank r lives on node r // node_size), one `multi_get` brings the keys of the nodes the ranks
+    live on plus the exit and fence logs: the requests scale with the watcher's polls, not with its peers. A node
+    whose key has not changed for `stale_s` on `clock` is read per rank instead, so a lost launcher never hides a
+    live worker (nor keeps a dead one alive: its key stops, and so do the beats behind it).
+    """
+
+    def __init__(self, store, node_size: int | None = None, *, stale_s: float = NODE_STALE_S,
+                 clock: Callable[[], float] = time.monotonic):
+        if node_size is not None and node_size < 1:
+            raise ValueError(f"node_size={node_size} must be a positive number of ranks per node (or None)")
+        self.store, self.node_size, self.stale_s, self._clock = store, node_size, stale_s, clock
+        self._seq: dict[int, tuple[int, float]] = {}  # node -> (seq, when it last changed)
+        self._present: set[str] = set()  # node keys seen to exist (never deleted)
+
+    @classmethod
+    def from_env(cls, store, env: Mapping[str, str] = os.environ, **kwargs) -> LivenessReader:
+        """Read per node when the launcher said how many ranks each node runs (`NTP_NODE_SIZE`), else per rank."""
+        size = env.get(NODE_SIZE_ENV)
+        if size is not None and (not size.isdigit() or int(size) < 1):
+            raise ValueError(f"{NODE_SIZE_ENV}={size!r} must be a positive integer (ranks per node)")
+        return cls(store, int(size) if size else None, **kwargs)
+
+    def read(self, ranks: Iterable[int], fences: bool = True) -> LivenessView:
+        """Read the beats of `ranks`, every exit and (with `fences`; always when read per node) every fence request."""
+        ranks = sorted(set(ranks))
+        if self.node_size is None:
+            return LivenessView(read_beats(self.store, ranks), read_exits(self.store),
+                                read_fences(self.store) if fences else {})
+        nodes = sorted({r // self.node_size for r in ranks})
+        keys = [node_key(n) for n in nodes] + [EXITED_KEY, FENCE_KEY]
+        if not set(keys) <= self._present:
+            if not self.store.check(keys):  # a launcher has not published yet: read per rank meanwhile
+                return LivenessView(read_beats(self.store, ranks), read_exits(self.store),
+                                    read_fences(self.store) if fences else {})
+            self._present.update(keys)
+        values = self.store.multi_get(keys)
+        now, wanted = self._clock(), set(ranks)
+        beats: dict[int, Beat] = {}
+        exited = _parse_lines(values[-2])
+        stale: list[int] = []
+        for node, raw in zip(nodes, values):
+            liveness = NodeLiveness.decode(raw)
+            seq, since = self._seq.get(node, (None, now))
+            if seq != liveness.seq:
+                self._seq[node] = (liveness.seq, now)
+            elif now - since > self.stale_s:
+                stale += [r for r in ranks if r // self.node_size == node]
+            beats.update((r, b) for r, b in liveness.beats.items() if r in wanted)
+            for rank, why in liveness.exited.items():
+                exited.setdefault(rank, why)
+        if stale:
+            beats.update(read_beats(self.store, stale))
+        return LivenessView(beats, exited, _parse_lines(values[-1]))
+
+
+def poll_liveness(store, monitor: LivenessMonitor, reader: LivenessReader | None = None) -> frozenset[int]:
+    """Read beats and exits from the store (through `reader`, else per rank) into `monitor`; return the ranks it now
+    counts as dead."""
+    view = (reader or LivenessReader(store)).read(monitor.ranks, fences=False)
+    monitor.observe(view.beats, view.exited)
+    return monitor.dead()
+
+
+def outlive_peers(store, rank: int, world_size: int, heartbeat_timeout_s: float) -> None:
+    """Keep hosting the store (rank `rank` of a job whose rank 0 hosts it) until every other rank of the launch has
+    finished, exited or gone silent."""
+    others = [r for r in range(world_size) if r != rank]
+    monitor = LivenessMonitor(others, heartbeat_timeout_s)
+    log.info("rank %d hosts the job's store: waiting for the other ranks to finish before exiting", rank)
+    while poll_liveness(store, monitor) != set(others):
+        time.sleep(heartbeat_timeout_s / 4)

@@ -1,0 +1,93 @@
+"""Watching: this rank's heartbeat, and what a verdict on a peer does (fence it, end this rank's waits on the wire).
+
+The heartbeat's thread beats, watches a bounded set of peers (those this rank exchanges data with, or its ring
+neighbours while a recovery builds the next generation) and reads the fence requests of every member. A peer found
+dead or hung is fenced (its launcher stops it for good, which closes its connections and ends every gloo wait on it)
+and the wire is told (under NCCL this aborts the communicators, sparing the groups without a suspect).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from ntp_ds.comm import wire
+from ntp_ds.comm.groups import ring_neighbours
+from ntp_ds.control.heartbeat import Heartbeat, LivenessMonitor, LivenessReader, request_fence
+from ntp_ds.recovery.keep import departed, suspects
+
+log = logging.getLogger("ntp_ds.recovery")
+
+
+class Watch:
+    """One rank's heartbeat wired to the recovery: `members()` are the current generation's (launch ranks, in
+    global-rank order), `engine()` the running engine (None during a recovery), `generation()` the membership's
+    number; each verdict's reason goes into `declared`."""
+
+    def __init__(self, store, rank: int, *, interval_s: float, timeout_s: float, hang_timeout_s: float | None,
+                 first_beat_timeout_s: float, generation: Callable[[], int], members: Callable[[], tuple[int, ...]],
+                 engine: Callable[[], object], declared: dict[int, str]):
+        self.rank, self.timeout_s = rank, timeout_s
+        self.members, self.engine, self.declared = members, engine, declared
+        with wire.waiting():
+            # Departures are asked from the training thread and, under NCCL, the abort thread: a client of their own.
+            departures = store.clone()
+            wire.on_departure(lambda group: departed(departures, generation(), group))
+            beat_store = store.clone()
+            # A peer that beats but makes no training progress while this rank waits on it is hung (hang_timeout_s).
+            self.heartbeat = Heartbeat(beat_store, rank, interval_s,
+                                       monitor=LivenessMonitor((), timeout_s, hang_timeout_s=hang_timeout_s,
+                                                               first_beat_timeout_s=first_beat_timeout_s),
+                                       on_dead=self.peers_dead, reader=LivenessReader.from_env(beat_store),
+                                       progress=wire.progress)
+
+    def start(self) -> None:
+        """Watch the engine's peers, if it runs, and start beating (connecting to the store's server is waiting,
+        not this rank's work)."""
+        with wire.waiting():
+            if self.engine() is not None:
+                self.watch_engine(self.engine())
+            self.heartbeat.start()
+
+    def watch(self, peers) -> None:
+        """Watch `peers`' beats from now on; of every other member, a fence request."""
+        self.heartbeat.watch(sorted(set(peers) - {self.rank}), set(self.members()) - {self.rank})
+
+    def watch_ring(self) -> None:
+        """Watch this rank's ring neighbours among the members. Until the new engine is built (and its peers are
+        known), a death must still end this rank's waits: on NCCL nothing else does (no error, no timeout). Its ring
+        neighbours watch each member meanwhile, and a death they see reaches every other member as a fence
+        request."""
+        self.watch(ring_neighbours(list(self.members()), self.rank))
+
+    def watch_engine(self, engine) -> None:
+        """Watch the workers `engine` exchanges data with (`NTPEngine.watched_peers`; of its data-parallel group its
+        two ring neighbours)."""
+        members = self.members()
+        self.watch(members[r] for r in engine.watched_peers())
+
+    def suspects(self, dead) -> list[int] | None:
+        """`keep.suspects` of `dead` (launch ranks); None while no engine runs (a recovery under way): then every
+        group is suspect."""
+        engine = self.engine()
+        try:
+            return suspects(engine.ntp_groups.topology, self.members(), dead)
+        except (AttributeError, ValueError, IndexError, TypeError):
+            return None
+
+    def peers_dead(self, ranks: frozenset[int], wall: float) -> None:
+        """From the heartbeat thread: a peer went silent or exited. Ask its launcher to stop it for good and end this
+        rank's waits on the wire."""
+        ranks = ranks & frozenset(self.members())
+        if not ranks:  # a verdict on a generation this rank has already left (its dead are not members any more)
+            return
+        monitor = self.heartbeat.monitor
+        judged = monitor.dead() | monitor.hung()  # the rest: fenced at another peer's request
+        reason = "; ".join(monitor.reason(r) if r in judged else f"rank {r} declared dead by a peer"
+                           for r in sorted(ranks))
+        self.declared.update((r, reason) for r in ranks)
+        log.warning("rank %d: %s", self.rank, reason)
+        try:
+            request_fence(self.heartbeat.store, ranks, reason)
+        finally:
+            wire.peer_failed(reason, suspects=self.suspects(ranks), arrival_s=self.timeout_s)

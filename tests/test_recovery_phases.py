@@ -1,0 +1,511 @@
+"""Each recovery phase in-process, against fake stores, readers, wires and engines: no spawned rank, no process group.
+
+The spawned-rank suites (test_recovery, test_grow, test_kept_*) keep the end-to-end cases; these check each phase's
+decisions directly: detection and agreement (`detect`), the hand-off and its roll-back (`handoff`), the choice to
+keep or rebuild an engine and to keep an interrupted step's gradients (`install`), admission of joiners (`admit`),
+the last good weights' refusals (`last_good`), the event's figures (`report`) and the next generation after a loss
+or a join (`layout.generation`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import types
+
+import pytest
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ntp_ds.control.joins import JoinRefused, JoinRequest, await_verdict, read_join_plan, refuse, request_join
+from ntp_ds.control.liveness_store import LivenessView
+from ntp_ds.control.membership import FailureReport, MembershipChange
+from ntp_ds.engine.snapshot import Snapshot
+from ntp_ds.layout import ModelUnits, Topology
+from ntp_ds.layout.generation import Generation
+from ntp_ds.recovery import admit, install, report
+from ntp_ds.recovery.detect import Detector, barrier_key
+from ntp_ds.recovery.errors import RecoveryImpossible, failed_on_the_way
+from ntp_ds.recovery.handoff import hand_off
+from ntp_ds.recovery.last_good import save_last_good
+from tests.helpers.training import tiny_config
+
+UNITS = ModelUnits(heads=4, kv_heads=2, ffn=8, vocab=16)
+
+
+class Clock:
+    """A monotonic clock that moves only when the code under test sleeps."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+
+
+class Reader:
+    """A liveness reader returning what the test wrote: exits and fences, no beats."""
+
+    def __init__(self):
+        self.exited, self.fences, self.reads = {}, {}, 0
+
+    def read(self, ranks, fences=True) -> LivenessView:
+        self.reads += 1
+        return LivenessView({}, dict(self.exited), dict(self.fences))
+
+
+class FakeMembership:
+    """The membership's surface the detection and agreement read and call."""
+
+    def __init__(self, members, rank=0, generation=0, reports=()):
+        self.members, self.rank, self.generation = tuple(members), rank, generation
+        self._reports, self.calls = list(reports), []
+
+    def reports(self, generation):
+        return self._reports
+
+    def report_failure(self, generation, dead, wall, reason, silent):
+        self.calls.append(("report", generation, frozenset(dead), reason, silent))
+
+    def await_decision(self, generation, bound):
+        self.calls.append(("decision", generation, bound))
+        dead = frozenset(r for c in self.calls if c[0] == "report" for r in c[2])
+        return MembershipChange(generation + 1, dead, tuple(m for m in self.members if m not in dead), 0.1, "lost")
+
+    def confirm_wait(self, change, bound):
+        self.calls.append(("confirm", change.generation))
+        return Waits(2)
+
+
+class Waits:
+    """A store barrier that completes after `polls` polls."""
+
+    def __init__(self, polls: int):
+        self.left = polls
+
+    def poll(self):
+        if self.left == 0:
+            return None
+        self.left -= 1
+        return 0.01
+
+
+def detector(reader=None, clock=None) -> Detector:
+    clock = clock or Clock()
+    return Detector(reader or Reader(), heartbeat_timeout_s=2.0, heartbeat_interval_s=0.5, first_beat_timeout_s=5.0,
+                    collective_timeout_s=10.0, clock=clock, sleep=clock.sleep)
+
+
+# -- detect and agree -------------------------------------------------------------------------------------------
+def test_detection_names_an_exited_a_fenced_and_a_reported_member_with_their_reasons():
+    reader = Reader()
+    reader.exited, reader.fences = {3: "exit code -9"}, {5: "hung"}
+    membership = FakeMembership(range(8), reports=[FailureReport(1, frozenset({6}), 0.0, "silent")])
+    d = detector(reader)
+    d.declared[7] = "rank 7 silent for 2.1 s"
+    dead, reason = d.detect(membership, RuntimeError("connection closed"))
+    assert dead == {3, 5, 6, 7}
+    assert "rank 3 exited (exit code -9)" in reason and "declared dead by a peer (hung)" in reason
+    assert "rank 7 silent for 2.1 s" in reason and "rank 6 reported dead by a peer" in reason
+
+
+def test_detection_finding_nobody_dead_within_its_bound_raises_the_rank_s_own_error():
+    clock = Clock()
+    d = detector(clock=clock)
+    own = ValueError("this rank's own bug")
+    with pytest.raises(ValueError, match="own bug"):
+        d.detect(FakeMembership(range(4)), own)
+    assert clock.now - 100.0 >= 2 * 2.0 + 10.0  # it waited the whole bound, on the injected clock only
+
+
+def test_detection_ignores_deaths_outside_the_generation():
+    reader = Reader()
+    reader.exited = {9: "left earlier", 2: "exit code 1"}
+    dead, _ = detector(reader).detect(FakeMembership(range(4)), RuntimeError())
+    assert dead == {2}
+
+
+def test_agreement_reports_awaits_the_decision_and_confirms_it():
+    membership = FakeMembership(range(4), generation=3)
+    change = detector().agree(membership, frozenset({2}), "rank 2 exited", {2: 1.5, 0: 0.1})
+    assert change.generation == 4 and change.survivors == (0, 1, 3)
+    kinds = [c[0] for c in membership.calls]
+    assert kinds == ["report", "decision", "confirm"]
+    assert membership.calls[0][4] == {2: 1.5}  # only the dead's silences are reported
+    assert membership.calls[1][2] == 2 * 10.0 + 2.0  # a peer blocked in a collective arrives after its timeout
+
+
+def test_a_member_found_dead_during_a_watched_barrier_ends_it_at_once_and_is_kept_for_the_next_attempt():
+    reader = Reader()
+    d = detector(reader)
+    reader.exited = {5: "exit code -9"}
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[5\] died before generation 2's rendezvous"):
+        d.watch(Waits(1000), {1, 5}, "generation 2's rendezvous")
+    assert reader.reads == 1 and d.declared == {5: "rank 5 exited (exit code -9)"}
+    d.declared.clear()
+    reader.exited = {}
+    d.watch(Waits(3), {1, 5}, "anything")  # nobody dies: the barrier's own end
+    assert not d.declared
+
+
+def test_barrier_keys_differ_for_different_members():
+    assert barrier_key(2, "arrive", (0, 1, 3)) != barrier_key(2, "arrive", (0, 1, 2))
+    assert barrier_key(2, "arrive", (0, 1, 3)).startswith("recovery/2/arrive/")
+
+
+def test_the_rendezvous_watches_the_ring_neighbours_beats():
+    d = detector()
+    store = dist.HashStore()
+    store.add(barrier_key(1, "arrive", (0, 2, 3, 5)) + "/count", 3)  # the other three arrived
+    d.arrive(store, 2, 1, (0, 2, 3, 5))
+    assert set(d.monitor.ranks) == {0, 3}
+
+
+# -- hand-off -----------------------------------------------------------------------------------------------------
+Copy = types.SimpleNamespace
+
+
+def snapshot(topology, rank, *, steps=5, own_step=5, copies=None, previous=None, before=None, mid_step=False,
+             lr=None, stale=None) -> Snapshot:
+    return Snapshot(topology=topology, rank=rank, params={}, fragments={}, keys=(), optimizer_step=own_step,
+                    held=copies or {}, global_steps=steps, global_samples=steps * 8, mid_step=mid_step,
+                    stale=stale or {}, lr_state=lr, before_step=before, previous=previous or {})
+
+
+class World:
+    """A world of `n` ranks as threads whose object collectives meet at a barrier, as a process group's would."""
+
+    def __init__(self, n: int):
+        self.barrier, self.slots, self.sent = threading.Barrier(n, timeout=10), [None] * n, None
+
+    def gather(self, i: int):
+        def all_gather_object(mine):
+            self.slots[i] = mine
+            self.barrier.wait()
+            out = list(self.slots)
+            self.barrier.wait()
+            return out
+        return all_gather_object
+
+    def broadcast(self, i: int):
+        def broadcast_object(obj, src):
+            if i == src:
+                self.sent = obj
+            self.barrier.wait()
+            out = self.sent
+            self.barrier.wait()
+            return out
+        return broadcast_object
+
+
+def run_hand_off(snapshots, generation, dead=frozenset(), buddies=(0, 2), held=None):
+    """Every rank's `hand_off` at once on a `World`; return each rank's (snapshot, hand-off). `buddies`: the old
+    anchors whose state has copies; `held[i]`: rank i's detached engine."""
+    world, out = World(len(snapshots)), {}
+    job_ = types.SimpleNamespace(buddies=lambda topology: buddies)
+
+    def rank(i):
+        out[i] = hand_off(job_, snapshots[i], generation if snapshots[i] is not None else None,
+                          held=held[i] if held else None, dead=dead, rank_index=i, gather=world.gather(i),
+                          broadcast=world.broadcast(i))
+
+    threads = [threading.Thread(target=rank, args=(i,), daemon=True) for i in range(len(snapshots))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert len(out) == len(snapshots), "a rank's hand-off did not finish"
+    return [out[i] for i in range(len(snapshots))]
+
+
+def test_a_joiner_learns_the_old_generation_steps_and_learning_rate_from_the_lowest_anchor():
+    topology = Topology.from_degrees(UNITS, (2, 2))
+    generation = Generation.initial(topology)
+    snaps = [snapshot(topology, r, lr=("sched", [0.1]) if r >= 2 else None) for r in range(4)] + [None]
+    out = run_hand_off(snaps, generation, buddies=())
+    joiner_snapshot, joiner = out[4]
+    assert joiner.before == generation and joiner_snapshot.rank is None and joiner_snapshot.topology == topology
+    assert (joiner.global_steps, joiner.global_samples, joiner.carried_lr) == (5, 40, ("sched", [0.1]))
+    assert all(h.carried_lr == ("sched", [0.1]) and not h.rolled_back for _, h in out)
+
+
+def test_a_step_no_member_committed_is_rolled_back_to_the_copies_of_the_step_before():
+    topology = Topology.from_degrees(UNITS, (2, 2))
+    before = (4, 32, ("sched", [0.2]), 4)
+    copies = {0: Copy(step=5, fragments={}), 2: Copy(step=5, fragments={})}
+    previous = {0: Copy(step=4, fragments={}), 2: Copy(step=4, fragments={})}
+    snaps = [snapshot(topology, r, mid_step=True, copies=copies, previous=previous, before=before,
+                      lr=("sched", [0.1])) for r in range(4)]
+    out = run_hand_off(snaps, Generation.initial(topology), dead=frozenset({3}))
+    for snap, handoff in out:
+        assert handoff.rolled_back and handoff.params_from_masters and handoff.any_mid_step
+        assert (handoff.global_steps, handoff.global_samples, handoff.carried_lr) == (4, 32, ("sched", [0.2]))
+        assert {o: c.step for o, c in handoff.held.items()} == {0: 4, 2: 4}  # only the step rolled back to
+        assert snap.global_steps == 5  # the snapshot itself is a value: never changed
+
+
+def test_every_member_learns_every_rank_s_stale_units_and_whole_gradients(monkeypatch):
+    from ntp_ds.recovery import handoff as phase
+
+    monkeypatch.setattr(phase, "recuttable", lambda optimizer: optimizer == "zero")
+    topology = Topology.from_degrees(UNITS, (2, 2))
+    snaps = [dataclasses.replace(snapshot(topology, r, stale={"ffn": ((0, 2),)} if r == 1 else None),
+                                 whole_grads=r != 3) for r in range(4)]
+    # Rank 2's engine cannot be re-cut, so it cannot keep them; rank 3 holds no whole gradients.
+    held = [types.SimpleNamespace(optimizer="zero" if r != 2 else "plain") for r in range(4)]
+    out = run_hand_off(snaps, Generation.initial(topology), buddies=(), held=held)
+    for _, handoff in out:
+        assert handoff.stale_by_rank == {0: {}, 1: {"ffn": ((0, 2),)}, 2: {}, 3: {}}
+        assert handoff.whole_by_rank == {0: True, 1: True, 2: False, 3: False}
+        assert not handoff.rolled_back and handoff.held == {}
+
+
+# -- install ------------------------------------------------------------------------------------------------------
+class NewEngine:
+    """An engine as the install phase sets it up (steps, learning rate, copies, a resumed step)."""
+
+    def __init__(self, replica=0):
+        self.ntp_groups = types.SimpleNamespace(replica=replica)
+        self.global_steps = self.global_samples = 0
+        self.lr_scheduler, self.optimizer, self.resumed, self.refreshed = None, None, None, False
+
+    def optimizer_keys(self):
+        return ["exp_avg"]
+
+    def refresh_copies(self, overlap):
+        self.refreshed = overlap
+
+    def resume(self, plan, grads, scale):
+        self.resumed = (plan, grads, scale)
+
+
+class HeldEngine(NewEngine):
+    """A member's detached engine: what the install phase keeps (rebinds) or releases."""
+
+    def __init__(self, grads=None):
+        super().__init__()
+        self.grads = grads or {}
+
+    def take_grads(self):
+        return self.grads
+
+
+STATE = {"covered": 10, "wanted": 10, "checksums_ok": True, "fresh": True, "bytes_received": 40,
+         "restored_bytes": 0, "lost_bytes": 0, "state_index": "layouts", "kept": 6, "from_copies": 0, "received": 4}
+
+
+@pytest.fixture
+def fake_install(monkeypatch):
+    """The install phase with its engine builders, re-slice and wire replaced by recorders (one rank's world)."""
+    seen = {"built": 0, "rebound": 0, "released": 0}
+
+    def build_engine(job, topology, make_module, store, resharded):
+        seen["built"] += 1
+        return NewEngine()
+
+    def rebind_engine(job, topology, held, serve):
+        seen["rebound"] += 1
+        return held
+
+    monkeypatch.setattr(install, "build_engine", build_engine)
+    monkeypatch.setattr(install, "rebind_engine", rebind_engine)
+    monkeypatch.setattr(install, "recuttable", lambda optimizer: True)
+    monkeypatch.setattr(install, "count_communicators", lambda: (3, 1))
+    monkeypatch.setattr(install, "reslice", lambda engine, snap, copies, dead, own: dict(STATE, own=own))
+    # Every one of the new generation's three ranks measured the same figures.
+    monkeypatch.setattr(install.wire, "sum_counts", lambda values, group=None: [3 * v for v in values])
+    monkeypatch.setattr(install.wire, "traffic_since", lambda before: {("reslice", "received"): 40})
+    monkeypatch.setattr(install.report, "keepable", lambda snap, engine, rolled_back: 6)
+    return seen
+
+
+def job(batch_policy="preserve_global_batch", resume=None):
+    return types.SimpleNamespace(ds_config={}, ntp=types.SimpleNamespace(bucket_size=1 << 20),
+                                 resume_plan=lambda topology, plan, kept: resume(kept) if resume else None)
+
+
+def change_after_loss(topology, dead_rank, stepped=5, **handoff_changes) -> install.Change:
+    before = Generation.initial(topology)
+    loss = before.after_loss({dead_rank}, 1, 1)
+    handoff = run_hand_off([snapshot(topology, r, steps=stepped) for r in range(topology.world_size)], before,
+                           buddies=())[0][1]
+    return install.Change(snapshot(topology, 0, steps=stepped), dataclasses.replace(handoff, **handoff_changes),
+                          before, loss.after, frozenset({dead_rank}))
+
+
+def test_a_rank_that_keeps_its_place_keeps_its_engine_and_the_event_sums_what_was_installed(fake_install):
+    topology = Topology.from_degrees(UNITS, (2, 2))
+    change = change_after_loss(topology, 3)  # replica 1 loses TP rank 1; rank 0 (replica 0) keeps its place
+    released = []
+    engine, event = install.install(job(), None, 0, change, held=HeldEngine(), release=lambda: released.append(1),
+                                    on_phase=lambda step, phase: None, kept_here=["dp"], traffic_before={})
+    assert fake_install["rebound"] == 1 and not fake_install["built"] and not released
+    assert (engine.global_steps, engine.global_samples) == (5, 40) and engine.refreshed
+    assert event["generation"] == 1 and event["degrees_before"] == [2, 2] and event["degrees_after"] == [2, 1]
+    assert event["engines_rebuilt"] == 0 and event["communicators_created"] == 3 * 3 and event["lossless"]
+    assert event["communicators_kept"] == 3 and event["optimizer_bytes_moved"] == 3 * 40
+    assert event["traffic_bytes"]["optimizer"] == 3 * 40 and event["rank_state_elements"]["keepable"] == 6
+    assert event["kept_here"] == ["dp"] and event["samples_kept"] == 0
+
+
+def test_a_rank_whose_shard_changes_releases_its_engine_before_building_the_new_one(fake_install):
+    topology = Topology.from_degrees(UNITS, (2, 2))
+    change = change_after_loss(topology, 3)
+    old_rank_2 = dataclasses.replace(change, snapshot=dataclasses.replace(change.snapshot, rank=2))
+    released, phases = [], []
+    engine, event = install.install(job(), None, 2, old_rank_2, held=HeldEngine(),
+                                    release=lambda: released.append(1),
+                                    on_phase=lambda step, phase: phases.append((step, phase)), kept_here=[],
+                                    traffic_before={})
+    assert released == [1] and fake_install["built"] == 1 and not fake_install["rebound"]
+    assert event["engines_rebuilt"] == 3 and event["rank_state_elements"]["keepable"] is None
+    assert phases == [(6, "groups")]  # "transfer" is the module builder's, not run by the fake
+
+
+def test_an_installation_short_of_state_is_not_lossless(fake_install, monkeypatch):
+    topology = Topology.from_degrees(UNITS, (2, 2))
+    monkeypatch.setattr(install, "reslice", lambda *a, **k: dict(STATE, covered=9))
+    _, event = install.install(job(), None, 0, change_after_loss(topology, 3), held=HeldEngine(),
+                               release=lambda: None, on_phase=lambda s, p: None, kept_here=[], traffic_before={})
+    assert not event["lossless"]
+
+
+def test_a_parameter_no_survivor_holds_makes_recovery_impossible(fake_install):
+    topology = Topology.from_degrees(UNITS, (1, 2))
+    before = Generation.initial(topology)
+    loss = before.after_loss({0}, 1, 1)  # replica 0 (TP 1) is gone; replica 1 holds everything: possible
+    assert loss.after is not None
+    stale = {i: {"ffn": ((0, 8),)} for i in range(3)}  # ...unless every holder's copy of the FFN is stale
+    handoff = run_hand_off([snapshot(topology, r) for r in range(3)], before, buddies=())[0][1]
+    change = install.Change(snapshot(topology, 1), dataclasses.replace(handoff, stale_by_rank=stale), before,
+                            loss.after, frozenset({0}))
+    with pytest.raises(RecoveryImpossible, match="restart from the last checkpoint"):
+        install.install(job(), None, 1, change, held=HeldEngine(), release=lambda: None,
+                        on_phase=lambda s, p: None, kept_here=[], traffic_before={})
+
+
+def test_replicas_that_lost_nothing_keep_a_whole_step_s_gradients_and_only_the_rest_is_run():
+    topology = Topology.from_degrees(UNITS, (2, 2))
+    change = change_after_loss(topology, 3, whole_by_rank={0: True, 1: True, 2: True})
+    change = dataclasses.replace(change, snapshot=dataclasses.replace(change.snapshot, batch_plan="plan"))
+    kept_asked = []
+
+    def resume(kept):
+        kept_asked.append(kept)
+        return types.SimpleNamespace(kept=8)
+
+    engine = NewEngine(replica=0)
+    samples = install.resume(job(resume=resume), 0, engine, change, {0: 0, 1: 1, 2: 2}, [], {"w": "grad"})
+    assert kept_asked == [(0,)] and samples == 8 and engine.resumed[1] == {"w": "grad"}
+    rolled = dataclasses.replace(change, handoff=dataclasses.replace(change.handoff, rolled_back=True))
+    assert install.resume(job(resume=resume), 0, NewEngine(), rolled, {0: 0, 1: 1, 2: 2}, [], {}) == 0
+    with pytest.raises(RecoveryImpossible, match="holds none"):
+        install.resume(job(resume=resume), 0, NewEngine(replica=0), change, {0: 0, 1: 1, 2: 2}, [], {})
+
+
+# -- admit ---------------------------------------------------------------------------------------------------------
+def admission_job(min_tp=1):
+    ntp = types.SimpleNamespace(replica_degrees=(2, 2), min_tp=min_tp, zero_redundancy=1, batch_policy="p",
+                                control_fanout=8, timeout_s=4.0)
+    return types.SimpleNamespace(model_config="llama-tiny", ds_config={"train_batch_size": 8}, ntp=ntp)
+
+
+def test_rank_0_seats_a_due_joiner_in_the_degraded_replica_and_refuses_another_job_s_worker():
+    store, job_ = dist.HashStore(), admission_job()
+    topology = Topology.from_degrees(UNITS, (2, 2))
+    degraded = Generation.initial(topology).after_loss({3}, 1, 1).after
+    fingerprint = admit.job_fingerprint(job_)
+    request_join(store, JoinRequest(7, fingerprint, 0, 0, 1.0))
+    request_join(store, JoinRequest(8, "another", 0, 0, 1.0))
+    request_join(store, JoinRequest(9, fingerprint, 50, 0, 1.0))  # not due before step 50
+    plan = admit.Admission(store, 0, job_).plan(degraded, completed=4)
+    assert plan == read_join_plan(store, 1)
+    assert (plan.after, plan.joiners, plan.members_before, plan.members) == (5, (7,), (0, 1, 2), (0, 1, 2, 7))
+    with pytest.raises(JoinRefused, match="another job configuration"):
+        await_verdict(store, 8, 1.0)
+    assert await_verdict(store, 7, 1.0).joiners == (7,)
+
+
+def test_a_joiner_without_a_free_place_is_refused():
+    store, job_ = dist.HashStore(), admission_job()
+    healthy = Generation.initial(Topology.from_degrees(UNITS, (2, 2)))
+    request_join(store, JoinRequest(4, admit.job_fingerprint(job_), 0, 0, 1.0))
+    assert admit.Admission(store, 0, job_).plan(healthy, completed=1) is None
+    with pytest.raises(JoinRefused, match="no replica has a free place"):
+        await_verdict(store, 4, 1.0)
+
+
+def test_a_scheduled_repair_holds_the_boundary_for_half_the_collective_bound_at_most():
+    clock = Clock()
+    admission = admit.Admission(dist.HashStore(), 0, admission_job(), clock=clock, sleep=clock.sleep)
+    admission.expected = [3, 40]
+    admission.await_expected(completed=1)  # the repair of step 3 is due; its replacement never asks
+    assert 2.0 <= clock.now - 100.0 <= 2.2 and admission.expected == [40]
+
+
+def test_a_refused_joiner_hears_the_job_s_reason():
+    store, job_ = dist.HashStore(), admission_job()
+    refuse(store, 5, "rank 5: the job ended before it could take this worker in")
+    with pytest.raises(JoinRefused, match="the job ended"):
+        admit.await_admission(job_, store, 5, not_before=0, timeout_s=2.0, node=0, heartbeat_interval_s=0.5)
+
+
+# -- last good weights, errors, report ----------------------------------------------------------------------------
+def test_last_good_weights_need_a_directory_and_a_holder_of_every_tensor(tmp_path):
+    config = tiny_config()
+    topology = Topology.from_degrees(config.units(16), (2,))
+    job_ = types.SimpleNamespace(model_config=config)
+    snap = snapshot(topology, 0)
+    assert "no last_good_dir" in save_last_good(job_, None, 0, (0, 1), (0,), 1, snap, None)
+    # Rank 1 died with the only replica: half of every sharded tensor has no holder, so nothing is written (and no
+    # process group is built: every survivor stops at the same plan).
+    said = save_last_good(job_, None, 0, (0, 1), (0,), 1, snap, tmp_path)
+    assert "so no last good state was written" in said and not any(tmp_path.iterdir())
+
+
+def test_only_failures_of_peers_or_the_wire_start_a_recovery_again():
+    assert failed_on_the_way(RuntimeError("rank 3 died before the rendezvous"))
+    assert failed_on_the_way(TimeoutError()) and failed_on_the_way(ConnectionError())
+    assert not failed_on_the_way(RecoveryImpossible("no copy left"))
+    assert not failed_on_the_way(KeyError("a bug"))
+
+
+def test_the_event_sums_every_rank_s_figures_and_is_lossless_only_if_every_rank_installed_whole():
+    mine = dict.fromkeys(report.SUMMED, 1)
+    two_ranks = lambda values: [2 * v for v in values]  # noqa: E731
+    event = report.installed(mine, report.received_by_kind({("reshard", "received"): 5, ("x", "received"): 1,
+                                                            ("reshard", "sent"): 9}), two_ranks, members=2)
+    assert event["bytes_moved"] == 2 and event["lossless"]
+    assert event["traffic_bytes"] == {"parameters": 10, "optimizer": 0, "redundancy": 0, "objects": 0, "control": 2}
+    assert event["refused"] == {"param_buckets": 2, "copies": 2, "grads": 2}
+    assert not report.installed(mine, {}, two_ranks, members=3)["lossless"]
+    assert report.joined((4,)) == "rank 4 joined" and report.joined((4, 5)) == "ranks 4, 5 joined"
+
+
+# -- the next generation ------------------------------------------------------------------------------------------
+def test_a_loss_below_min_tp_drops_the_replica_and_a_join_brings_it_back():
+    start = Generation.initial(Topology.from_degrees(UNITS, (2, 2, 2)))
+    loss = start.after_loss({2, 3}, 1, 1)  # replica 1 is gone whole
+    assert loss.dropped == () and loss.rebuilt == () and loss.after.members == (0, 1, 4, 5)
+    assert loss.after.topology.degrees == (2, 2) and loss.after.number == 1
+    grown, unseated = loss.after.after_join((2, 3), 1, 2)
+    assert unseated == () and grown.members == (0, 1, 2, 3, 4, 5) and grown.topology == start.topology
+    assert start.after_loss({0, 1, 2, 3, 4, 5}, 1, 1).after is None
+    below = start.after_loss({3}, 2, 1)
+    assert below.dropped == (1,) and below.after.members == (0, 1, 4, 5)
+
+
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.data())
+@settings(max_examples=100, deadline=None)
+def test_losing_ranks_then_taking_them_back_restores_the_configured_job(degrees, data):
+    start = Generation.initial(Topology.from_degrees(UNITS, tuple(degrees)))
+    dead = data.draw(st.sets(st.sampled_from(start.members), max_size=len(start.members) - 1))
+    loss = start.after_loss(dead, 1, 1)
+    assert set(loss.after.members) | set(dead) == set(start.members)
+    assert loss.after.topology.world_size == len(loss.after.members)
+    grown, unseated = loss.after.after_join(tuple(sorted(dead)), 1, 2)
+    assert unseated == () and grown.topology == start.topology and sorted(grown.members) == sorted(start.members)
