@@ -62,7 +62,7 @@ from ntp_ds.control.heartbeat import (ALARM_BUCKET, Beat, Heartbeat, LivenessMon
 from ntp_ds.control.membership import FailureReport, Membership, barrier  # noqa: E402
 from ntp_ds.layout import Topology, plan_buddies, plan_gradient_sync  # noqa: E402
 from ntp_ds.layout.generation import replica_membership  # noqa: E402
-from ntp_ds.recovery.detect import barrier_key  # noqa: E402
+from ntp_ds.control.keys import barrier_key  # noqa: E402
 from ntp_ds.testing.shapes import llama_70b, shape_specs, zero_order  # noqa: E402
 
 TP = 8

@@ -18,6 +18,7 @@ import time
 import warnings
 from pathlib import Path
 
+from ntp_ds.control.keys import WANDB_ID_KEY
 from ntp_ds.envs import JOIN_ENV, RANK, WORLD_SIZE
 
 PROG = "ntp-ds train"
@@ -51,8 +52,6 @@ ntp_ds.train ..., torchrun --nproc-per-node N -m ntp_ds.train ... (see docs/usag
 """
 
 log = logging.getLogger("ntp_ds.train")
-WANDB_ID_KEY = "run/wandb_id"
-"""Store key of the writer's W&B run id, which a rank taking over the records resumes."""
 
 
 def usage() -> str:

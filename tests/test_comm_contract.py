@@ -10,7 +10,7 @@ from ntp_ds.comm.wire import CallRecord
 from ntp_ds.testing.contract import check_calls
 from ntp_ds.testing.spawn import run_ranks
 from tests.helpers.reference import assert_matches_reference, reference_init
-from tests.helpers.training import full_model, tiny_config, train_ntp, train_reference, train_with_recovery
+from tests.helpers.training import Scenario, full_model, tiny_config, train_ntp, train_reference, train_with_recovery
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ntp_ds"
 WIRE_CALLS = {
@@ -95,11 +95,11 @@ def test_equivalence_run_keeps_the_contract(stage):
     assert_matches_reference(results, train_reference("adamw", results[0]["global_samples"], 4), "adamw")
 
 
-def _recorded_recovery(rank, world_size, *args):
+def _recorded_recovery(rank, world_size, scenario):
     from ntp_ds.comm import wire
 
     with wire.recording() as records:
-        result = train_with_recovery(rank, world_size, *args)
+        result = train_with_recovery(rank, world_size, scenario)
     last = max(r.generation for r in records)
     result["records"] = [r for r in records if r.generation == last]
     return result
@@ -109,9 +109,8 @@ def test_recovery_keeps_the_contract():
     # A crash in the contributor-less (3, 3) job: the new generation's calls (unit moves, re-slicing, copies for the
     # new buddies, the streamed gradients of the contributor replica) must keep the contract among the survivors.
     ntp = {"tp": 3, "replicas": 2, "min_tp": 1, "bucket_size": 2000}
-    results = run_ranks(_recorded_recovery, 6, ntp, "adamw", 2, 12, 2, 4, [{"rank": 4, "step": 2, "phase": "backward",
-                                                                         "kind": "crash"}], 2.0, 1, None,
-                        timeout=240, store=True)
+    crash = {"rank": 4, "step": 2, "phase": "backward", "kind": "crash"}
+    results = run_ranks(_recorded_recovery, 6, Scenario(ntp, 2, (crash,), 4), timeout=240, store=True)
     assert set(results) == {0, 1, 2, 3, 5}
     records = {res["tp_rank"] + 3 * res["replica"]: res.pop("records") for res in results.values()}
     assert check_calls(records) == []

@@ -160,3 +160,32 @@ def test_environment_variables_are_named_in_one_module():
                for node in ast.walk(ast.parse(path.read_text()))
                if isinstance(node, ast.Constant) and node.value in names]
     assert not spelled, "\n".join(spelled)
+
+
+STORE_ROOTS = ("launch", "sentinel", "job", "run", "heartbeat", "node", "alarm", "fence", "fault", "join", "decision",
+               "membership", "pg", "left", "drain", "recovery")
+"""The first component of every key ntp_ds keeps in the job's store (ntp_ds/control/keys.py)."""
+
+
+def _spells_a_store_key(node) -> bool:
+    """A string constant (an f-string's literal pieces included) that starts with a store key's root and a slash
+    (the exit and fence logs' one-word names are also JSON fields elsewhere: not looked for)."""
+    if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+        return False
+    root, slash, _ = node.value.partition("/")
+    return bool(slash) and root in STORE_ROOTS
+
+
+def test_store_keys_are_named_in_one_module():
+    # Every key ntp_ds keeps in the job's store is spelled once, in ntp_ds/control/keys.py; the nccl_model's
+    # communicators keep keys of their own under a prefix of their own (not the job's).
+    spelled = [f"{m}:{node.lineno}" for m, path in sorted(MODULES.items())
+               if m not in ("ntp_ds.control.keys", "ntp_ds.testing.nccl_communicator")
+               for node in ast.walk(ast.parse(path.read_text())) if _spells_a_store_key(node)]
+    assert not spelled, "\n".join(spelled)
+
+
+def test_the_store_key_check_sees_a_key_spelled_elsewhere():
+    spelled = [n for n in ast.walk(ast.parse('k = f"membership/{g}/acks"\nj = "join/requests"\n'
+                                             'ok = f"time/{b}_s"\nfine = f"{name}/count"\n')) if _spells_a_store_key(n)]
+    assert len(spelled) == 2

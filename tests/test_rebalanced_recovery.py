@@ -18,7 +18,7 @@ from ntp_ds.layout import units as U
 from ntp_ds.layout.shard_layout import OWNED_KINDS
 from ntp_ds.models import empty_shard
 from ntp_ds.testing.spawn import run_ranks
-from tests.helpers.training import assert_equivalent, full_model, tiny_config, train_with_recovery
+from tests.helpers.training import Scenario, assert_equivalent, full_model, tiny_config, train_with_recovery
 
 STEPS = 5
 GLOBAL_BATCH, MICRO = 12, 2
@@ -42,8 +42,8 @@ def fault(rank, step, phase, kind="crash"):
 
 def run(degrees, stage, faults, make_model, timeout=200):
     ntp = {"tp": max(degrees), "replicas": len(degrees), "degrees": tuple(degrees), "min_tp": 1}
-    return run_ranks(train_with_recovery, sum(degrees), ntp, "adamw", stage, GLOBAL_BATCH, MICRO, STEPS, faults,
-                     2.0, 1, None, 12.0, None, None, make_model, None, timeout=timeout, store=True)
+    scenario = Scenario(ntp, stage, tuple(faults), STEPS, global_batch=GLOBAL_BATCH, micro=MICRO, make_model=make_model)
+    return run_ranks(train_with_recovery, sum(degrees), scenario, timeout=timeout, store=True)
 
 
 def the_event(results):

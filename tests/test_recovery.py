@@ -9,7 +9,7 @@ The default set covers every phase, fault kind, ZeRO stage and both topologies a
 cases. `NTP_FULL_MATRIX=1 pytest -m matrix tests/test_recovery.py` runs the whole cross product.
 """
 
-import functools
+import dataclasses
 import itertools
 import os
 
@@ -17,9 +17,9 @@ import pytest
 
 from ntp_ds.testing.spawn import run_ranks
 from tests.helpers import training
-from tests.helpers.recovery import (GLOBAL_BATCH, MICRO, STEPS, assert_equivalent, assert_hung_rank_3_found,
+from tests.helpers.recovery import (GLOBAL_BATCH, STEPS, assert_equivalent, assert_hung_rank_3_found,
                                     assert_lossless_and_minimal, events_of, fault, run)
-from tests.helpers.training import tiny_qwen2, train_reference, train_with_recovery
+from tests.helpers.training import Scenario, tiny_qwen2, train_reference, train_with_recovery
 
 CASES = [  # (degrees, ZeRO stage, fault kind, phase, victim rank, degrees after)
     ((3, 3), 0, "crash", "forward", 4, (3, 2)),
@@ -115,9 +115,9 @@ def test_hung_worker_is_detected_within_heartbeat_timeout_plus_a_second():
     # the fence (the launcher killing the declared-dead rank) can end before timeout_s.
     heartbeat_timeout_s = 3.0
     ntp = {"tp": 2, "replicas": 3, "min_tp": 1}
-    results = run_ranks(train_with_recovery, 6, ntp, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS,
-                        [fault(3, 3, "grad_sync", "hang")], heartbeat_timeout_s, 1, None, 20.0, timeout=200,
-                        store=True)
+    results = run_ranks(train_with_recovery, 6, Scenario(ntp, 1, (fault(3, 3, "grad_sync", "hang"),), STEPS,
+                                                         heartbeat_timeout_s=heartbeat_timeout_s, timeout_s=20.0),
+                        timeout=200, store=True)
     assert set(results) == {0, 1, 2, 4, 5}
     assert_equivalent(results)
     assert_lossless_and_minimal(results, (2, 1, 2))
@@ -130,9 +130,9 @@ def test_a_hung_rank_that_a_peer_does_not_watch_reaches_it_through_the_fence_wit
     # Four replicas at TP 1: one data-parallel group of four, in which each rank watches its two ring neighbours
     # only. Rank 2 hangs; rank 0 does not watch it and learns of it from the fence its neighbours request.
     heartbeat_timeout_s = 3.0
-    results = run_ranks(train_with_recovery, 4, {"tp": 1, "replicas": 4}, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS,
-                        [fault(2, 3, "grad_sync", "hang")], heartbeat_timeout_s, 1, None, 20.0, timeout=200,
-                        store=True)
+    results = run_ranks(train_with_recovery, 4,
+                        Scenario({"tp": 1, "replicas": 4}, 1, (fault(2, 3, "grad_sync", "hang"),), STEPS,
+                                 heartbeat_timeout_s=heartbeat_timeout_s, timeout_s=20.0), timeout=200, store=True)
     assert set(results) == {0, 1, 3}
     assert_equivalent(results)
     for rank, res in results.items():
@@ -146,9 +146,9 @@ def test_own_error_ends_that_rank_at_once_and_its_peers_recover_without_it():
     # plus 2 s, to the failure-free weights.
     heartbeat_timeout_s = 3.0
     ntp = {"tp": 2, "replicas": 3, "min_tp": 1}
-    results = run_ranks(train_with_recovery, 6, ntp, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS,
-                        [fault(3, 3, "backward", "oom")], heartbeat_timeout_s, 1, None, 20.0, timeout=200,
-                        store=True)
+    results = run_ranks(train_with_recovery, 6, Scenario(ntp, 1, (fault(3, 3, "backward", "oom"),), STEPS,
+                                                         heartbeat_timeout_s=heartbeat_timeout_s, timeout_s=20.0),
+                        timeout=200, store=True)
     assert set(results) == {0, 1, 2, 4, 5}
     assert_equivalent(results)
     assert_lossless_and_minimal(results, (2, 1, 2))
@@ -171,7 +171,7 @@ def test_stalled_training_thread_is_found_hung_within_hang_timeout_plus_2s_and_r
     assert_hung_rank_3_found(phase, stage, "stall")
 
 
-def _recovery_watching_rebuilt_shards(rank, world_size, *args, **kwargs):
+def _recovery_watching_rebuilt_shards(rank, world_size, scenario):
     """`train_with_recovery`, noting the dtype and device of every shard a recovery builds."""
     from ntp_ds.recovery import install
 
@@ -183,7 +183,7 @@ def _recovery_watching_rebuilt_shards(rank, world_size, *args, **kwargs):
         return module
 
     install.empty_shard = spy
-    result = training.train_with_recovery(rank, world_size, *args, **kwargs)
+    result = training.train_with_recovery(rank, world_size, scenario)
     result["built"] = built
     return result
 
@@ -198,10 +198,11 @@ def test_bf16_recovery_rebuilds_shards_on_the_device_in_bf16():
     # The survivors of the degraded replica build their new shard where it trains, in the dtype it trains in: kept
     # units never go through fp32 host memory. bf16 cannot equal the fp32 reference; the recovered run must stay
     # as close to it as the failure-free bf16 run does.
-    args = ({"tp": 2, "replicas": 2, "min_tp": 1}, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS)
-    train = functools.partial(_recovery_watching_rebuilt_shards, bf16=True)
-    clean = run_ranks(train, 4, *args, [], 2.0, 1, None, 20.0, timeout=200, store=True)
-    results = run_ranks(train, 4, *args, [fault(3, 3, "backward")], 2.0, 1, None, 20.0, timeout=200, store=True)
+    scenario = Scenario({"tp": 2, "replicas": 2, "min_tp": 1}, 1, (), STEPS, timeout_s=20.0, bf16=True)
+    train = _recovery_watching_rebuilt_shards
+    clean = run_ranks(train, 4, scenario, timeout=200, store=True)
+    crashed = dataclasses.replace(scenario, faults=(fault(3, 3, "backward"),))
+    results = run_ranks(train, 4, crashed, timeout=200, store=True)
     assert set(results) == {0, 1, 2}
     assert_lossless_and_minimal(results, (2, 1))
     device = "cuda" if os.environ.get("NTP_TEST_DEVICE") == "cuda" else "cpu"
@@ -218,9 +219,9 @@ def test_death_at_the_new_generation_s_rendezvous_is_detected_within_heartbeat_t
     # own rendezvous would wait timeout_s, 20 s here) and the recovery starts again without rank 0.
     heartbeat_timeout_s = 3.0
     ntp = {"tp": 3, "replicas": 2, "min_tp": 1}
-    results = run_ranks(train_with_recovery, 6, ntp, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS,
-                        [fault(4, 2, "forward"), fault(0, 2, "rendezvous", "hang")], heartbeat_timeout_s, 1, None,
-                        20.0, timeout=200, store=True)
+    faults = (fault(4, 2, "forward"), fault(0, 2, "rendezvous", "hang"))
+    results = run_ranks(train_with_recovery, 6, Scenario(ntp, 1, faults, STEPS, heartbeat_timeout_s=heartbeat_timeout_s,
+                                                         timeout_s=20.0), timeout=200, store=True)
     assert set(results) == {1, 2, 3, 5}
     assert_equivalent(results)
     assert all(e["lossless"] for copies in events_of(results) for e in copies)
@@ -250,8 +251,8 @@ def test_copies_in_host_memory_through_small_staging_buffers():
     # Copies kept in host memory arrive in pieces of at most bucket_size elements through two staging buffers;
     # a lost anchor's state comes back from them exactly.
     ntp = {"tp": 2, "replicas": 3, "min_tp": 1, "redundancy_on_host": True, "bucket_size": 3000}
-    results = run_ranks(train_with_recovery, 6, ntp, "adamw", 2, GLOBAL_BATCH, MICRO, STEPS,
-                        [fault(3, 3, "backward")], 2.0, 1, timeout=200, store=True)
+    results = run_ranks(train_with_recovery, 6, Scenario(ntp, 2, (fault(3, 3, "backward"),), STEPS), timeout=200,
+                        store=True)
     assert_equivalent(results)
     assert_lossless_and_minimal(results, (2, 1, 2))
     optimizer_bytes = {e["optimizer_bytes_moved"] for copies in events_of(results) for e in copies}
@@ -276,8 +277,8 @@ def test_anchor_lost_while_its_parameters_stream_to_the_contributor():
     # forward. Rank 0 dies as that forward starts: the contributor's buckets from it never arrive, it still holds
     # the previous step's values for those units, and recovery must fetch them afresh from the other anchor replica.
     ntp = {"tp": 2, "replicas": 3, "degrees": (2, 2, 1), "min_tp": 1, "bucket_size": 500}
-    results = run_ranks(train_with_recovery, 5, ntp, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS,
-                        [fault(0, 3, "forward")], 2.0, 1, timeout=200, store=True)
+    results = run_ranks(train_with_recovery, 5, Scenario(ntp, 1, (fault(0, 3, "forward"),), STEPS), timeout=200,
+                        store=True)
     assert set(results) == {1, 2, 3, 4}
     assert_equivalent(results)
     (event, *_), = events_of(results)
@@ -301,8 +302,8 @@ def test_transfers_cut_by_the_abort_are_refused_and_fetched_again(victim, phase,
     # equal to the failure-free one, lossless, and the event says what was refused. gloo ends such receives with an
     # error, so nothing is refused there.
     ntp = {"tp": 2, "replicas": 3, "degrees": (2, 2, 1), "min_tp": 1, "bucket_size": 500}
-    results = run_ranks(train_with_recovery, 5, ntp, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS,
-                        [fault(victim, 3, phase)], 2.0, 2, timeout=200, store=True)
+    results = run_ranks(train_with_recovery, 5, Scenario(ntp, 1, (fault(victim, 3, phase),), STEPS, zero_redundancy=2),
+                        timeout=200, store=True)
     assert set(results) == {0, 1, 2, 3, 4} - {victim}
     assert_equivalent(results)
     (copies,) = events_of(results)
@@ -357,10 +358,9 @@ def test_replicas_that_lost_nothing_keep_their_finished_backward_and_share_the_l
     # The healthy replicas' backward of step 3 outlasts the detection (they begin its last micro-batch once the death
     # is declared): their gradients are whole when the reduction would start, so they keep them and, with the hit
     # replica's survivor, run only the hit replica's samples of the step again. ZeRO 1 reduces at the boundary.
-    worker = functools.partial(train_with_recovery, reduce_after_verdict=3)
     ntp = {"tp": max(degrees), "replicas": len(degrees), "min_tp": 1}
-    results = run_ranks(worker, sum(degrees), ntp, "adamw", 1, GLOBAL_BATCH, MICRO, STEPS,
-                        [fault(victim, 3, "backward")], timeout=200, store=True)
+    scenario = Scenario(ntp, 1, (fault(victim, 3, "backward"),), STEPS, reduce_after_verdict=3)
+    results = run_ranks(train_with_recovery, sum(degrees), scenario, timeout=200, store=True)
     assert_equivalent(results)
     (copies,) = events_of(results)
     print(f"samples_kept={copies[0]['samples_kept']} engines_rebuilt={copies[0]['engines_rebuilt']}")

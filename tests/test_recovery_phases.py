@@ -25,7 +25,8 @@ from ntp_ds.engine.snapshot import Snapshot
 from ntp_ds.layout import ModelUnits, Topology
 from ntp_ds.layout.generation import Generation
 from ntp_ds.recovery import admit, install, report
-from ntp_ds.recovery.detect import Detector, barrier_key
+from ntp_ds.control.keys import barrier_key
+from ntp_ds.recovery.detect import Detector
 from ntp_ds.recovery.errors import RecoveryImpossible, failed_on_the_way
 from ntp_ds.recovery.handoff import hand_off
 from ntp_ds.recovery.last_good import save_last_good

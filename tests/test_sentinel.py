@@ -6,7 +6,8 @@ import threading
 import torch.distributed as dist
 
 from ntp_ds.control.liveness_store import mark_exited, prepare_store
-from ntp_ds.supervise.sentinel import DONE_KEY, JOB_OVER_KEY, _outlast
+from ntp_ds.control.keys import JOB_OVER_KEY, SENTINEL_DONE_KEY
+from ntp_ds.supervise.sentinel import _outlast
 
 
 class CountingStore:
@@ -33,8 +34,8 @@ def test_a_sentinel_other_than_rank_0s_waits_for_the_verdict_alone_at_any_world_
         timer.start()
         assert _outlast(store, 5, world, {5: 1}, poll_s=0.02) == 0, "the job finished: its worker's crash is not news"
         timer.join()
-        assert store.keys == {JOB_OVER_KEY, DONE_KEY}, f"world {world}: read {sorted(store.keys)[:5]}..."
-        assert store.store.add(DONE_KEY, 0) == 1
+        assert store.keys == {JOB_OVER_KEY, SENTINEL_DONE_KEY}, f"world {world}: read {sorted(store.keys)[:5]}..."
+        assert store.store.add(SENTINEL_DONE_KEY, 0) == 1
 
 
 def test_a_failed_job_gives_the_first_workers_status_as_a_shell_reports_it():
@@ -49,6 +50,6 @@ def test_rank_0s_sentinel_judges_the_end_publishes_it_and_waits_for_the_others()
     prepare_store(store.store)
     for rank in (1, 2):
         mark_exited(store.store, rank, "finished", alarm=False)
-    store.store.add(DONE_KEY, 2)  # the two other sentinels are done with the store
+    store.store.add(SENTINEL_DONE_KEY, 2)  # the two other sentinels are done with the store
     assert _outlast(store, 0, 3, {0: 0}) == 0
     assert store.store.get(JOB_OVER_KEY) == b"finished"

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ntp_ds.comm.failures import DeviceError
+from ntp_ds.control.keys import FAULT_COUNT_KEY, fault_key, fired_key
 
 log = logging.getLogger(__name__)
 
@@ -45,17 +46,6 @@ REPAIR_PHASE = "boundary"
 FIELDS = ("rank", "step", "phase", "kind")
 OPTIONAL_FIELDS = ("factor",)
 """`factor`: only with kind `slow`, how many times as long the rank's micro-batches take (at least 1)."""
-FAULT_COUNT_KEY = "fault/count"
-"""Store counter of faults sent to the running job; fault n is stored under `fault/{n}`, n from 1."""
-
-
-def fault_key(n: int) -> str:
-    return f"fault/{n}"
-
-
-def fired_key(rank: int) -> str:
-    """Return the store key where a rank records the fault it fired and when (to measure detection)."""
-    return f"fault/fired/{rank}"
 
 
 def fired_faults(store, ranks) -> list[dict]:

@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-JOB_KEY = "job/info"
-STEP_KEY = "job/step"
-STOP_KEY = "job/stop"
+from ntp_ds.control.keys import JOB_KEY, STEP_KEY, STOP_KEY
 
 
 @dataclass(frozen=True)

@@ -25,16 +25,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-REQUESTS_KEY = "join/requests"
-EVENTS_KEY = "join/events"
-
-
-def plan_key(generation: int) -> str:
-    return f"join/plan/{generation}"
-
-
-def verdict_key(rank: int) -> str:
-    return f"join/verdict/{rank}"
+from ntp_ds.control.keys import JOIN_EVENTS_KEY as EVENTS_KEY
+from ntp_ds.control.keys import JOIN_REQUESTS_KEY as REQUESTS_KEY
+from ntp_ds.control.keys import join_plan_key as plan_key
+from ntp_ds.control.keys import join_verdict_key as verdict_key
 
 
 class JoinRefused(RuntimeError):

@@ -30,37 +30,22 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from ntp_ds.control.keys import (ALARM_BUCKETS_KEY, ALARM_EPOCH_KEY, EXITED_KEY, FENCE_KEY, alarm_key,
+                                 alarm_watchers_key, fence_count_key, heartbeat_key, node_key)
 from ntp_ds.control.liveness import Beat, LivenessMonitor
 from ntp_ds.envs import NODE_SIZE_ENV
 
 log = logging.getLogger("ntp_ds.control.heartbeat")  # liveness logs under one name, whichever of its modules logs
 
-EXITED_KEY = "exited"
-"""Store key to which `mark_exited` appends one `RANK REASON` line per worker known to have exited."""
 ALARM_BUCKET = 32
 """Watching ranks per alarm key: rank r waits on the key of bucket r // ALARM_BUCKET. Larger buckets make a raise
 cheaper (W / ALARM_BUCKET keys) and each stop wake more bucket-mates."""
-ALARM_EPOCH_KEY = "alarm/epoch"
-"""Store counter of the alarms raised so far in the job."""
-ALARM_BUCKETS_KEY = "alarm/buckets"
-"""Store key to which the first watcher of each bucket appends the bucket's number: whose key an alarm sets."""
-FENCE_KEY = "fence"
-"""Store key to which `request_fence` appends one `RANK REASON` line per worker its peers declared dead."""
 
 
 NODE_PUBLISH_S = 0.25
 """How often a launcher publishes its node's liveness key."""
 NODE_STALE_S = 1.0
 """A node key unchanged for this long (its launcher is gone or hung) is bypassed: its ranks are read per rank."""
-
-
-def heartbeat_key(rank: int) -> str:
-    return f"heartbeat/{rank}"
-
-
-def node_key(node: int) -> str:
-    return f"node/{node}"
-
 
 
 def read_beats(store, ranks: Iterable[int]) -> dict[int, Beat]:
@@ -87,11 +72,6 @@ def alarm_bucket(rank: int) -> int:
     return rank // ALARM_BUCKET
 
 
-def alarm_key(bucket: int, epoch: int) -> str:
-    """Store key whose setting wakes the watchers of `bucket` waiting for alarm `epoch`."""
-    return f"alarm/{bucket}/{epoch}"
-
-
 def alarm_epoch(store) -> int:
     """How many alarms the job has raised so far."""
     return int(store.add(ALARM_EPOCH_KEY, 0))
@@ -101,7 +81,7 @@ def register_alarm_watcher(store, rank: int) -> None:
     """List the bucket of `rank` among those an alarm wakes (once per bucket: the registry stays W / ALARM_BUCKET
     entries long)."""
     bucket = alarm_bucket(rank)
-    if store.add(f"alarm/watchers/{bucket}", 1) == 1:
+    if store.add(alarm_watchers_key(bucket), 1) == 1:
         store.append(ALARM_BUCKETS_KEY, f"{bucket} ")
 
 
@@ -139,7 +119,7 @@ def request_fence(store, ranks: Iterable[int], reason: str) -> None:
     """
     news = False
     for rank in ranks:
-        if store.add(f"{FENCE_KEY}/{rank}", 1) == 1:
+        if store.add(fence_count_key(rank), 1) == 1:
             store.append(FENCE_KEY, f"{rank} {' '.join(reason.split())}\n")
             news = True
     if news:

@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
+from ntp_ds.control.keys import decision_key, membership_key
+
 
 
 class StaleGeneration(ValueError):
@@ -176,9 +178,6 @@ def decide(generation: int, members: Sequence[int], reports: Sequence[FailureRep
                             tuple(sorted(first.items())))
 
 
-def decision_key(generation: int) -> str:
-    """Store key of the membership decision that ends `generation`."""
-    return f"decision/{generation}"
 
 
 MAX_POLL_S = 0.16
@@ -252,15 +251,15 @@ class Membership:
 
     @staticmethod
     def _reports_key(generation: int) -> str:
-        return f"membership/{generation}/reports"
+        return membership_key(generation, "reports")
 
     @staticmethod
     def _events_key(generation: int) -> str:
-        return f"membership/{generation}/events"
+        return membership_key(generation, "events")
 
     @staticmethod
     def _acks_key(generation: int) -> str:
-        return f"membership/{generation}/acks"
+        return membership_key(generation, "acks")
 
     @staticmethod
     def _decision_key(generation: int) -> str:
@@ -284,7 +283,7 @@ class Membership:
         ranks = frozenset(r for r in ranks if self.is_member(r))
         if not ranks or self.store.check([self._decision_key(generation)]):
             return False
-        claimed = frozenset(r for r in sorted(ranks) if self.store.add(f"membership/{generation}/dead/{r}", 1) == 1)
+        claimed = frozenset(r for r in sorted(ranks) if self.store.add(membership_key(generation, f"dead/{r}"), 1) == 1)
         if claimed:  # deaths somebody else reported already add nothing to the union
             seen = {r: float(t) for r, t in (silent_s or {}).items() if r in claimed and t is not None}
             report = FailureReport(self.rank, claimed, float(detected_at), reason, seen)
@@ -397,7 +396,7 @@ class Membership:
         if self.rank in change.dead:
             raise Evicted(f"rank {self.rank} was declared dead in generation {change.generation}: {change.reason}")
         self.generation, self.members = change.generation, change.survivors
-        return BarrierWait(self.store, f"membership/{change.generation}/confirm", self.rank, change.survivors,
+        return BarrierWait(self.store, membership_key(change.generation, "confirm"), self.rank, change.survivors,
                            timeout_s, poll_s=self.poll_s, max_poll_s=self.max_poll_s, clock=self._clock)
 
 

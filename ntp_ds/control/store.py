@@ -21,6 +21,7 @@ import time
 import torch.distributed as dist
 
 from ntp_ds.control.address import format_address, is_etcd_address, parse_address
+from ntp_ds.control.keys import PING_KEY, process_group_prefix
 from ntp_ds.envs import MASTER_ADDR, MASTER_PORT, RANK, STORE_ENV
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def _connect_etcd(address: str, timeout_s: float) -> dist.Store:
 
     store = EtcdStore(address, timeout_s)
     try:
-        store.check(["launch/ping"])  # one read through the cluster: some member answers, and it has a leader
+        store.check([PING_KEY])  # one read through the cluster: some member answers, and it has a leader
     except dist.DistStoreError as e:
         raise ConnectionError(f"cannot reach the etcd cluster at {address} within {timeout_s}s: {e}") from None
     return store
@@ -148,7 +149,7 @@ def generation_store(store: dist.Store, generation: int) -> dist.PrefixStore:
     """Return a view of `store` whose keys are private to process groups of `generation`."""
     if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
         raise ValueError(f"generation={generation!r} must be a non-negative integer")
-    return dist.PrefixStore(f"pg/{generation}", store)
+    return dist.PrefixStore(process_group_prefix(generation), store)
 
 
 def job_store(timeout_s: float, env=os.environ) -> tuple[dist.Store | None, bool]:

@@ -8,13 +8,12 @@ attempt to the next.
 
 from __future__ import annotations
 
-import hashlib
 import time
-from array import array
 from collections.abc import Callable, Iterable
 
 from ntp_ds.comm.groups import ring_neighbours
 from ntp_ds.control.heartbeat import LivenessMonitor
+from ntp_ds.control.keys import barrier_key
 from ntp_ds.control.membership import BarrierWait, MembershipChange
 
 
@@ -114,10 +113,3 @@ class Detector:
                 raise RuntimeError(f"rank(s) {sorted(dead)} died before {what}: "
                                    + "; ".join(reasons[r] for r in sorted(dead)))
             self.sleep(pause)
-
-
-def barrier_key(generation: int, name: str, members) -> str:
-    """The store key of a recovery's barrier: ranks that expect different members never share one (a joiner
-    admitted at a boundary that a failure took instead waits at its own, and fails on the dead rank it names).
-    Members are hashed as 8-byte integers: a member list is W long, and this is on every survivor's path."""
-    return f"recovery/{generation}/{name}/{hashlib.sha256(array('q', members).tobytes()).hexdigest()[:12]}"

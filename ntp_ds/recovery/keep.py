@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ntp_ds.comm import wire
 from ntp_ds.comm.groups import adopt, discard_unused, role_of, wanted_groups
+from ntp_ds.control.keys import departure_key, drain_key
 from ntp_ds.control.membership import barrier
 from ntp_ds.layout import SyncPlan, Topology
 
@@ -34,11 +35,6 @@ def suspects(topology: Topology, members: tuple[int, ...], dead) -> list[int]:
     return [g for replica in sorted(hit) for g in topology.ranks_of(replica)]
 
 
-def _left(generation: int, name: str) -> str:
-    """The store key of a departure from the group named `name` in `generation`."""
-    return f"left/{generation}/{name}"
-
-
 def depart(store, generation: int) -> None:
     """Say, for each group this rank holds, that it posts nothing more on it in `generation`, and how many operations
     it had posted on it. The first member to leave a group sets its count; one that leaves with another count marks
@@ -51,7 +47,7 @@ def depart(store, generation: int) -> None:
     for name, posted in held:
         if name is None:
             continue
-        key, mine = _left(generation, name), str(posted)
+        key, mine = departure_key(generation, name), str(posted)
         stands = store.compare_set(key, "", mine).decode()
         if stands not in (mine, "-1"):
             store.compare_set(key, stands, "-1")
@@ -67,7 +63,7 @@ def _posted(group) -> int:
 def departed(store, generation: int, group) -> int | None:
     """How many operations the members of `group` that left it for a recovery of `generation` had posted on it
     (`depart`; -1: not all the same), or None while none has left it."""
-    key = _left(generation, dist.distributed_c10d._world.pg_names[group])
+    key = departure_key(generation, dist.distributed_c10d._world.pg_names[group])
     return int(store.get(key)) if store.check([key]) else None
 
 
@@ -123,7 +119,7 @@ def keep(store, rank: int, candidates, old_members: tuple[int, ...], new_members
         launch = tuple(new_members[r] for r in ranks)
         if all(r in old_rank for r in launch):  # a group with a joiner is new
             group = held.get((role, launch))
-            checks.append((f"drain/{generation}/{role}/{launch[0]}", launch, group, _count(group, rank, timeout_s)))
+            checks.append((drain_key(generation, role, launch[0]), launch, group, _count(group, rank, timeout_s)))
     for key, launch, _, count in checks:
         if len(launch) > 1 and launch[0] == rank:
             store.set(f"{key}/first", str(count))

@@ -40,15 +40,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ntp_ds.control.keys import LAUNCH_RANKS_KEY, MASTER_ADDR_KEY, MASTER_PORT_KEY
 from ntp_ds.envs import DS_ACCELERATOR, LOCAL_WORLD_SIZE, NODE_SIZE_ENV, OMP_NUM_THREADS, RUN_DIR_ENV
 from ntp_ds.supervise.stop import DUPLICATE_S, SIGNALS
 
 PROG = "ntp-ds launch"
-MASTER_PORT_KEY = "launch/master_port"
-MASTER_ADDR_KEY = "launch/master_addr"
-"""On an etcd store, where node 0 publishes the env:// master host (on a TCPStore it is the store's host)."""
-LAUNCH_RANKS_KEY = "launch/joined_ranks"
-"""Counter of launch ranks given to joining workers (they number from the job's world size up)."""
 _VALUED = ("--nproc-per-node", "--nnodes", "--node-rank", "--store", "--run-dir", "--grace-s")
 
 USAGE = f"""usage: {PROG} [--nproc-per-node N] [--nnodes N --node-rank I --store HOST:PORT]

@@ -22,17 +22,14 @@ import sys
 import time
 from collections.abc import Mapping
 
+from ntp_ds.control.keys import JOB_OVER_KEY, SENTINEL_DONE_KEY
 from ntp_ds.envs import (LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, RANK, RUN_DIR_ENV, SENTINEL_ENV,
                          STORE_ENV, WORLD_SIZE)
 
 OUTLIVE_TIMEOUT_S = 3.0
 """How long a peer may be silent before a sentinel waiting for the job's end counts it gone."""
-JOB_OVER_KEY = "sentinel/job_over"
-"""Set by rank 0's sentinel once the job is over: `finished` when some rank finished it, else `failed`."""
 POLL_S = 1.0
 """Pause between two checks of a sentinel waiting for the job's end."""
-DONE_KEY = "sentinel/done"
-"""Store counter of the sentinels (other than rank 0's) done with the store."""
 DONE_WAIT_S = 30.0
 """How long rank 0's sentinel keeps the store for the other sentinels after the job's end."""
 
@@ -78,13 +75,13 @@ def _outlast(store, rank: int, world: int, codes: dict[int, int], poll_s: float 
             finished = any(reason == "finished" for reason in read_exits(store).values())
             store.set(JOB_OVER_KEY, "finished" if finished else "failed")
             deadline = time.monotonic() + DONE_WAIT_S
-            while store.add(DONE_KEY, 0) < world - 1 and time.monotonic() < deadline:
+            while store.add(SENTINEL_DONE_KEY, 0) < world - 1 and time.monotonic() < deadline:
                 time.sleep(0.1)
         else:
             while not store.check([JOB_OVER_KEY]):
                 time.sleep(poll_s)
             finished = store.get(JOB_OVER_KEY) == b"finished"
-            store.add(DONE_KEY, 1)
+            store.add(SENTINEL_DONE_KEY, 1)
     except Exception as e:  # the store went with rank 0's sentinel: judge by this rank's own worker
         print(f"ntp-ds sentinel: rank {rank}: the job's store is gone ({e})", file=sys.stderr, flush=True)
         finished = not failed

@@ -2,7 +2,7 @@
 
 from ntp_ds.testing.spawn import run_ranks
 from tests.helpers.recovery import GLOBAL_BATCH, MICRO
-from tests.helpers.training import train_with_recovery
+from tests.helpers.training import Scenario, train_with_recovery
 
 STEPS = 6
 
@@ -12,8 +12,9 @@ def run(degrees, stage, faults, joins, min_tp=1, timeout=240, joiner_overrides=N
     ntp = {"tp": max(degrees), "replicas": len(degrees), "min_tp": min_tp, **(ntp_overrides or {})}
     world = sum(degrees)
     joins = {world + i: step for i, step in enumerate(joins)}
-    return run_ranks(train_with_recovery, world, ntp, "adamw", stage, GLOBAL_BATCH, MICRO, STEPS, faults, 2.0, 1,
-                     None, timeout_s, joins, joiner_overrides, timeout=timeout, store=True, joiners=len(joins))
+    scenario = Scenario(ntp, stage, tuple(faults), STEPS, global_batch=GLOBAL_BATCH, micro=MICRO, timeout_s=timeout_s,
+                        joins=joins, joiner_overrides=joiner_overrides)
+    return run_ranks(train_with_recovery, world, scenario, timeout=timeout, store=True, joiners=len(joins))
 
 
 def join_events(results):

@@ -1,10 +1,8 @@
 """The recovery cases' runner (spawned ranks, faults injected) and what every recovery case asserts."""
 
-import functools
-
 from ntp_ds.testing.spawn import run_ranks
 from tests.helpers import training
-from tests.helpers.training import train_with_recovery
+from tests.helpers.training import Scenario, train_with_recovery
 
 STEPS = 5
 
@@ -19,8 +17,9 @@ def fault(rank, step, phase, kind="crash"):
 def run(degrees, stage, faults, redundancy=1, min_tp=1, timeout=200, last_good_dir=None, make_model=None, zero=None,
         **ntp):
     ntp = {"tp": max(degrees), "replicas": len(degrees), "min_tp": min_tp, **ntp}
-    return run_ranks(train_with_recovery, sum(degrees), ntp, "adamw", stage, GLOBAL_BATCH, MICRO, STEPS, faults,
-                     2.0, redundancy, last_good_dir, 12.0, None, None, make_model, zero, timeout=timeout, store=True)
+    scenario = Scenario(ntp, stage, tuple(faults), STEPS, global_batch=GLOBAL_BATCH, micro=MICRO,
+                        zero_redundancy=redundancy, last_good_dir=last_good_dir, make_model=make_model, zero=zero)
+    return run_ranks(train_with_recovery, sum(degrees), scenario, timeout=timeout, store=True)
 
 
 def assert_equivalent(results, steps=STEPS, make_model=None):
@@ -69,9 +68,10 @@ HANG_TIMEOUT_S = 6.0
 def assert_hung_rank_3_found(phase: str, stage: int, kind: str) -> None:
     """Rank 3 of (2, 2, 2) fails as `kind` at `phase` of step 3 while it beats on: the others find it hung within
     HANG_TIMEOUT_S + 2 s, recover once without it (its TP peer, rank 2, not fenced), to the failure-free weights."""
-    train = functools.partial(training.train_with_recovery, hang_timeout_s=HANG_TIMEOUT_S)
-    results = run_ranks(train, 6, {"tp": 2, "replicas": 3, "min_tp": 1}, "adamw", stage, GLOBAL_BATCH, MICRO, STEPS,
-                        [fault(3, 3, phase, kind)], 2.0, 2, None, 20.0, timeout=200, store=True)
+    scenario = Scenario({"tp": 2, "replicas": 3, "min_tp": 1}, stage, (fault(3, 3, phase, kind),), STEPS,
+                        global_batch=GLOBAL_BATCH, micro=MICRO, zero_redundancy=2, timeout_s=20.0,
+                        hang_timeout_s=HANG_TIMEOUT_S)
+    results = run_ranks(train_with_recovery, 6, scenario, timeout=200, store=True)
     assert set(results) == {0, 1, 2, 4, 5}
     assert_equivalent(results)
     assert_lossless_and_minimal(results, (2, 1, 2))

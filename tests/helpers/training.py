@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -180,22 +182,49 @@ def train_with_checkpoint(rank, world_size, ntp: dict, stage: int, steps: int, c
             "tp_rank": engine.ntp_groups.tp_rank}
 
 
-def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, global_batch: int, micro: int,
-                        steps: int, faults: list, heartbeat_timeout_s: float = 2.0, zero_redundancy: int = 1,
-                        last_good_dir: str | None = None, timeout_s: float = 12.0, joins: dict | None = None,
-                        joiner_overrides: dict | None = None, make_model=None, zero: dict | None = None,
-                        hang_timeout_s: float | None = None, bf16: bool = False,
-                        reduce_after_verdict: int | None = None):
-    """One rank of a run with injected faults and live recovery; returns its final state and recovery events.
+@dataclass(frozen=True)
+class Scenario:
+    """One run of `train_with_recovery`, the same for every rank: the job, the faults injected, the bounds."""
 
-    A joiner (`run_ranks(..., joiners=N)`: NTP_JOIN set) asks the running job for a place from step `joins[rank]`
-    on and trains from where it is admitted; members take joiners in at step boundaries. `joiner_overrides[rank]`
-    changes that joiner's DeepSpeed config (a joiner of another job); a refused joiner returns {"refused": reason}.
-    `make_model` builds the unsharded model (default: the tiny Llama); `zero`: more `zero_optimization` settings.
-    `hang_timeout_s`: declare a peer that beats without training progress hung after this long (None: never).
-    `bf16`: train in bf16 (DeepSpeed's bf16 with fp32 masters).
-    `reduce_after_verdict`: a step whose last backward (and so its gradient reduction) every rank that reaches it
-    begins only once a peer's failure is declared (bounded): a replica's backward that outlasts the detection.
+    ntp: dict
+    """NTP settings: `tp`, `replicas`, `min_tp`, `degrees`, `bucket_size`, the redundancy settings, ..."""
+    stage: int = 1
+    """ZeRO stage."""
+    faults: tuple = ()
+    """Faults injected, `{rank, step, phase, kind}` each (`tests.helpers.recovery.fault`)."""
+    steps: int = 5
+    optim: str = "adamw"
+    global_batch: int = 12
+    micro: int = 2
+    heartbeat_timeout_s: float = 2.0
+    zero_redundancy: int = 1
+    last_good_dir: str | None = None
+    timeout_s: float = 12.0
+    """The job's bound on every wait for a peer (`ntp.timeout_s`)."""
+    joins: dict | None = None
+    """Launch rank of each joiner -> the step from which it asks to train."""
+    joiner_overrides: dict | None = None
+    """Launch rank of a joiner -> DeepSpeed config entries it changes (a joiner of another job)."""
+    make_model: Callable | None = None
+    """Builds the unsharded model (default: the tiny Llama)."""
+    zero: dict | None = None
+    """More `zero_optimization` settings."""
+    hang_timeout_s: float | None = None
+    """Declare a peer that beats without training progress hung after this long (None: never)."""
+    bf16: bool = False
+    """Train in bf16 (DeepSpeed's bf16 with fp32 masters)."""
+    reduce_after_verdict: int | None = None
+    """A step whose last backward (and so its gradient reduction) every rank that reaches it begins only once a
+    peer's failure is declared (bounded): a replica's backward that outlasts the detection."""
+
+
+def train_with_recovery(rank, world_size, scenario: Scenario) -> dict:
+    """One rank of a run with injected faults and live recovery, on the public handle (as `ntp-ds train` starts
+    it); returns its final state and recovery events.
+
+    A joiner (`run_ranks(..., joiners=N)`: NTP_JOIN set) asks the running job for a place from step
+    `scenario.joins[rank]` on and trains from where it is admitted; members take joiners in at step boundaries. A
+    refused joiner returns {"refused": reason}.
     """
     import traceback
 
@@ -209,17 +238,19 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
     from ntp_ds.fault_tolerant import start
     from ntp_ds.recovery.errors import RecoveryImpossible
 
-    model = make_model() if make_model else full_model(tiny_config())
+    s = scenario
+    joins, timeout_s = s.joins or {}, s.timeout_s
+    model = s.make_model() if s.make_model else full_model(tiny_config())
     config = model.config
-    ds = deepspeed_config(optim, stage, global_batch, micro, bf16=bf16, zero=zero)
-    ntp = NTPConfig.from_any(dict(ntp, timeout_s=timeout_s, zero_redundancy=zero_redundancy, fault_tolerance={
-        "heartbeat_timeout_s": heartbeat_timeout_s, "hang_timeout_s": hang_timeout_s, "last_good_dir": last_good_dir,
-        "join_timeout_s": 120.0}))
-    schedule = FaultSchedule.from_config(faults, world_size + len(joins or {}))  # joiners may fail too
+    ds = deepspeed_config(s.optim, s.stage, s.global_batch, s.micro, bf16=s.bf16, zero=s.zero)
+    ntp = NTPConfig.from_any(dict(s.ntp, timeout_s=timeout_s, zero_redundancy=s.zero_redundancy, fault_tolerance={
+        "heartbeat_timeout_s": s.heartbeat_timeout_s, "hang_timeout_s": s.hang_timeout_s,
+        "last_good_dir": s.last_good_dir, "join_timeout_s": 120.0}))
+    schedule = FaultSchedule.from_config(list(s.faults), world_size + len(joins))  # joiners may fail too
     joining = bool(os.environ.get(JOIN_ENV))
     if joining:
-        os.environ[JOIN_STEP_ENV] = str((joins or {}).get(rank, 0))
-        ds = {**ds, **(joiner_overrides or {}).get(rank, {})}
+        os.environ[JOIN_STEP_ENV] = str(joins.get(rank, 0))
+        ds = {**ds, **(s.joiner_overrides or {}).get(rank, {})}
     store = connect_from_env(timeout_s)
     try:  # the public handle, as `ntp-ds train` starts it
         handle = start(model, ds, ntp, store, schedule, stop_on_signals=False)
@@ -228,7 +259,7 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
     check = handle.injector.check
 
     def on_phase(step: int, phase: str) -> None:
-        if phase == "grad_sync" and step == reduce_after_verdict:
+        if phase == "grad_sync" and step == s.reduce_after_verdict:
             wire.verdict(timeout_s)
         check(step, phase)
 
@@ -238,7 +269,7 @@ def train_with_recovery(rank, world_size, ntp: dict, optim: str, stage: int, glo
     data, sampler = dataset(config), GlobalBatchSampler(256, seed=1)
     noticed, recovered, kept_grads = [], [], []
     try:
-        for _ in handle.train_steps(steps):
+        for _ in handle.train_steps(s.steps):
             try:
                 for batch in replica_micro_batches(data, sampler, handle.batch_plan, handle.ntp_groups.replica,
                                                    handle.global_steps):
