@@ -107,6 +107,8 @@ def start(model, config, ntp: NTPConfig, store, schedule, *, hosts_store: bool =
         engine = build(model, config, ntp, optimizer, lr_scheduler, seq_len, store)
         recovery = Recovery(engine, store, rank, **liveness)
     recovery.expect_joiners(schedule.repairs().values())  # a repair takes effect at its step
+    # Faults sent to the running job reach it with an alarm: the training thread reads the store only then.
+    recovery.heartbeat.on_alarm.append(injector.listen(lambda: recovery.heartbeat.hears_alarms))
     return FaultTolerantEngine(engine, recovery, injector=injector, on_event=on_event, hosts_store=hosts_store,
                                stop_on_signals=stop_on_signals)
 

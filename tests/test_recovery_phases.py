@@ -1,7 +1,8 @@
 """Each recovery phase in-process, against fake stores, readers, wires and engines: no spawned rank, no process group.
 
 The spawned-rank suites (test_recovery, test_grow, test_kept_*) keep the end-to-end cases; these check each phase's
-decisions directly: detection and agreement (`detect`), the hand-off and its roll-back (`handoff`), the choice to
+decisions directly: detection and agreement (`detect`), which old groups the next generation keeps (`keep`), the
+hand-off and its roll-back (`handoff`), the choice to
 keep or rebuild an engine and to keep an interrupted step's gradients (`install`), admission of joiners (`admit`),
 the last good weights' refusals (`last_good`), the event's figures (`report`) and the next generation after a loss
 or a join (`layout.generation`).
@@ -9,6 +10,7 @@ or a join (`layout.generation`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import types
@@ -22,7 +24,7 @@ from ntp_ds.control.joins import JoinRefused, JoinRequest, await_verdict, read_j
 from ntp_ds.control.liveness_store import LivenessView
 from ntp_ds.control.membership import FailureReport, MembershipChange
 from ntp_ds.engine.snapshot import Snapshot
-from ntp_ds.layout import ModelUnits, Topology
+from ntp_ds.layout import ModelUnits, Topology, plan_gradient_sync
 from ntp_ds.layout.generation import Generation
 from ntp_ds.recovery import admit, install, report
 from ntp_ds.control.keys import barrier_key
@@ -164,6 +166,69 @@ def test_the_rendezvous_watches_the_ring_neighbours_beats():
     store.add(barrier_key(1, "arrive", (0, 2, 3, 5)) + "/count", 3)  # the other three arrived
     d.arrive(store, 2, 1, (0, 2, 3, 5))
     assert set(d.monitor.ranks) == {0, 3}
+
+
+# -- regroup: which groups the next generation keeps ---------------------------------------------------------------
+class Group:
+    """One rank's handle of a process group of the old generation: its role, members, the operations this rank
+    posted on it and whether it has seen them complete."""
+
+    def __init__(self, role, ranks, ops, drained=True):
+        self.role, self.ranks, self.ops, self.drained = role, ranks, ops, drained
+
+
+@pytest.fixture
+def fake_groups(monkeypatch):
+    """`keep.keep` on fake groups: their members, role and operations from the `Group`, a wire that closes nothing."""
+    from ntp_ds.recovery import keep as phase
+
+    closed = []
+    monkeypatch.setattr(phase.dist, "get_process_group_ranks", lambda group: list(group.ranks))
+    monkeypatch.setattr(phase, "role_of", lambda group: group.role)
+    wire = types.SimpleNamespace(drained=lambda group, within_s: group.drained, ops_posted=lambda group: group.ops,
+                                 stop_watching=list, discard=closed.extend, is_nccl=lambda group=None: False,
+                                 waiting=contextlib.nullcontext)
+    monkeypatch.setattr(phase, "wire", wire)
+    return phase, closed
+
+
+def run_keep(phase, groups_of, old=(0, 1, 2, 3), new=(0, 1, 2)):
+    """Every surviving rank's `keep` at once (threads over one store) after rank 3 of (2, 2) died: the new topology is
+    (2, 1), whose TP group of replica 0 holds the same members as before."""
+    store = dist.HashStore()
+    after = Generation.initial(Topology.from_degrees(UNITS, (2, 2))).after_loss({3}, 1, 1).after
+    out = {}
+
+    def rank(r):
+        out[r] = phase.keep(store, r, groups_of[r], old, new, after.topology, plan_gradient_sync(after.topology), 1,
+                            5.0)
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in new]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert len(out) == len(new), "a rank's keep did not finish"
+    return out
+
+
+def test_a_group_whose_members_posted_alike_and_saw_it_all_complete_is_kept(fake_groups):
+    phase, closed = fake_groups
+    tp = {r: Group("tp", (0, 1), ops=7) for r in (0, 1)}
+    hit = Group("tp", (2, 3), ops=7)  # replica 1's group: the new topology builds it with other members
+    kept = run_keep(phase, {0: [tp[0]], 1: [tp[1]], 2: [hit]})
+    assert kept == {0: [tp[0]], 1: [tp[1]], 2: []} and closed == [hit]
+
+
+@pytest.mark.parametrize("why", ["counts differ", "not drained", "held by one member only"])
+def test_a_group_is_closed_on_every_member_when_one_member_cannot_keep_it(fake_groups, why):
+    phase, closed = fake_groups
+    tp = {0: Group("tp", (0, 1), ops=7), 1: Group("tp", (0, 1), ops=6 if why == "counts differ" else 7,
+                                                  drained=why != "not drained")}
+    groups = {0: [tp[0]], 1: [] if why == "held by one member only" else [tp[1]], 2: []}
+    kept = run_keep(phase, groups)
+    assert kept == {0: [], 1: [], 2: []}, why
+    assert tp[0] in closed
 
 
 # -- hand-off -----------------------------------------------------------------------------------------------------
@@ -453,6 +518,54 @@ def test_a_refused_joiner_hears_the_job_s_reason():
     refuse(store, 5, "rank 5: the job ended before it could take this worker in")
     with pytest.raises(JoinRefused, match="the job ended"):
         admit.await_admission(job_, store, 5, not_before=0, timeout_s=2.0, node=0, heartbeat_interval_s=0.5)
+
+
+class CountingStore:
+    """A HashStore that counts the requests made to it."""
+
+    def __init__(self):
+        self.inner, self.calls = dist.HashStore(), 0
+
+    def __getattr__(self, name):
+        method = getattr(self.inner, name)
+
+        def counted(*args):
+            self.calls += 1
+            return method(*args)
+        return counted
+
+
+def boundary_rank(rank, store, engine):
+    """A member's `Recovery` as far as its step boundary reads it (global rank `rank` of launch ranks 0..3)."""
+    from ntp_ds.recovery.manager import Recovery
+
+    recovery = object.__new__(Recovery)
+    recovery.rank, recovery.store, recovery.engine = rank, store, engine
+    recovery.generation = Generation.initial(Topology.from_degrees(UNITS, (2, 2)))
+    recovery.membership = types.SimpleNamespace(generation=0)
+    recovery.admission = admit.Admission(store, rank, admission_job())
+    recovery.grow = lambda plan: ("grown", plan.joiners)
+    return recovery
+
+
+def test_only_global_rank_0_reads_the_store_at_a_boundary_and_the_commit_vote_announces_a_join():
+    store = CountingStore()
+    engines = {r: types.SimpleNamespace(join_notice=False, join_announced=False) for r in range(4)}
+    ranks = {r: boundary_rank(r, store, engines[r]) for r in range(4)}
+    for r in (1, 2, 3):
+        assert ranks[r].at_boundary(1, 10) is None
+    assert store.calls == 0  # while nobody joins, the other members never talk to the store
+    # A joiner asks; at the boundary after step 1, rank 0 plans it for the boundary after step 2 and raises the
+    # notice that step 2's commit vote carries.
+    degraded = ranks[0].generation.after_loss({3}, 1, 0).after
+    for r in range(4):
+        ranks[r].generation = degraded
+    request_join(store.inner, JoinRequest(7, admit.job_fingerprint(admission_job()), 0, 0, 1.0))
+    assert ranks[0].at_boundary(1, 10) is None
+    assert engines[0].join_notice and read_join_plan(store.inner, 0).after == 2
+    for r in range(3):  # step 2 ran; its commit vote told every rank
+        engines[r].join_announced = True
+    assert all(ranks[r].at_boundary(2, 10) == ("grown", (7,)) for r in range(3))
 
 
 # -- last good weights, errors, report ----------------------------------------------------------------------------

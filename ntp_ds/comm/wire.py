@@ -55,7 +55,8 @@ __all__ = [
     "discard", "drained", "exchange", "gather_object", "has_control", "has_copy_lane", "is_nccl", "is_wire_failure",
     "mark", "on_departure", "open_for_batches", "ops_posted", "outstanding", "peer_failed", "progress", "proven",
     "recording", "require_arrived", "set_aside", "set_routes", "settle_device", "stop_watching", "sum_counts",
-    "teardown", "timed_event", "traffic", "traffic_since", "verdict", "vote", "wait", "waiting", "working",
+    "teardown", "timed_event", "traffic", "traffic_since", "verdict", "vote", "vote_with_notice", "wait", "waiting",
+    "working",
 ]
 
 
@@ -267,6 +268,14 @@ def vote(ready: bool, group=None, name: str = "vote") -> bool:
     if group is None:
         return bool(control_all_reduce(flag, "min", name).item())
     return bool(all_reduce(flag, group, "min", name).item())
+
+
+def vote_with_notice(ready: bool, notice: bool, name: str = "vote") -> tuple[bool, bool]:
+    """`vote` over the generation carrying one more bit in the same reduction: whether every rank is ready, and
+    whether any rank raised `notice` (one min over (ready, -notice))."""
+    flags = torch.tensor([1 if ready else 0, -1 if notice else 0], dtype=torch.int32)
+    out = control_all_reduce(flags, "min", name)
+    return bool(out[0].item()), bool(out[1].item() < 0)
 
 
 def barrier(group=None) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ntp_ds.comm.failures import DeviceError
 from ntp_ds.control.keys import FAULT_COUNT_KEY, fault_key, fired_key
+from ntp_ds.control.liveness_store import raise_alarm
 
 log = logging.getLogger(__name__)
 
@@ -184,9 +185,11 @@ class FaultSchedule:
 
 
 def send_fault(store, fault: Fault) -> int:
-    """Send `fault` to the running job through its store; return its sequence number."""
+    """Send `fault` to the running job through its store, and raise the alarm that has the ranks read it (their
+    injectors read the store only when told: `FaultInjector.listen`); return its sequence number."""
     n = store.add(FAULT_COUNT_KEY, 1)
     store.set(fault_key(n), fault.encode())
+    raise_alarm(store)
     return n
 
 
@@ -228,6 +231,8 @@ class FaultInjector:
         self._pending: list[tuple[Fault, bool]] = [(f, True) for f in schedule.for_rank(rank)]
         self._received = 0
         self._next_poll = float("-inf")
+        self._told: threading.Event | None = None
+        self._hearing: Callable[[], bool] = lambda: False
         self.slow_factor = 1.0
         """How many times as long this rank's micro-batches take (set by a `slow` fault)."""
 
@@ -240,7 +245,7 @@ class FaultInjector:
         """Fire the fault due at this step and phase, if any; poll the store when the poll interval has passed."""
         if phase not in PHASES:
             raise ValueError(f"phase={phase!r} must be one of {', '.join(PHASES)}")
-        if self.store is not None and self._clock() >= self._next_poll:
+        if self.store is not None and self._due():
             self.poll()
         for i, (fault, exact) in enumerate(self._pending):
             if fault.phase == phase and (step == fault.step if exact else step >= fault.step):
@@ -258,6 +263,22 @@ class FaultInjector:
         if extra > 0:
             self._sleep(extra)
         return extra
+
+    def listen(self, hearing: Callable[[], bool]) -> Callable[[], None]:
+        """Read the store only when told (an alarm: `send_fault` raises one) instead of every `poll_interval_s`, while
+        `hearing()` says the alarms reach this rank (else, as before, by the clock); return the callback that tells
+        it. It reads once first: faults sent before it listened."""
+        self._told, self._hearing = threading.Event(), hearing
+        self._told.set()
+        return self._told.set
+
+    def _due(self) -> bool:
+        if self._told is not None and self._hearing():
+            if not self._told.is_set():
+                return False
+            self._told.clear()  # before the read: an alarm raised during it is read at the next phase point
+            return True
+        return self._clock() >= self._next_poll
 
     def poll(self) -> None:
         """Read the faults sent to the job since the last poll and keep this rank's."""

@@ -101,6 +101,8 @@ class Heartbeat:
         self._alarm_epoch: int | None = None  # the last alarm epoch the waiting thread has seen
         self.alarms = 0
         """How many alarms have woken this heartbeat."""
+        self.on_alarm: list[Callable[[], None]] = []
+        """Called, from the thread that waits for alarms, with each alarm (`FaultInjector.listen`)."""
 
     def beat(self) -> Beat:
         """Send one beat now."""
@@ -127,6 +129,11 @@ class Heartbeat:
                                                   name=f"ntp-alarm-{self.rank}", daemon=True)
             self._alarm_thread.start()
         return self
+
+    @property
+    def hears_alarms(self) -> bool:
+        """Whether a thread of this heartbeat waits for alarms now (it stops on a broken store)."""
+        return self._alarm_thread is not None and self._alarm_thread.is_alive() and self._alarm_epoch is not None
 
     def _await_alarms(self, store) -> None:
         """Register, then wait for alarm after alarm on this rank's bucket key of the next epoch (each wait renewed
@@ -156,6 +163,8 @@ class Heartbeat:
                 self._alarm_epoch = epoch
                 self.alarms += 1
                 self._wake.set()
+                for hook in list(self.on_alarm):
+                    hook()
             except DistStoreError as err:
                 if "timeout" in str(err).lower():  # the wait ran out: renew it
                     continue

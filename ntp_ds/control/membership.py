@@ -369,7 +369,15 @@ class Membership:
     def adopt(self, change: MembershipChange) -> None:
         """Move to `change`'s generation and members without the survivors' barrier (a grown membership meets at
         the new generation's rendezvous instead)."""
+        self._enter(change)
+
+    def _enter(self, change: MembershipChange) -> None:
+        """Move to `change`'s generation and members, and forget what was read of the generations before the last
+        (a call naming one raises StaleGeneration): a rank keeps two generations' decisions, W long each, not all."""
         self.generation, self.members = change.generation, change.survivors
+        for old in [g for g in (*self._read, *self._decided) if g < change.generation - 1]:
+            self._read.pop(old, None)
+            self._decided.pop(old, None)
 
     def confirm(self, change: MembershipChange, timeout_s: float) -> bool:
         """Adopt `change`, then wait (bounded) until every survivor has; return False for a stale change.
@@ -395,7 +403,7 @@ class Membership:
             raise ValueError(f"change to generation {change.generation} is not the committed decision")
         if self.rank in change.dead:
             raise Evicted(f"rank {self.rank} was declared dead in generation {change.generation}: {change.reason}")
-        self.generation, self.members = change.generation, change.survivors
+        self._enter(change)
         return BarrierWait(self.store, membership_key(change.generation, "confirm"), self.rank, change.survivors,
                            timeout_s, poll_s=self.poll_s, max_poll_s=self.max_poll_s, clock=self._clock)
 

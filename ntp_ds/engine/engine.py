@@ -68,6 +68,11 @@ class NTPEngine(DeepSpeedEngine):
         fault-injection seam."""
         self.in_optimizer_step = False
         """Between the ready vote and the commit vote of a step: this rank's state may be partly updated."""
+        self.join_notice = False
+        """Raised by global rank 0 for the next step only: joiners are planned for the boundary after it. The step's
+        commit vote carries it to every rank (`join_announced`), so that no other rank reads the store for joins."""
+        self.join_announced = False
+        """Some rank raised `join_notice` for the step just committed: its boundary takes joiners in."""
         self._before_step = None
         self._whole_grads_step = None
         """The step whose accumulated gradients this rank holds whole: its reduction found a verdict already in and
@@ -379,7 +384,8 @@ class NTPEngine(DeepSpeedEngine):
             # NCCL the host passes a collective once it is queued, and a death before it completes would leave a
             # half-applied step that recovery takes for committed.
             wire.settle_device()
-            wire.vote(True, name="commit_vote")
+            _, self.join_announced = wire.vote_with_notice(True, self.join_notice, name="commit_vote")
+            self.join_notice = False
             self.in_optimizer_step = False
             self.refresh_copies()  # before the parameters: an anchor's messages to a contributor go in this order
             self._step_mark = wire.mark()  # what the next step's gradients may depend on is posted from here on

@@ -240,11 +240,16 @@ class Recovery:
 
     # -- growing back -------------------------------------------------------------------------------------------
     def at_boundary(self, completed: int, last_step: int | None = None) -> RecoveryOutcome | None:
-        """After step `completed`: admit due joiners (global rank 0 plans it, while a step is left for them after
-        the next one, `last_step` being the run's last) and grow if this is the planned boundary; return the grown
-        engine's outcome, or None (one store request per rank while nobody joins)."""
+        """After step `completed`: admit due joiners (global rank 0 plans them for the next boundary, while a step
+        is left for them after it, `last_step` being the run's last, and raises the engine's `join_notice` for the
+        next step's commit vote) and grow if the step just committed announced joiners; return the grown engine's
+        outcome, or None. While nobody joins, no rank but global rank 0 touches the store here."""
         if self.members.index(self.rank) == 0:
             self.admission.at_boundary(self.generation, completed, last_step)
+            planned = read_join_plan(self.store, self.membership.generation)
+            self.engine.join_notice = bool(planned and planned.joiners and planned.after == completed + 1)
+        if not self.engine.join_announced:
+            return None
         plan = read_join_plan(self.store, self.membership.generation)
         if plan is None or plan.after != completed or not plan.joiners:
             return None
@@ -296,13 +301,14 @@ class Recovery:
         # joiners do not enter): at a step boundary they are idle, and `keep.keep` checks it. A joiner holds none.
         candidates = keepable(torch.distributed.distributed_c10d._world.pg_map) if snapshot is not None else []
         wire.teardown(keep=candidates)
-        kept, before, meeting = [], None, Generation.unplaced(number, plan.members)
+        kept, before = [], None
         if snapshot is not None:
             before = self.generation
-            meeting, _ = before.after_join(plan.joiners, self.job.ntp.min_tp, number)
-            kept = keep(self.store, self.rank, candidates, plan.members_before, plan.members, meeting.topology,
-                        plan_gradient_sync(meeting.topology), number, self.job.ntp.timeout_s)
-        snapshot, handoff = self._regroup(meeting, kept, before, snapshot)
+            grown, _ = before.after_join(plan.joiners, self.job.ntp.min_tp, number)
+            kept = keep(self.store, self.rank, candidates, plan.members_before, plan.members, grown.topology,
+                        plan_gradient_sync(grown.topology), number, self.job.ntp.timeout_s)
+        # Every side meets as the plan seats the members; the places follow from the hand-off's old generation.
+        snapshot, handoff = self._regroup(Generation.unplaced(number, plan.members), kept, before, snapshot)
         grown, _ = handoff.before.after_join(plan.joiners, self.job.ntp.min_tp, number)
         if grown.members != plan.members:
             raise RecoveryImpossible(f"the join plan seats {plan.members}, this rank's placement {grown.members}")

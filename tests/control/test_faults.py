@@ -123,6 +123,41 @@ def test_sent_fault_is_polled_cheaply_and_fires_at_or_after_its_step():
                       "monotonic": 0.6, "clock": clock_domain()}
 
 
+def test_a_listening_injector_reads_the_store_only_when_an_alarm_tells_it():
+    # Between failures the training thread does not talk to the store: faults sent to the job come with an alarm.
+    store, clock, fire, hearing = CountingStore(), [0.0], Recorder(), [True]
+    inj = FaultInjector(FaultSchedule(), rank=2, store=store, poll_interval_s=0.5, clock=lambda: clock[0], fire=fire)
+    told = inj.listen(lambda: hearing[0])
+    inj.check(0, "forward")  # one read: faults sent before it listened
+    first = store.calls
+    assert first > 0
+    for step in range(1, 50):
+        clock[0] += 1.0
+        inj.check(step, "backward")
+    assert store.calls == first  # however long the job runs
+    send_fault(store.inner, Fault(2, 1, "grad_sync", "device_error"))
+    inj.check(50, "grad_sync")
+    assert fire.fired == []  # not told yet
+    told()  # the heartbeat's alarm thread
+    inj.check(50, "grad_sync")
+    assert fire.fired == [Fault(2, 1, "grad_sync", "device_error")]
+    # Alarms no longer heard (the store broke the waiting thread): it reads by the clock again.
+    hearing[0] = False
+    calls = store.calls
+    clock[0] += 1.0
+    inj.check(51, "forward")
+    assert store.calls > calls
+
+
+def test_sending_a_fault_raises_the_alarm():
+    from ntp_ds.control.liveness_store import alarm_epoch
+
+    store = dist.HashStore()
+    before = alarm_epoch(store)
+    send_fault(store, Fault(1, 3, "forward", "crash"))
+    assert alarm_epoch(store) == before + 1
+
+
 def test_detection_is_timed_from_a_fault_only_on_the_host_whose_clock_fired_it():
     from ntp_ds.control.faults import detection_from_faults
 

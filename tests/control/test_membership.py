@@ -276,6 +276,24 @@ def test_stale_generation_is_ignored():
         a.report_failure(2, {1}, 2.0, "x")
 
 
+def test_a_rank_keeps_the_decisions_of_two_generations_not_of_every_one():
+    # 50 generations (grown memberships, as joins commit them): what a rank keeps does not grow with the job's age.
+    store = dist.HashStore()
+    m = Membership(store, 0, range(4), settle_s=0.0, poll_s=0.001)
+    for g in range(50):
+        change = MembershipChange(g + 1, frozenset(), tuple(range(4 + g + 1)), 0.0, f"rank {4 + g} joined")
+        assert m.commit(change) == change
+        m.adopt(change)
+    assert m.generation == 50 and sorted(m._decided) == [49]
+    m.report_failure(50, {3}, 1.0, "x")
+    change = m.await_decision(50, 1.0)
+    assert sorted(m._decided) == [49, 50] and sorted(m._read) == [50]
+    m.adopt(change)
+    assert sorted(m._decided) == [50] and sorted(m._read) == [50]
+    with pytest.raises(StaleGeneration):
+        m.decision(49)
+
+
 def test_report_after_decision_is_ignored_and_must_be_repeated():
     store = dist.HashStore()
     v = Membership(store, 0, range(4), settle_s=0.0, poll_s=0.001)
