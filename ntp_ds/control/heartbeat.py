@@ -161,10 +161,10 @@ class Heartbeat:
                         continue
                     store.set(key, "1")
                 self._alarm_epoch = epoch
-                self.alarms += 1
                 self._wake.set()
                 for hook in list(self.on_alarm):
                     hook()
+                self.alarms += 1  # (after the hooks: a count read elsewhere says they have run)
             except DistStoreError as err:
                 if "timeout" in str(err).lower():  # the wait ran out: renew it
                     continue

@@ -281,6 +281,34 @@ def test_cli_errors_are_one_line_naming_the_field(argv, field, capsys):
     assert err.count("\n") == 1 and field in err, err
 
 
+def test_a_fault_sent_to_the_job_reaches_a_listening_injector_through_the_heartbeat_s_alarm():
+    # The path a job under live recovery takes (fault_tolerant.start wires it): the heartbeat's alarm thread tells
+    # the injector, whose next phase point reads the store and fires the fault.
+    from ntp_ds.control.heartbeat import Heartbeat
+    from ntp_ds.control.liveness import LivenessMonitor
+
+    store, address = host_store(timeout_s=20.0)
+    fire = Recorder()
+    heartbeat = Heartbeat(store.clone(), 0, 0.2, monitor=LivenessMonitor((), 2.0), on_dead=lambda ranks, wall: None)
+    injector = FaultInjector(FaultSchedule(), rank=0, store=store.clone(), fire=fire)
+    heartbeat.on_alarm.append(injector.listen(lambda: heartbeat.hears_alarms))
+    heartbeat.start()
+    try:
+        deadline = time.monotonic() + 10.0
+        while not heartbeat.hears_alarms:  # its alarm thread registers first
+            assert time.monotonic() < deadline, "the heartbeat never waited for alarms"
+            time.sleep(0.01)
+        injector.check(1, "forward")  # the read it makes when it starts listening
+        send_fault(store.clone(), Fault(0, 2, "backward", "crash"))
+        while heartbeat.alarms == 0:
+            assert time.monotonic() < deadline, "the alarm never reached the heartbeat"
+            time.sleep(0.01)
+        injector.check(2, "backward")
+        assert fire.fired == [Fault(0, 2, "backward", "crash")]
+    finally:
+        heartbeat.stop()
+
+
 def test_cli_checks_the_fault_against_the_running_job(capsys):
     store, address = host_store(timeout_s=5.0)
     base = ["--store", address, "--phase", "forward", "--kind", "crash", "--timeout-s", "5"]
