@@ -32,6 +32,7 @@ from ntp_ds.recovery.detect import Detector
 from ntp_ds.recovery.errors import RecoveryImpossible, failed_on_the_way
 from ntp_ds.recovery.handoff import hand_off
 from ntp_ds.recovery.last_good import save_last_good
+from tests.helpers.stores import CountingStore
 from tests.helpers.training import tiny_config
 
 UNITS = ModelUnits(heads=4, kv_heads=2, ffn=8, vocab=16)
@@ -518,21 +519,6 @@ def test_a_refused_joiner_hears_the_job_s_reason():
     refuse(store, 5, "rank 5: the job ended before it could take this worker in")
     with pytest.raises(JoinRefused, match="the job ended"):
         admit.await_admission(job_, store, 5, not_before=0, timeout_s=2.0, node=0, heartbeat_interval_s=0.5)
-
-
-class CountingStore:
-    """A HashStore that counts the requests made to it."""
-
-    def __init__(self):
-        self.inner, self.calls = dist.HashStore(), 0
-
-    def __getattr__(self, name):
-        method = getattr(self.inner, name)
-
-        def counted(*args):
-            self.calls += 1
-            return method(*args)
-        return counted
 
 
 def boundary_rank(rank, store, engine):

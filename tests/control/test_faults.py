@@ -20,6 +20,7 @@ from ntp_ds.control.faults import (FAULT_COUNT_KEY, Fault, FaultInjector, FaultS
 from ntp_ds.control.liveness_store import mark_exited
 from ntp_ds.control.job import publish_job, publish_step
 from ntp_ds.control.store import host_store
+from tests.helpers.stores import CountingStore
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD = {"rank": 1, "step": 3, "phase": "backward", "kind": "crash"}
@@ -83,21 +84,6 @@ def test_scheduled_fault_fires_once_at_its_exact_step_and_phase():
     assert resumed.fired == []
     with pytest.raises(ValueError, match="phase='fwd'"):
         inj.check(0, "fwd")
-
-
-class CountingStore:
-    """A HashStore that counts round trips."""
-
-    def __init__(self):
-        self.inner, self.calls = dist.HashStore(), 0
-
-    def __getattr__(self, name):
-        method = getattr(self.inner, name)
-
-        def counted(*args):
-            self.calls += 1
-            return method(*args)
-        return counted
 
 
 def test_sent_fault_is_polled_cheaply_and_fires_at_or_after_its_step():
