@@ -82,14 +82,14 @@ def hand_off(job, snapshot: Snapshot | None, generation: Generation | None, *, h
         snapshot = Snapshot(topology=context["generation"].topology, rank=None, params={}, fragments={}, keys=(),
                             optimizer_step=0, held={}, global_steps=context["global_steps"],
                             global_samples=context["global_samples"], mid_step=False, stale={}, lr_state=None)
-    held = snapshot.held
+    served = snapshot.held
     if rolled_back:  # serve only the copies of the step rolled back to (the newest such of each owner)
         target = snapshot.before_step[3]
-        held = {o: c for copies in (snapshot.previous, snapshot.held) for o, c in copies.items() if c.step == target}
+        served = {o: c for copies in (snapshot.previous, snapshot.held) for o, c in copies.items() if c.step == target}
     return snapshot, Handoff(
         before=generation if generation is not None else context["generation"],
         global_steps=context["global_steps"], global_samples=context["global_samples"],
-        carried_lr=context["lr_state"], held=held,
+        carried_lr=context["lr_state"], held=served,
         stale_by_rank={i: g["stale"] for i, g in enumerate(gathered)},
         whole_by_rank={i: g["whole"] for i, g in enumerate(gathered)},
         rolled_back=rolled_back, any_mid_step=any(g["mid_step"] for g in gathered))
