@@ -56,13 +56,14 @@ import torch.distributed as dist  # noqa: E402
 
 from ntp_ds.comm import wire  # noqa: E402
 from ntp_ds.comm.groups import ring_neighbours  # noqa: E402
-from ntp_ds.control.heartbeat import (ALARM_BUCKET, Beat, Heartbeat, LivenessMonitor, LivenessReader,  # noqa: E402
-                                      NodePublisher, alarm_bucket, heartbeat_key, mark_exited, prepare_store,
-                                      register_alarm_watcher, request_fence)
+from ntp_ds.control.heartbeat import Heartbeat  # noqa: E402
+from ntp_ds.control.keys import barrier_key, heartbeat_key  # noqa: E402
+from ntp_ds.control.liveness import Beat, LivenessMonitor  # noqa: E402
+from ntp_ds.control.liveness_store import (ALARM_BUCKET, LivenessReader, NodePublisher, alarm_bucket,  # noqa: E402
+                                           mark_exited, prepare_store, register_alarm_watcher, request_fence)
 from ntp_ds.control.membership import FailureReport, Membership, barrier  # noqa: E402
 from ntp_ds.layout import Topology, plan_buddies, plan_gradient_sync  # noqa: E402
 from ntp_ds.layout.generation import replica_membership  # noqa: E402
-from ntp_ds.control.keys import barrier_key  # noqa: E402
 from ntp_ds.testing.shapes import llama_70b, shape_specs, zero_order  # noqa: E402
 
 TP = 8

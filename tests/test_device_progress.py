@@ -5,7 +5,7 @@ host does."""
 import pytest
 
 from ntp_ds.comm import activity, device, wire
-from ntp_ds.control.heartbeat import Beat, LivenessMonitor
+from ntp_ds.control.liveness import Beat, LivenessMonitor
 from tests.helpers.recovery import assert_hung_rank_3_found
 
 

@@ -2,8 +2,9 @@
 
 from ntp_ds.comm.failures import DeviceError
 from ntp_ds.control.faults import Fault, FaultInjector, FaultSchedule, send_fault
-from ntp_ds.control.heartbeat import (Heartbeat, LivenessMonitor, LivenessReader, NodePublisher, mark_exited,
-                                      poll_liveness)
+from ntp_ds.control.heartbeat import Heartbeat
+from ntp_ds.control.liveness import LivenessMonitor
+from ntp_ds.control.liveness_store import LivenessReader, NodePublisher, mark_exited, poll_liveness
 from ntp_ds.control.membership import (BarrierTimeout, Evicted, Membership, MembershipChange, MembershipTimeout,
                                        StaleGeneration, barrier)
 from ntp_ds.control.store import connect_from_env, connect_store, generation_store, host_store

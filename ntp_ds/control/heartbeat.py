@@ -5,7 +5,7 @@ A crashed worker is usually seen first by its gloo neighbours ("Connection close
 by the launcher that waits on it (`mark_exited`). A hung worker (SIGSTOP, a wedged driver) is seen by nobody until
 a collective times out, so every worker beats and its watchers judge the beats they read: the judgement is
 `ntp_ds.control.liveness` (no I/O), the keys, logs and alarms in the store and their reading are
-`ntp_ds.control.liveness_store`. Their names stay importable from here too.
+`ntp_ds.control.liveness_store`.
 
 Ranks here are launch ranks (the RANK a worker started with): they name a worker across every generation.
 """
@@ -22,20 +22,9 @@ from datetime import timedelta
 
 from torch.distributed import DistStoreError
 
+from ntp_ds.control.keys import alarm_key, heartbeat_key
 from ntp_ds.control.liveness import Beat, LivenessMonitor
-from ntp_ds.control.liveness_store import (ALARM_BUCKET, ALARM_BUCKETS_KEY, ALARM_EPOCH_KEY, EXITED_KEY, FENCE_KEY,
-                                           NODE_PUBLISH_S, NODE_STALE_S, LivenessReader, LivenessView, NodeLiveness,
-                                           NodePublisher, alarm_bucket, alarm_epoch, alarm_key, heartbeat_key,
-                                           mark_exited, node_key, outlive_peers, poll_liveness, prepare_store,
-                                           raise_alarm, read_beats, read_exits, read_fences, register_alarm_watcher,
-                                           request_fence)
-
-__all__ = ["ALARM_BUCKET", "ALARM_BUCKETS_KEY", "ALARM_EPOCH_KEY", "ALARM_WAIT_S", "EXITED_KEY", "FENCE_KEY",
-           "NODE_PUBLISH_S", "NODE_STALE_S", "WATCHES_PER_BEAT", "Beat", "Heartbeat", "LivenessMonitor",
-           "LivenessReader", "LivenessView", "NodeLiveness", "NodePublisher", "alarm_bucket", "alarm_epoch",
-           "alarm_key", "heartbeat_key", "mark_exited", "next_pause", "node_key", "outlive_peers", "poll_liveness",
-           "prepare_store", "raise_alarm", "read_beats", "read_exits", "read_fences", "register_alarm_watcher",
-           "request_fence"]
+from ntp_ds.control.liveness_store import LivenessReader, alarm_bucket, alarm_epoch, register_alarm_watcher
 
 log = logging.getLogger(__name__)
 

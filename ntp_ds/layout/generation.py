@@ -89,11 +89,6 @@ class Placement:
         return cls(topology.layouts, tuple(range(len(topology.layouts))),
                    tuple(tuple(range(lay.tp)) for lay in topology.layouts))
 
-    @classmethod
-    def unplaced(cls, number: int, members: Sequence[int]) -> Generation:
-        """What a joiner knows of the generation it joins before the members tell it the rest: who is in it."""
-        return cls(number, tuple(members), None, None)
-
     def after_loss(self, lost: dict[int, frozenset[int]], dropped) -> Placement:
         """The placement after a recovery: `lost[r]` is the TP ranks live replica r lost (those that lost all are
         in `dropped` too), `dropped` the live replicas that leave."""

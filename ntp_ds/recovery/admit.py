@@ -12,9 +12,10 @@ import time
 from collections.abc import Callable
 
 from ntp_ds.comm import wire
-from ntp_ds.control.heartbeat import Heartbeat, mark_exited, read_exits
+from ntp_ds.control.heartbeat import Heartbeat
 from ntp_ds.control.joins import (JoinFailed, JoinPlan, JoinRequest, JoinRequests, admit, await_decision,
                                   await_verdict, fingerprint, propose_join, read_join_plan, refuse, request_join)
+from ntp_ds.control.liveness_store import mark_exited, read_exits
 from ntp_ds.engine.initialize import JobSpec
 from ntp_ds.layout.generation import Generation
 
@@ -45,6 +46,8 @@ class Admission:
         arrived, so a repair takes effect at its step however long the replacement takes to start; the hold is
         bounded by half the job's collective bound (the other members wait in the next step meanwhile), after which
         the repair waits for a later boundary."""
+        self.planned: JoinPlan | None = None
+        """The plan in force that this rank proposed or found (one per generation at most)."""
         self.clock, self.sleep = clock, sleep
 
     def unfit(self, request: JoinRequest, members) -> str | None:
@@ -84,18 +87,23 @@ class Admission:
                     return
                 self.sleep(0.05)
 
-    def at_boundary(self, generation: Generation, completed: int, last_step: int | None) -> None:
+    def at_boundary(self, generation: Generation, completed: int, last_step: int | None) -> JoinPlan | None:
         """After step `completed`, while a step is left for joiners after the next one (`last_step`: the run's
-        last): hold for the repairs due, then plan."""
+        last): hold for the repairs due, then plan. Return the plan in force for `generation`, or None."""
         if last_step is None or completed + 2 <= last_step:
             self.await_expected(completed)
             self.plan(generation, completed)
+        planned = self.planned
+        return planned if planned is not None and planned.generation == generation.number else None
 
     def plan(self, generation: Generation, completed: int) -> JoinPlan | None:
         """Refuse the unfit requests and seat the due ones (they train from step `completed + 2` on): propose and
         admit the plan, once per generation. Return the plan proposed, or None."""
         pending = self.requests.pending(generation.number, generation.members)
-        if not pending or read_join_plan(self.store, generation.number) is not None:
+        if not pending:
+            return None
+        if (found := read_join_plan(self.store, generation.number)) is not None:
+            self.planned = found
             return None
         gone = read_exits(self.store)  # a joiner that failed its join, or died waiting, is not planned again
         pending = [r for r in pending if r.rank not in gone]
@@ -118,8 +126,9 @@ class Admission:
         seated = tuple(r for r in sorted(due) if r not in unseated)
         if not seated:
             return None
-        plan = propose_join(self.store, JoinPlan(generation.number, completed + 1, seated, generation.members,
-                                                 grown.members, tuple(walls[r] for r in seated)))
+        plan = self.planned = propose_join(self.store, JoinPlan(generation.number, completed + 1, seated,
+                                                                generation.members, grown.members,
+                                                                tuple(walls[r] for r in seated)))
         admit(self.store, plan)
         return plan
 

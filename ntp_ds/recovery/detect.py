@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable, Iterable
 
 from ntp_ds.comm.groups import ring_neighbours
-from ntp_ds.control.heartbeat import LivenessMonitor
 from ntp_ds.control.keys import barrier_key
+from ntp_ds.control.liveness import LivenessMonitor
 from ntp_ds.control.membership import BarrierWait, MembershipChange
 
 

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ntp_ds.comm import wire
-from ntp_ds.engine.snapshot import Snapshot
 from ntp_ds.engine.recut import recuttable
+from ntp_ds.engine.snapshot import Snapshot
 from ntp_ds.layout.generation import Generation
 from ntp_ds.recovery.rollback import offered, roll_back
 

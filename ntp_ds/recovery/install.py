@@ -18,10 +18,10 @@ from ntp_ds.comm import wire
 from ntp_ds.comm.exchange import Side, UnitExchange
 from ntp_ds.comm.groups import count_communicators
 from ntp_ds.engine.config import ConfigError
-from ntp_ds.engine.snapshot import Snapshot
 from ntp_ds.engine.fragments import params_from_masters
 from ntp_ds.engine.initialize import JobSpec, build_engine, rebind_engine
 from ntp_ds.engine.recut import recuttable
+from ntp_ds.engine.snapshot import Snapshot
 from ntp_ds.layout import plan_gradient_sync
 from ntp_ds.layout import units as U
 from ntp_ds.layout.generation import Generation

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from ntp_ds.comm import wire
 from ntp_ds.comm.exchange import Side, assemble_whole
-from ntp_ds.engine.snapshot import Snapshot
 from ntp_ds.engine.initialize import JobSpec, join_world
+from ntp_ds.engine.snapshot import Snapshot
 from ntp_ds.layout import plan_whole_tensors
 from ntp_ds.models import empty_shard
 from ntp_ds.models.checkpoint import write_whole_tensors

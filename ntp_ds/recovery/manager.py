@@ -19,8 +19,8 @@ import torch
 
 from ntp_ds.comm import wire
 from ntp_ds.comm.groups import keepable, mark_communicators, role_of
-from ntp_ds.control.heartbeat import LivenessReader, mark_exited, request_fence
 from ntp_ds.control.joins import JoinFailed, JoinPlan, read_join_plan
+from ntp_ds.control.liveness_store import LivenessReader, mark_exited, request_fence
 from ntp_ds.control.membership import Membership, MembershipChange, barrier
 from ntp_ds.engine.copies import release_cached_host_memory
 from ntp_ds.engine.initialize import JobSpec, build_topology, join_world
@@ -245,8 +245,7 @@ class Recovery:
         next step's commit vote) and grow if the step just committed announced joiners; return the grown engine's
         outcome, or None. While nobody joins, no rank but global rank 0 touches the store here."""
         if self.members.index(self.rank) == 0:
-            self.admission.at_boundary(self.generation, completed, last_step)
-            planned = read_join_plan(self.store, self.membership.generation)
+            planned = self.admission.at_boundary(self.generation, completed, last_step)
             self.engine.join_notice = bool(planned and planned.joiners and planned.after == completed + 1)
         if not self.engine.join_announced:
             return None

@@ -13,7 +13,9 @@ from collections.abc import Callable
 
 from ntp_ds.comm import wire
 from ntp_ds.comm.groups import ring_neighbours
-from ntp_ds.control.heartbeat import Heartbeat, LivenessMonitor, LivenessReader, request_fence
+from ntp_ds.control.heartbeat import Heartbeat
+from ntp_ds.control.liveness import LivenessMonitor
+from ntp_ds.control.liveness_store import LivenessReader, request_fence
 from ntp_ds.recovery.keep import departed, suspects
 
 log = logging.getLogger("ntp_ds.recovery")
