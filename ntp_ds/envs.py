@@ -24,6 +24,10 @@ RUN_DIR_ENV = "NTP_RUN_DIR"
 NODE_SIZE_ENV = "NTP_NODE_SIZE"
 """Through which the launcher tells its workers how many ranks each node runs (rank r lives on node r // size) and
 that every node's launcher publishes `node/{n}`."""
+RACK_SIZE_ENV = "NTP_RACK_SIZE"
+"""Through which the launcher tells its workers how many contiguous nodes form a rack (`launcher.rack_size`): rank r
+lives in rack r // node size // rack size. Under torchrun or deepspeed, export it; the node size is then
+LOCAL_WORLD_SIZE."""
 SENTINEL_ENV = "NTP_SENTINEL"
 """`0`: no sentinel; `child`: this process is the worker a sentinel started."""
 TEST_BACKEND_ENV = "NTP_TEST_BACKEND"

@@ -234,7 +234,8 @@ def launch_local(cfg, argv: list[str]) -> int:
     if fork:
         preload()
     spec = LaunchSpec([sys.executable, "-u", "-m", "ntp_ds.train", *argv], nproc, lc.nnodes, lc.node_rank,
-                      lc.store, str(run_dir), lc.grace_s, fork=fork, repairs=cfg.fault_schedule().repairs())
+                      lc.store, str(run_dir), lc.grace_s, fork=fork, repairs=cfg.fault_schedule().repairs(),
+                      rack_size=lc.rack_size)
     code = launch(spec)
     summary = read_summary(run_dir / SUMMARY)
     if summary.get("status") == "stopped":

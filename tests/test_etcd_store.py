@@ -20,7 +20,7 @@ from ntp_ds.control.address import parse_etcd_address
 from ntp_ds.control.etcd_store import EtcdStore
 from ntp_ds.control.store import connect_store
 from ntp_ds.testing.etcd_cluster import EtcdCluster, etcd_binary
-from tests.helpers.cli import REPO, ntp_ds
+from tests.helpers.cli import REPO, ntp_ds, run_events, train_clean
 from tests.helpers.training import assert_same_final_weights, wait_for_lines
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="no etcd server on PATH (apt-get install etcd-server)")
@@ -106,6 +106,69 @@ def test_counters_stay_exact_under_contention_and_through_a_lost_member(cluster)
     assert stores[0].get("log") == b"." * 100
 
 
+def test_a_counter_read_is_one_read_and_an_absent_counter_is_created(cluster):
+    s = connect_store(cluster.address("counter-read"), timeout_s=10)
+    assert s.add("c", 0) == 0 and s.check(["c"])  # created, as torch's stores create it
+    s.add("c", 5)
+    calls, call = [], s._call
+    s._call = lambda path, payload: calls.append(path) or call(path, payload)
+    assert s.add("c", 0) == 5 and calls == ["/kv/range"]  # no transaction: readers never retry each other out
+    del s._call
+
+
+def test_a_generation_s_keys_are_forgotten_by_prefix_and_the_others_kept(cluster):
+    from ntp_ds.control.keys import barrier_key, decision_key, membership_key
+    from ntp_ds.control.store import forget_generation, generation_store
+
+    s = connect_store(cluster.address("forget"), timeout_s=10)
+    for g in (3, 4, 13):
+        s.set(decision_key(g), "d")
+        s.add(membership_key(g, "acks"), 1)
+        s.set(barrier_key(g, "done", (0, 1)) + "/count", "2")
+        generation_store(s, g).set("store_based_barrier", "1")
+    s.set("heartbeat/0", "1")
+    assert forget_generation(s, 3) == 4
+    assert not s.check([decision_key(3)]) and not s.check([membership_key(3, "acks")])
+    assert s.check([decision_key(4), decision_key(13), membership_key(13, "acks"), "heartbeat/0"])
+    assert s.num_keys() == 9  # generations 4 and 13 (4 keys each) and the beat
+
+
+def _revisions(store, n: int, value: bytes, compact_every: int | None) -> None:
+    for i in range(n):
+        store.set("history", value)
+        if compact_every is not None:
+            store.compact_if_due(compact_every)
+
+
+def test_compaction_keeps_a_small_quota_from_filling_and_without_it_the_quota_fills(tmp_path):
+    from ntp_ds.control.etcd_store import EtcdRefused
+
+    quota = 16 << 20
+    value = os.urandom(128 << 10)  # 200 writes: 25 MB of history, over the quota
+    with EtcdCluster(1, quota_bytes=quota) as small:
+        s = connect_store(small.address("compacted"), timeout_s=10)
+        _revisions(s, 200, value, compact_every=20)
+        assert s.get("history") == value
+        status = s._call("/maintenance/status", {})
+        assert int(status["dbSize"]) < quota, status
+    with EtcdCluster(1, quota_bytes=quota) as small:
+        s = connect_store(small.address("uncompacted"), timeout_s=10)
+        with pytest.raises(EtcdRefused, match="NOSPACE") as refused:
+            _revisions(s, 200, value, compact_every=None)
+        assert refused.value.code == 8
+
+
+def test_one_client_compacts_per_period_whoever_asks(cluster):
+    a, b = connect_store(cluster.address("compact-once"), 10), connect_store(cluster.address("compact-once"), 10)
+    a.set("x", "1")
+    first = a.compact_if_due(every=1)
+    assert first is not None and b.compact_if_due(every=1000) is None  # due for nobody else until 1000 more
+    for i in range(5):
+        b.set("x", str(i))
+    assert b.compact_if_due(every=5) is not None and a.compact_if_due(every=5) is None
+    assert a.get("x") == b"4"  # compaction keeps every key's current value
+
+
 def test_bad_addresses_name_what_is_wrong(tmp_path):
     for address, words in [("etcd://", "names no etcd member"), ("etcd://h", "has no port"),
                            ("etcd://h:1,h:x", "member 'h:x'"), ("etcd://h:1/a b", "job name")]:
@@ -132,10 +195,7 @@ JOB = ["parallel.tp=2", "parallel.replicas=2", "parallel.timeout_s=20", f"train.
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("etcd") / "clean"
-    result = ntp_ds("train", *JOB, "fault=none", f"hydra.run.dir={run_dir}", timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir
+    return train_clean(tmp_path_factory.mktemp("etcd") / "clean", JOB)
 
 
 def _env() -> dict:
@@ -151,12 +211,6 @@ def _steps_done(run_dir) -> int:
     if not path.exists():
         return 0
     return max((json.loads(x).get("step", 0) for x in path.read_text().splitlines() if x.strip()), default=0)
-
-
-def _events(run_dir, kind: str) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [e for e in map(json.loads, filter(None, lines)) if e["event"] == kind]
 
 
 def _wait_for_step(run_dir, step: int, procs, deadline: float, log) -> None:
@@ -190,7 +244,7 @@ def test_a_job_loses_an_etcd_member_then_a_worker(clean, tmp_path):
         finally:
             _stop(proc)
     assert proc.returncode == 0, log_path.read_text()[-4000:]
-    recoveries = _events(run_dir, "recovery")
+    recoveries = run_events(run_dir, "recovery")
     assert [e["degrees_after"] for e in recoveries] == [[2, 1]] and recoveries[0]["lossless"], recoveries
     assert _steps_done(run_dir) == STEPS
     assert_same_final_weights(run_dir, clean)
@@ -226,7 +280,7 @@ def test_a_two_node_job_on_etcd_loses_the_node_that_started_it(clean, tmp_path):
         finally:
             _stop(*procs)
     assert procs[1].returncode == 0, logs[1].read_text()[-4000:]
-    recoveries = _events(run_dir, "recovery")
+    recoveries = run_events(run_dir, "recovery")
     assert [e["degrees_after"] for e in recoveries] == [[2, 0]] and recoveries[0]["lossless"], recoveries
     assert recoveries[0]["dead"] == [0, 1]  # replica 0 dropped: replica 1 is listed first now
     assert _steps_done(run_dir) == STEPS

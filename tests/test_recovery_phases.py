@@ -133,6 +133,16 @@ def test_detection_ignores_deaths_outside_the_generation():
     assert dead == {2}
 
 
+def test_ranks_missing_at_a_barrier_s_bound_are_dead_at_the_next_attempt():
+    from ntp_ds.control.membership import BarrierTimeout
+
+    d = detector()
+    assert d.missed(BarrierTimeout("membership/4/confirm", frozenset({5, 6}), 13.0)) == {5, 6}
+    dead, reason = d.detect(FakeMembership(range(8)), RuntimeError("barrier timed out"))
+    assert dead == {5, 6}
+    assert "rank 5 did not arrive at barrier 'membership/4/confirm' within 13 s" in reason
+
+
 def test_agreement_reports_awaits_the_decision_and_confirms_it():
     membership = FakeMembership(range(4), generation=3)
     change = detector().agree(membership, frozenset({2}), "rank 2 exited", {2: 1.5, 0: 0.1})

@@ -10,17 +10,13 @@ failure-free run's. Rank 0 runs slowed (a `slow` fault, which only waits) from s
 workers start before the job ends.
 """
 
-import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.helpers.cli import REPO, ntp_ds
+from tests.helpers.cli import free_port, launch_node, run_events, train_clean
 from tests.helpers.training import assert_same_final_weights, wait_for_lines
 
 STEPS = 14
@@ -28,41 +24,22 @@ JOB = ["parallel.tp=2", "parallel.replicas=2", "parallel.timeout_s=20", f"train.
        "train.global_batch=8", "train.micro_batch=2", "data.seq_len=16", "logging.progress=false"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 FAULTS = ("fault.faults=[{rank:3,step:2,phase:backward,kind:crash},{rank:0,step:5,phase:forward,kind:slow,factor:25},"
           "{rank:2,step:5,phase:forward,kind:hang}]")
 
 
-def _launch(node: int | None, port: int, run_dir, log) -> subprocess.Popen:
+def _launch(node: int | None, port: int, run_dir, log):
     """Node `node` of the two, or (None) a replacement node that joins the running job."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "WANDB_MODE": "offline"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NTP_RUN_DIR", "NTP_STORE"):
-        env.pop(key, None)
     where = ["--join"] if node is None else ["--nnodes", "2", "--node-rank", str(node)]
-    args = [sys.executable, "-m", "ntp_ds.cli", "launch", *where, "--store", f"127.0.0.1:{port}",
-            "--nproc-per-node", "2", "--grace-s", "5", "-m", "ntp_ds.train", *JOB, FAULTS, f"run_dir={run_dir}"]
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
-
-
-def _events(run_dir, kind: str) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [e for e in map(json.loads, filter(None, lines)) if e["event"] == kind]
+    return launch_node([*where, "--store", f"127.0.0.1:{port}", "--nproc-per-node", "2", "--grace-s", "5",
+                        "-m", "ntp_ds.train", *JOB, FAULTS, f"run_dir={run_dir}"], log)
 
 
 @pytest.mark.long
 def test_two_nodes_survive_a_worker_and_the_whole_second_node_and_a_replacement_node_joins(tmp_path):
-    clean = tmp_path / "clean"
-    result = ntp_ds("train", *JOB, "fault=none", f"hydra.run.dir={clean}", timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
+    clean = train_clean(tmp_path / "clean", JOB, timeout=240)
 
-    run_dir, port = tmp_path / "faulted", _free_port()
+    run_dir, port = tmp_path / "faulted", free_port()
     logs = [open(tmp_path / f"node{n}.log", "w") for n in (0, 1, 2)]
     node0 = _launch(0, port, run_dir, logs[0])
     time.sleep(1.0)  # node 0 hosts the store
@@ -72,7 +49,7 @@ def test_two_nodes_survive_a_worker_and_the_whole_second_node_and_a_replacement_
         deadline = time.monotonic() + 240
         wait_for_lines(tmp_path / "node1.log", ["injecting hang on rank 2 at step 5"], [node0, node1], deadline)
         os.killpg(node1.pid, signal.SIGKILL)  # the whole node: its launcher and its remaining (stopped) worker
-        while len(_events(run_dir, "recovery")) < 2 and time.monotonic() < deadline and node0.poll() is None:
+        while len(run_events(run_dir, "recovery")) < 2 and time.monotonic() < deadline and node0.poll() is None:
             time.sleep(0.2)
         node2 = _launch(None, port, run_dir, logs[2])  # a replacement node joins the running job
         node0.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -87,10 +64,10 @@ def test_two_nodes_survive_a_worker_and_the_whole_second_node_and_a_replacement_
     output = (tmp_path / "node0.log").read_text()
     assert node0.returncode == 0, output[-4000:]
     assert node2.returncode == 0, (tmp_path / "node2.log").read_text()[-4000:]
-    recoveries = _events(run_dir, "recovery")
+    recoveries = run_events(run_dir, "recovery")
     assert [e["degrees_after"] for e in recoveries] == [[2, 1], [2, 0]], recoveries
     assert all(e["lossless"] for e in recoveries)
-    joins = _events(run_dir, "join")  # the two workers are taken in together, or at two boundaries
+    joins = run_events(run_dir, "join")  # the two workers are taken in together, or at two boundaries
     assert sorted(r for e in joins for r in e["joined"]) == [4, 5] and joins[-1]["degrees_after"] == [2, 2]
     assert all(e["lossless"] and e["bytes_moved"] == e["joiner_shard_bytes"] > 0 for e in joins)
     assert_same_final_weights(run_dir, clean)

@@ -40,6 +40,33 @@ their keys in transactions of this many, not one request per key (an alarm at 10
 RECHECK_S = 5.0
 """A wait's watch stream is given up and the key read again after this long without news (a member that hangs, or
 a stream lost with its member, costs no more than this)."""
+COMPACTION_KEY = b"__compaction"
+"""Under the job's prefix: the revision the job last compacted the cluster's history to (`compact_if_due`)."""
+COMPACT_EVERY_REVISIONS = 10_000
+"""The job compacts the cluster's history once it has grown by this many revisions (writes) since the last time:
+etcd keeps every revision of every key until compacted, and its space quota (2 GiB by default) once full refuses
+every write (NOSPACE)."""
+REFUSED_CODES = {3: "invalid argument", 8: "resource exhausted", 11: "out of range"}
+"""gRPC status codes (as the v3 gateway passes them on) of a request etcd refuses as such: no other member would
+answer it otherwise, so it is not retried there (8: the space quota is full; 11: a revision already compacted)."""
+
+
+class EtcdRefused(dist.DistStoreError):
+    """etcd answered the request with a refusal (`REFUSED_CODES`), not a failure of its member."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def _refusal(err) -> tuple[int, str] | None:
+    """(gRPC code, message) of an answer that refuses the request itself (`REFUSED_CODES`), else None."""
+    try:
+        detail = json.loads(getattr(err, "detail_text", None) or "")
+    except ValueError:
+        return None
+    code = detail.get("code") if isinstance(detail, dict) else None
+    return (code, str(detail.get("error") or detail.get("message") or "")) if code in REFUSED_CODES else None
 
 
 def _b64(data: bytes) -> str:
@@ -56,6 +83,11 @@ def _bytes(value) -> bytes:
     if isinstance(value, list):  # what torch hands a Python store from C++ callers
         return bytes(value)
     raise TypeError(f"store values are bytes or str, got {type(value).__name__}")
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The end of the key range of every key that starts with `prefix` (etcd's `range_end`)."""
+    return prefix[:-1] + bytes([prefix[-1] + 1])
 
 
 class EtcdStore(dist.Store):
@@ -89,6 +121,13 @@ class EtcdStore(dist.Store):
                 return client.post(client.get_url(path), json=payload)
             except exceptions.Etcd3Exception as err:  # refused, timed out, no leader, or any other answer but 200
                 failure = err
+                refusal = _refusal(err)
+                if refusal is not None:
+                    code, text = refusal
+                    hint = (": the cluster's space quota is full (NOSPACE); compact and defragment it, and raise "
+                            "--quota-backend-bytes" if code == 8 and "space" in text else "")
+                    raise EtcdRefused(f"etcd store {self.address}: {path} refused ({REFUSED_CODES[code]}: "
+                                      f"{text}){hint}", code) from None
             if time.monotonic() + pause > deadline:
                 raise dist.DistStoreError(f"etcd store {self.address}: no member answered within {self._timeout_s}s "
                                           f"(last: {type(failure).__name__}: {str(failure)[:200]})")
@@ -150,6 +189,10 @@ class EtcdStore(dist.Store):
         return base64.b64decode(record.get("value", ""))
 
     def add(self, key, amount: int) -> int:
+        if int(amount) == 0:  # a counter read is a read: no transaction, no contention with the writers
+            record = self._range(self._key(key))
+            if record is not None:
+                return int(base64.b64decode(record.get("value", "")) or b"0")
         return int(self._update(key, lambda cur: str(int(cur or b"0") + int(amount)).encode()))
 
     def append(self, key, value) -> None:
@@ -201,17 +244,49 @@ class EtcdStore(dist.Store):
                     time.sleep(min(seconds, 0.05))  # the caller's read moves on to another member if need be
                     return
                 for line in response.iter_lines():
-                    if line and json.loads(line).get("result", {}).get("events"):
+                    result = json.loads(line).get("result", {}) if line else {}
+                    if result.get("events") or result.get("canceled"):  # (canceled: its revision was compacted)
                         return
         except (requests.exceptions.RequestException, ValueError):
             time.sleep(min(seconds, 0.05))  # a stream lost with its member, or no news within `seconds`
+
+    def delete_prefix(self, prefix) -> int:
+        """Delete every key that starts with `prefix` (one request); return how many there were."""
+        start = self._key(prefix)
+        answer = self._call("/kv/deleterange", {"key": _b64(start), "range_end": _b64(_prefix_end(start))})
+        return int(answer.get("deleted", 0))
+
+    def compact_if_due(self, every: int = COMPACT_EVERY_REVISIONS) -> int | None:
+        """Compact the cluster's history to the current revision once it has grown by `every` revisions since the
+        job last did; return that revision, or None when not due (or another client of the job claimed it first).
+
+        Every launcher of the job calls this now and then (`ntp-ds launch`): one guarded transaction on
+        `COMPACTION_KEY` picks the one that compacts, so the job compacts once per `every` revisions whichever
+        nodes are left. Compaction keeps every key's current value; it drops the older ones, so the space they took
+        is reused and the quota never fills with history. A wait watching from a compacted revision reads its key
+        again (`_watch_put` gives up the stream)."""
+        key = self._prefix + COMPACTION_KEY
+        answer = self._call("/kv/range", {"key": _b64(key)})
+        revision = int(answer["header"]["revision"])
+        record = (answer.get("kvs") or [None])[0]
+        last = int(base64.b64decode(record.get("value", ""))) if record is not None else 0
+        if revision - last < every:
+            return None
+        if not self._txn([self._unchanged(key, record)], [self._put(key, str(revision).encode())]):
+            return None
+        try:
+            self._call("/kv/compaction", {"revision": str(revision)})
+        except EtcdRefused as refused:
+            if refused.code != 11:  # 11: another job sharing the cluster compacted past it already
+                raise
+        return revision
 
     def delete_key(self, key) -> bool:
         return int(self._call("/kv/deleterange", {"key": _b64(self._key(key))}).get("deleted", 0)) > 0
 
     def num_keys(self) -> int:
-        end = self._prefix[:-1] + bytes([self._prefix[-1] + 1])
-        answer = self._call("/kv/range", {"key": _b64(self._prefix), "range_end": _b64(end), "count_only": True})
+        answer = self._call("/kv/range", {"key": _b64(self._prefix), "range_end": _b64(_prefix_end(self._prefix)),
+                                          "count_only": True})
         return int(answer.get("count", 0))
 
     def multi_get(self, keys) -> list[bytes]:

@@ -123,3 +123,12 @@ def barrier_key(generation: int, name: str, members) -> str:
     that a failure took instead waits at its own, and fails on the dead rank it names). Members are hashed as 8-byte
     integers: a member list is W long, and this is on every survivor's path."""
     return f"recovery/{generation}/{name}/{hashlib.sha256(array('q', members).tobytes()).hexdigest()[:12]}"
+
+
+def generation_keys(generation: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(prefixes, exact keys) of every key that belongs to `generation` alone: its agreement, its process groups'
+    rendezvous, its recovery's departures, drains and barriers, its decision and its join plan. Once two newer
+    generations exist nobody reads them again (`control.store.forget_generation`)."""
+    g = generation
+    return ((membership_key(g, ""), f"{process_group_prefix(g)}/", f"left/{g}/", f"drain/{g}/", f"recovery/{g}/"),
+            (decision_key(g), join_plan_key(g)))

@@ -55,7 +55,7 @@ class BarrierTimeout(TimeoutError):
 
     def __init__(self, name: str, missing: frozenset[int], timeout_s: float):
         super().__init__(f"barrier {name!r}: ranks {sorted(missing)} did not arrive within {timeout_s}s")
-        self.name, self.missing = name, missing
+        self.name, self.missing, self.timeout_s = name, missing, timeout_s
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import time
 import torch.distributed as dist
 
 from ntp_ds.control.address import format_address, is_etcd_address, parse_address
-from ntp_ds.control.keys import PING_KEY, process_group_prefix
+from ntp_ds.control.keys import PING_KEY, generation_keys, process_group_prefix
 from ntp_ds.envs import MASTER_ADDR, MASTER_PORT, RANK, STORE_ENV
 
 log = logging.getLogger(__name__)
@@ -150,6 +150,18 @@ def generation_store(store: dist.Store, generation: int) -> dist.PrefixStore:
     if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
         raise ValueError(f"generation={generation!r} must be a non-negative integer")
     return dist.PrefixStore(process_group_prefix(generation), store)
+
+
+def forget_generation(store: dist.Store, generation: int) -> int:
+    """Delete the keys of `generation` (`keys.generation_keys`), which nobody reads once two newer generations
+    exist; return how many went. A store that deletes by prefix (etcd: one request per prefix) loses them all; a
+    TCPStore, which deletes named keys only, loses the decision and the join plan and keeps the rest (its keys live
+    in the launcher's memory, where a generation's cost the job's age multiplies)."""
+    prefixes, exact = generation_keys(generation)
+    gone = sum(bool(store.delete_key(k)) for k in exact)
+    if hasattr(store, "delete_prefix"):
+        gone += sum(store.delete_prefix(p) for p in prefixes)
+    return gone
 
 
 def job_store(timeout_s: float, env=os.environ) -> tuple[dist.Store | None, bool]:

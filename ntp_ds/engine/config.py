@@ -9,7 +9,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ntp_ds.batch import POLICIES, BatchError
-from ntp_ds.envs import CUDA_VISIBLE_DEVICES, LOCAL_RANK, WORLD_SIZE
+from ntp_ds.envs import CUDA_VISIBLE_DEVICES, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_SIZE_ENV, RACK_SIZE_ENV, WORLD_SIZE
+from ntp_ds.layout.domains import Racks
 
 
 class ConfigError(ValueError):
@@ -250,6 +251,21 @@ def load_deepspeed_config(config) -> dict:
 def env_world_size() -> int | None:
     value = os.environ.get(WORLD_SIZE)
     return int(value) if value else None
+
+
+def env_racks(env: Mapping[str, str] = os.environ) -> Racks | None:
+    """The racks the launcher described: `NTP_RACK_SIZE` nodes per rack, of `NTP_NODE_SIZE` ranks (ntp-ds launch)
+    or `LOCAL_WORLD_SIZE` (torchrun, deepspeed); None where it did not. A ConfigError names a bad value."""
+    raw = env.get(RACK_SIZE_ENV)
+    if not raw:
+        return None
+    node = env.get(NODE_SIZE_ENV) or env.get(LOCAL_WORLD_SIZE)
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(f"{RACK_SIZE_ENV}={raw!r} must be a positive number of nodes per rack")
+    if not node or not node.isdigit() or int(node) < 1:
+        raise ConfigError(f"{RACK_SIZE_ENV}={raw} needs the ranks per node: {NODE_SIZE_ENV} (set by ntp-ds launch) or "
+                          f"{LOCAL_WORLD_SIZE} (torchrun, deepspeed), a positive number (found {node!r})")
+    return Racks(int(node), int(raw))
 
 
 def cuda_device_index(env: Mapping[str, str], device_count: int) -> int:

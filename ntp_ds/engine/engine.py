@@ -31,6 +31,7 @@ from ntp_ds.engine.copies import StateCopies
 from ntp_ds.engine.recut import recut_zero
 from ntp_ds.engine.snapshot import Snapshot, lr_state, take_snapshot
 from ntp_ds.layout import ParamSpec
+from ntp_ds.layout.domains import domain_neighbours
 
 log = logging.getLogger(__name__)
 
@@ -194,10 +195,12 @@ class NTPEngine(DeepSpeedEngine):
         sync partners and buddies) but, of its data-parallel group (every anchor replica, thousands at scale), only
         its two ring neighbours. Every member is watched by those two; the death or hang of another member of the
         group reaches this rank as the fence its watchers request (a watcher reports a fence request for any member
-        of the generation). A bounded set whatever the replica count."""
+        of the generation). A bounded set whatever the replica count. In a topology placed in racks, also the ranks
+        of the two replicas next to its own on the ring that interleaves the racks (`layout.domains`): a rack lost
+        whole is then seen from outside it."""
         g = self.ntp_groups
         return (set(g.tp_ranks) | ring_neighbours(g.dp_ranks, g.rank) | self._grads.peers() | self._params.peers()
-                | self.copies.peers()) - {g.rank}
+                | self.copies.peers() | domain_neighbours(g.topology, g.rank)) - {g.rank}
 
     # -- forward / backward / step -----------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):

@@ -22,12 +22,14 @@ from ntp_ds.batch.straggler import Replan, rebalance
 from ntp_ds.comm import wire
 from ntp_ds.comm.groups import (NTPMpu, ReplicaGroups, backend_for_device, build_groups, prepare_backend,
                                 start_generation, unconnected_default_group)
-from ntp_ds.engine.config import (ConfigError, NTPConfig, check_batch, cuda_device_index, env_world_size,
+from ntp_ds.engine.config import (ConfigError, NTPConfig, check_batch, cuda_device_index, env_racks, env_world_size,
                                   load_deepspeed_config)
 from ntp_ds.engine.engine import NTPEngine, deepspeed_batch
 from ntp_ds.envs import (CUDA_DEVICE_MAX_CONNECTIONS, NCCL_ASYNC_ERROR_HANDLING, NCCL_BLOCKING_WAIT_ENV,
                          NCCL_DESYNC_DEBUG_ENV, NCCL_DUMP_ENV, RANK, STORE_ENV, WORLD_SIZE)
 from ntp_ds.layout import LayoutError, Topology, plan_buddies, plan_gradient_sync, replica_paces
+from ntp_ds.layout.domains import Racks
+from ntp_ds.layout.generation import Generation
 from ntp_ds.layout.sharding import shard_tensor
 from ntp_ds.models import CausalLMShard, HFCausalLM, HFConfig, Llama, LlamaConfig
 from ntp_ds.models.hf import check_supported, is_hf_model, is_model_dir
@@ -43,6 +45,8 @@ class JobSpec:
     optimizer: Callable | None = None
     lr_scheduler: Callable | None = None
     seq_len: int | None = None
+    racks: Racks | None = None
+    """The racks the launcher described (`NTP_RACK_SIZE`): copies and watchers are placed across them."""
 
     def units(self):
         """The model's sharding units, costed at this job's sequence length: every layout of the job comes from
@@ -108,11 +112,13 @@ def model_config_of(model) -> LlamaConfig | HFConfig:
     return config
 
 
-def build_topology(units, ntp: NTPConfig) -> Topology:
+def build_topology(units, ntp: NTPConfig, racks: Racks | None = None) -> Topology:
+    """The job's topology as launched, placed in `racks` (launch rank = global rank) when the launcher said."""
     try:
-        return Topology.from_degrees(units, ntp.replica_degrees)
+        topology = Topology.from_degrees(units, ntp.replica_degrees)
     except LayoutError as e:
         raise ConfigError(f"ntp.degrees={list(ntp.replica_degrees)}: {e}") from None
+    return Generation.initial(topology, racks=racks).topology
 
 
 def _micro_limits(spec: JobSpec, topology: Topology):
@@ -197,8 +203,8 @@ def prepare(model, config, ntp=None, optimizer=None, lr_scheduler=None, seq_len=
     ntp = NTPConfig.from_any(ntp)
     ntp.validate(env_world_size())
     check_overlap_environment(ntp)
-    spec = JobSpec(ds_config, ntp, model_config_of(model), optimizer, lr_scheduler, seq_len)
-    topology = build_topology(spec.units(), ntp)
+    spec = JobSpec(ds_config, ntp, model_config_of(model), optimizer, lr_scheduler, seq_len, env_racks())
+    topology = build_topology(spec.units(), ntp, spec.racks)
     check_batch(ds_config, ntp, topology)
     spec.plan(topology)
     return spec, topology

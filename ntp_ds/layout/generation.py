@@ -18,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ntp_ds.layout.domains import Racks, replica_domains
 from ntp_ds.layout.plan import Topology
 from ntp_ds.layout.shard_layout import ShardLayout
 
@@ -32,12 +33,16 @@ class Generation:
     topology: Topology | None
     """None only on a joiner before the hand-off (`unplaced`)."""
     placement: Placement | None
+    racks: Racks | None = None
+    """The racks the job's nodes sit in, when the launcher said: the topology is then placed in them
+    (`Topology.domains`), here and in every generation after."""
 
     @classmethod
-    def initial(cls, topology: Topology, members: Sequence[int] | None = None, number: int = 0) -> Generation:
+    def initial(cls, topology: Topology, members: Sequence[int] | None = None, number: int = 0,
+                racks: Racks | None = None) -> Generation:
         """A job as launched (or as a joiner learns it): every replica at its configured layout."""
         members = tuple(range(topology.world_size)) if members is None else tuple(members)
-        return cls(number, members, topology, Placement.initial(topology))
+        return cls(number, members, _placed(topology, members, racks), Placement.initial(topology), racks)
 
     @classmethod
     def unplaced(cls, number: int, members: Sequence[int]) -> Generation:
@@ -52,7 +57,8 @@ class Generation:
         members = hit.ranks(dropped)
         after = None
         if members:
-            after = Generation(number, members, hit.topology(dropped), self.placement.after_loss(hit.lost, dropped))
+            after = Generation(number, members, _placed(hit.topology(dropped), members, self.racks),
+                               self.placement.after_loss(hit.lost, dropped), self.racks)
         return Loss(after, dropped, tuple(r for r in hit.degraded if r not in dropped))
 
     def after_join(self, joiners: Sequence[int], min_tp: int, number: int) -> tuple[Generation, tuple[int, ...]]:
@@ -60,7 +66,13 @@ class Generation:
         seat. A replica nobody joins keeps its layout (a replica degraded twice may hold another split than its
         configured one less the missing slots)."""
         placement, members, unseated = self.placement.grow(self.members, tuple(joiners), min_tp)
-        return Generation(number, members, placement.topology(self.placement, self.topology), placement), unseated
+        topology = _placed(placement.topology(self.placement, self.topology), members, self.racks)
+        return Generation(number, members, topology, placement, self.racks), unseated
+
+
+def _placed(topology: Topology, members: Sequence[int], racks: Racks | None) -> Topology:
+    """`topology` placed in `racks` (its global rank g is launch rank `members[g]`); as it is without racks."""
+    return topology if racks is None else topology.placed(replica_domains(topology, members, racks))
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,12 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import accumulate
 
 from ntp_ds.layout import units as U
+from ntp_ds.layout.domains import copy_targets
 from ntp_ds.layout.shard_layout import KINDS, OWNED_KINDS, LayoutError, ShardLayout
 
 
@@ -21,10 +22,16 @@ class Topology:
     """The layout of every data-parallel replica; replica r's TP degree is `layouts[r].tp`."""
 
     layouts: tuple[ShardLayout, ...]
+    domains: tuple[frozenset[int], ...] | None = field(default=None, compare=False)
+    """The failure domains (racks) each replica's ranks live in, when the launcher said (`layout.domains`): copies
+    of a replica's state and its watchers are then placed in other racks. None: unknown (one rack for all). Not part
+    of a topology's identity: two generations of the same layouts are the same topology wherever they run."""
 
     def __post_init__(self):
         if not self.layouts:
             raise LayoutError("replicas=0: a topology needs at least one replica")
+        if self.domains is not None and len(self.domains) != len(self.layouts):
+            raise LayoutError(f"domains name {len(self.domains)} replicas, the topology has {len(self.layouts)}")
         first = self.layouts[0].units
         if any(lay.units is not first and lay.units != first for lay in self.layouts):
             raise LayoutError("all replicas must shard the same model (their ModelUnits differ)")
@@ -32,6 +39,10 @@ class Topology:
     @classmethod
     def from_degrees(cls, units, degrees) -> "Topology":
         return cls(tuple(ShardLayout.balanced(units, t) for t in degrees))
+
+    def placed(self, domains: tuple[frozenset[int], ...] | None) -> "Topology":
+        """This topology with its replicas' failure domains (None: unknown)."""
+        return replace(self, domains=domains)
 
     # Computed once per topology (the dataclass is frozen, the caches write the instance's dict): every lookup below
     # is O(1) or O(log R), so plans over R replicas cost O(R), not O(R^2).
@@ -161,7 +172,8 @@ def plan_buddies(topology: Topology, plan: SyncPlan, zero_stage: int, copies: in
 
     Without ZeRO and with two or more anchors every anchor already holds the full state of its TP index, so no copy
     is kept. Otherwise copy number k of anchor replica a goes to the k-th next replica (anchors first, then
-    contributors), at the same TP index where that replica is wide enough. Planned once per topology and settings
+    contributors), at the same TP index where that replica is wide enough; in a topology placed in racks, to the
+    k-th such replica in another rack (`layout.domains.copy_targets`). Planned once per topology and settings
     (cached in the frozen topology's dict): a recovery asks for it from several places.
     """
     key = ("_buddies", plan.anchors, zero_stage, copies)
@@ -177,8 +189,8 @@ def _plan_buddies(topology: Topology, plan: SyncPlan, zero_stage: int, copies: i
     copies = min(copies, len(order) - 1)
     starts, degrees = topology._starts, topology.degrees
     out = {}
-    for i, a in enumerate(plan.anchors):  # the anchors lead `order`, so anchor i sits at position i
-        others = [order[(i + k) % len(order)] for k in range(1, copies + 1)]
+    targets = copy_targets(order, len(plan.anchors), copies, topology.domains)
+    for a, others in zip(plan.anchors, targets):  # the anchors lead `order`, so anchor i sits at position i
         for tp_rank, rank in enumerate(topology.ranks_of(a)):
             out[rank] = tuple(starts[r] + tp_rank % degrees[r] for r in others)
     return out

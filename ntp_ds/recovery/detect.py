@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from ntp_ds.comm.groups import ring_neighbours
 from ntp_ds.control.keys import barrier_key
 from ntp_ds.control.liveness import LivenessMonitor
-from ntp_ds.control.membership import BarrierWait, MembershipChange
+from ntp_ds.control.membership import BarrierTimeout, BarrierWait, MembershipChange
 
 
 def first_beat_timeout(heartbeat_timeout_s: float, collective_timeout_s: float) -> float:
@@ -23,6 +23,15 @@ def first_beat_timeout(heartbeat_timeout_s: float, collective_timeout_s: float) 
     the peer's own work, so neither a hang nor a silence. It gets the job's collective bound on top of the heartbeat
     timeout (CI once saw rank 0 declared dead at start)."""
     return heartbeat_timeout_s + collective_timeout_s
+
+
+def decision_settle_s(heartbeat_timeout_s: float, heartbeat_interval_s: float) -> float:
+    """How long a decision waits, after the first report, for members that have not acknowledged yet (it commits at
+    once when every member not reported dead has). A member that has not acknowledged is judging a watched peer
+    silent for half the timeout (`Detector.detect` answers only once it has its verdict), or is dead and not yet
+    reported: deaths at one moment (a node, a rack) reach their watchers' verdicts within the other half of the
+    timeout and a beat, and then belong in one decision, not one attempt each."""
+    return heartbeat_timeout_s / 2 + heartbeat_interval_s
 
 
 class Detector:
@@ -102,6 +111,14 @@ class Detector:
                                        first_beat_timeout_s=self.first_beat_timeout_s)
         wait = BarrierWait(store, barrier_key(generation, "arrive", members), rank, members, self.collective_timeout_s)
         self.watch(wait, set(members) - {rank}, f"generation {generation}'s rendezvous")
+
+    def missed(self, timeout: BarrierTimeout) -> frozenset[int]:
+        """The ranks that never reached a barrier within its bound, from now on declared dead (for the next
+        attempt's detection): a rank that cannot arrive in that long is lost, whether or not anyone saw it go (a rack
+        lost whole takes its watchers with it, and its launchers, who would mark its exits)."""
+        why = f"did not arrive at barrier {timeout.name!r} within {timeout.timeout_s:g} s"
+        self.declared.update((r, f"rank {r} {why}") for r in timeout.missing)
+        return timeout.missing
 
     def watch(self, wait, others: set[int], what: str) -> None:
         """Poll `wait` (a store barrier) to its end; a member of `others` found dead meanwhile ends it with a

@@ -21,7 +21,8 @@ from ntp_ds.comm import wire
 from ntp_ds.comm.groups import keepable, mark_communicators, role_of
 from ntp_ds.control.joins import JoinFailed, JoinPlan, read_join_plan
 from ntp_ds.control.liveness_store import LivenessReader, mark_exited, request_fence
-from ntp_ds.control.membership import Membership, MembershipChange, barrier
+from ntp_ds.control.membership import BarrierTimeout, Membership, MembershipChange, barrier
+from ntp_ds.control.store import forget_generation
 from ntp_ds.engine.copies import release_cached_host_memory
 from ntp_ds.engine.initialize import JobSpec, build_topology, join_world
 from ntp_ds.layout import plan_gradient_sync
@@ -29,7 +30,7 @@ from ntp_ds.layout.generation import Generation
 from ntp_ds.recovery import report
 from ntp_ds.recovery.report import RecoveryOutcome
 from ntp_ds.recovery.admit import Admission, await_admission, join_failed
-from ntp_ds.recovery.detect import Detector, barrier_key, first_beat_timeout
+from ntp_ds.recovery.detect import Detector, barrier_key, decision_settle_s, first_beat_timeout
 from ntp_ds.recovery.errors import NoReplicaLeft, QuiescedExit, RecoveryImpossible, failed_on_the_way
 from ntp_ds.recovery.handoff import hand_off
 from ntp_ds.recovery.install import Change, install, parameter_dtype, require_masters
@@ -50,14 +51,17 @@ class Recovery:
     """
 
     def __init__(self, engine, store, rank: int, *, heartbeat_interval_s: float = 0.5,
-                 heartbeat_timeout_s: float = 3.0, hang_timeout_s: float | None = None, settle_s: float = 0.3,
+                 heartbeat_timeout_s: float = 3.0, hang_timeout_s: float | None = None, settle_s: float | None = None,
                  last_good_dir=None, job: JobSpec | None = None, generation: Generation | None = None):
         self.job: JobSpec = require_masters(engine.job if engine is not None else job)
         self.engine, self.store, self.rank = engine, store, rank
         self.last_good_dir = last_good_dir
         """Where the survivors write the last good weights (HF form) when no replica can go on."""
-        self.generation = generation or Generation.initial(build_topology(self.job.units(), self.job.ntp))
+        self.generation = generation or Generation.initial(build_topology(self.job.units(), self.job.ntp),
+                                                              racks=self.job.racks)
         """Who is where: the members (launch ranks, in global-rank order), their topology and places."""
+        if settle_s is None:
+            settle_s = decision_settle_s(heartbeat_timeout_s, heartbeat_interval_s)
         self.membership = Membership(store, rank, self.members, self.generation.number, settle_s=settle_s)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._kept_here: list[str] = []
@@ -159,6 +163,8 @@ class Recovery:
                 if not failed_on_the_way(again):
                     raise
                 self.failed_attempts.append(time.time())
+                if isinstance(again, BarrierTimeout) and again.missing:  # who never came is dead: stop it for good
+                    request_fence(self.store, self.detector.missed(again), f"{again} (seen by rank {self.rank})")
                 snapshot = dataclasses.replace(snapshot, whole_grads=False)  # an attempt took them with it
                 log.warning("rank %d: recovery attempt %d failed (%s); retrying", self.rank, attempt + 1, again)
                 error = again
@@ -235,6 +241,8 @@ class Recovery:
         self.watch.watch_engine(engine)
         barrier(self.store, barrier_key(change.after.number, "done", change.after.members), self.rank,
                 change.after.members, self.job.ntp.timeout_s)
+        if change.after.members[0] == self.rank and change.after.number >= 2:
+            forget_generation(self.store, change.after.number - 2)  # the store keeps the last two generations
         self.engine, self._held = engine, None
         return engine, {"generation": installed.pop("generation"), **event, **installed}
 

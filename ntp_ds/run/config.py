@@ -218,6 +218,10 @@ class LauncherConfig:
     store: str | None = None
     """HOST:PORT of the store node 0 hosts; null on a single node: a free local port. Or
     `etcd://HOST:PORT[,HOST:PORT...][/JOB]`: an etcd v3 cluster that no node hosts (`control.etcd_store`)."""
+    rack_size: int | None = None
+    """Contiguous nodes per rack (nodes 0..rack_size-1 form the first): copies of each replica's state and its
+    watchers are placed in other racks, so that a rack lost whole loses no state and is seen from outside it. null:
+    racks unknown."""
     grace_s: float = 60.0
     """Seconds workers get to stop cleanly (finish the step, write weights and summary) after SIGINT or SIGTERM."""
     fork: bool = True
@@ -394,6 +398,8 @@ class RunConfig:
                               f"WORLD_SIZE={world_size}; set parallel.tp/parallel.replicas (or degrees) to match")
         if not 0 <= launcher.node_rank < launcher.nnodes:
             raise ConfigError(f"launcher.node_rank={launcher.node_rank} must lie in 0..nnodes-1={launcher.nnodes - 1}")
+        if launcher.rack_size is not None:
+            _check_positive("launcher.rack_size", launcher.rack_size)
         if launcher.nproc_per_node is not None:
             _check_positive("launcher.nproc_per_node", launcher.nproc_per_node)
             if launcher.nproc_per_node * launcher.nnodes != need:

@@ -11,8 +11,8 @@ exit, the launcher publishes its node's liveness (`node/{node}`: its workers' la
 workers' watchers read instead of one key per peer.
 
 Each worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (the node), NTP_STORE, MASTER_ADDR and
-MASTER_PORT (for the default env:// rendezvous), NTP_NODE_SIZE (ranks per node: node keys are published), and
-NTP_RUN_DIR when a run directory is given.
+MASTER_PORT (for the default env:// rendezvous), NTP_NODE_SIZE (ranks per node: node keys are published),
+NTP_RACK_SIZE with `--rack-size` (nodes per rack), and NTP_RUN_DIR when a run directory is given.
 
 Exit status: 0 when at least one worker finished successfully (exit 0), the others' deaths being printed; else the
 status of the first worker that failed (128 + N for signal N); 2 for a usage mistake; 128 + N when stopped by
@@ -41,13 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ntp_ds.control.keys import LAUNCH_RANKS_KEY, MASTER_ADDR_KEY, MASTER_PORT_KEY
-from ntp_ds.envs import DS_ACCELERATOR, LOCAL_WORLD_SIZE, NODE_SIZE_ENV, OMP_NUM_THREADS, RUN_DIR_ENV
+from ntp_ds.envs import DS_ACCELERATOR, LOCAL_WORLD_SIZE, NODE_SIZE_ENV, OMP_NUM_THREADS, RACK_SIZE_ENV, RUN_DIR_ENV
 from ntp_ds.supervise.stop import DUPLICATE_S, SIGNALS
 
 PROG = "ntp-ds launch"
-_VALUED = ("--nproc-per-node", "--nnodes", "--node-rank", "--store", "--run-dir", "--grace-s")
+_VALUED = ("--nproc-per-node", "--nnodes", "--node-rank", "--store", "--run-dir", "--grace-s", "--rack-size")
 
-USAGE = f"""usage: {PROG} [--nproc-per-node N] [--nnodes N --node-rank I --store HOST:PORT]
+USAGE = f"""usage: {PROG} [--nproc-per-node N] [--nnodes N --node-rank I --store HOST:PORT] [--rack-size K]
                      [--join --store HOST:PORT] [--run-dir DIR] [--grace-s S] (-m MODULE | SCRIPT) [ARGS ...]
 
 Start N worker processes on this node (python -m MODULE ARGS, or python SCRIPT ARGS) and wait for them.
@@ -61,6 +61,9 @@ A worker that dies is reported (rank, exit code or signal); the others keep runn
   --store etcd://HOST:PORT[,HOST:PORT...][/JOB]
                        or an etcd v3 cluster that every node reaches (keys under /ntp_ds/JOB/, JOB defaults to
                        `job` and must be unused): the job outlives any one etcd member and node 0 itself
+  --rack-size K        K contiguous nodes form a rack (nodes 0..K-1 the first): copies of each replica's state
+                       and its watchers are placed in other racks, so that a rack lost whole loses no state
+                       and is seen at once (passed to the workers as NTP_RACK_SIZE; default: racks unknown)
   --join               start workers that join the job running on --store (a repaired or spare node); they are
                        taken in at a step boundary and receive their shards from the running workers' memory
   --run-dir DIR        passed to the workers as NTP_RUN_DIR
@@ -71,6 +74,11 @@ Example: {PROG} --nproc-per-node 4 -m ntp_ds.train recipe=cpu_demo
 Exit status: 0 if at least one worker finished successfully, else the first failure's status; 2 for bad usage;
 128 + N when stopped by signal N (a second signal kills the workers at once).
 """
+
+
+COMPACT_PERIOD_S = 10.0
+"""How often each launcher on an etcd store asks whether the cluster's history is due for compaction (one read;
+`EtcdStore.compact_if_due`)."""
 
 
 class LaunchError(Exception):
@@ -93,6 +101,8 @@ class LaunchSpec:
     then be `python -u -m MODULE ARGS`."""
     join: bool = False
     """Start workers that join the job running on `store` instead of starting one."""
+    rack_size: int | None = None
+    """Contiguous nodes per rack (`NTP_RACK_SIZE`); None: unknown."""
     repairs: dict = field(default_factory=dict)
     """Launch rank -> step: once that worker has died, start a replacement that joins from this step."""
     env: dict = field(default_factory=dict)
@@ -101,8 +111,8 @@ class LaunchSpec:
     def __post_init__(self):
         if self.join and not self.store:
             raise LaunchError("--join needs --store HOST:PORT: the store of the running job to join")
-        for name in ("nproc_per_node", "nnodes"):
-            if getattr(self, name) < 1:
+        for name in ("nproc_per_node", "nnodes", "rack_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise LaunchError(f"--{name.replace('_', '-')}={getattr(self, name)} must be at least 1")
         if not 0 <= self.node_rank < self.nnodes:
             raise LaunchError(f"--node-rank={self.node_rank} must lie in 0..nnodes-1={self.nnodes - 1}")
@@ -161,6 +171,8 @@ def worker_env(spec: LaunchSpec, local_rank: int, store: str, master: tuple[str,
         rank, world, step = joining
         env.update(RANK=str(rank), WORLD_SIZE=str(world), NTP_JOIN="1", NTP_JOIN_STEP=str(step))
         env.pop(NODE_SIZE_ENV)  # its rank lies outside the node numbering: watchers read its beats per rank
+    if spec.rack_size is not None:
+        env[RACK_SIZE_ENV] = str(spec.rack_size)
     if spec.run_dir:
         env[RUN_DIR_ENV] = str(Path(spec.run_dir).resolve())
     env.update(spec.env)
@@ -229,7 +241,7 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1, finish=None) -> int:
     from ntp_ds.control.liveness_store import NODE_PUBLISH_S, NodePublisher, mark_exited, prepare_store
 
     store, address, master = _rendezvous(spec)
-    published_at, exits = -math.inf, {}
+    published_at, compacted_at, exits = -math.inf, time.monotonic(), {}
     stop = _StopRequests()
     previous = {s: signal.signal(s, stop.receive) for s in SIGNALS}
     repairs = _Repairs(store, spec.repairs)
@@ -283,6 +295,12 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1, finish=None) -> int:
                     publisher.publish(exits)
                 except Exception as e:  # retried at the next period; watchers read per rank meanwhile
                     _say(f"could not publish node {spec.node_rank}'s liveness: {e}")
+            if hasattr(store, "compact_if_due") and time.monotonic() - compacted_at >= COMPACT_PERIOD_S:
+                compacted_at = time.monotonic()
+                try:
+                    store.compact_if_due()
+                except Exception as e:  # tried again at the next period
+                    _say(f"could not compact the store's history: {e}")
             left = {r: p for r, p in procs.items() if r not in codes}
             _fence(store, left)
             if codes and left and all(_stopped(p) for p in left.values()):
@@ -462,11 +480,12 @@ def parse_args(argv: list[str]) -> LaunchSpec:
     parser.add_argument("--run-dir")
     parser.add_argument("--grace-s", type=float, default=60.0)
     parser.add_argument("--join", action="store_true")
+    parser.add_argument("--rack-size", type=int)
     args = parser.parse_args(options)
     if not command:
         raise LaunchError("nothing to launch: give -m MODULE or SCRIPT, e.g. -m ntp_ds.train recipe=cpu_demo")
     return LaunchSpec(command, args.nproc_per_node, args.nnodes, args.node_rank, args.store, args.run_dir,
-                      args.grace_s, join=args.join)
+                      args.grace_s, join=args.join, rack_size=args.rack_size)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,8 +23,8 @@ import time
 from collections.abc import Mapping
 
 from ntp_ds.control.keys import JOB_OVER_KEY, SENTINEL_DONE_KEY
-from ntp_ds.envs import (LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, RANK, RUN_DIR_ENV, SENTINEL_ENV,
-                         STORE_ENV, WORLD_SIZE)
+from ntp_ds.envs import (LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, RACK_SIZE_ENV, RANK, RUN_DIR_ENV,
+                         SENTINEL_ENV, STORE_ENV, WORLD_SIZE)
 
 OUTLIVE_TIMEOUT_S = 3.0
 """How long a peer may be silent before a sentinel waiting for the job's end counts it gone."""
@@ -55,8 +55,16 @@ def become_sentinel(repairs: Mapping[int, int] | None = None, env: Mapping[str, 
     spec = LaunchSpec(command, nproc_per_node=1, nnodes=world, node_rank=rank, store=store,
                       run_dir=env.get(RUN_DIR_ENV), repairs=dict(repairs or {}),
                       env={LOCAL_RANK: env.get(LOCAL_RANK, "0"), LOCAL_WORLD_SIZE: local_world,
-                           SENTINEL_ENV: "child"})
+                           SENTINEL_ENV: "child"},
+                      rack_size=_rack_in_ranks(env, int(local_world)))
     return launch(spec, finish=lambda job_store, codes: _outlast(job_store, rank, world, codes))
+
+
+def _rack_in_ranks(env, local_world: int) -> int | None:
+    """A sentinel is the launcher of a node of one rank: the user's rack of `NTP_RACK_SIZE` real nodes is that
+    many times the node's ranks of such nodes."""
+    raw = env.get(RACK_SIZE_ENV)
+    return int(raw) * local_world if raw and raw.isdigit() and int(raw) > 0 else None
 
 
 def _outlast(store, rank: int, world: int, codes: dict[int, int], poll_s: float = POLL_S) -> int:

@@ -30,9 +30,10 @@ def _free_ports(n: int) -> list[int]:
 
 
 class EtcdCluster:
-    """`members` etcd processes forming one cluster; `address(job)` is the store address a job is given."""
+    """`members` etcd processes forming one cluster; `address(job)` is the store address a job is given.
+    `quota_bytes`: each member's space quota (etcd's `--quota-backend-bytes`; default 2 GiB)."""
 
-    def __init__(self, members: int = 3, start_timeout_s: float = 30.0):
+    def __init__(self, members: int = 3, start_timeout_s: float = 30.0, quota_bytes: int | None = None):
         binary = etcd_binary()
         if binary is None:
             raise RuntimeError("no etcd on PATH: install the etcd server (Debian/Ubuntu: apt-get install etcd-server)")
@@ -50,7 +51,8 @@ class EtcdCluster:
                  "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                  "--initial-cluster", cluster, "--initial-cluster-state", "new",
                  "--initial-cluster-token", self.root.name, "--heartbeat-interval", "50",
-                 "--election-timeout", "500"],
+                 "--election-timeout", "500",
+                 *([f"--quota-backend-bytes={quota_bytes}"] if quota_bytes else [])],
                 stdout=log, stderr=subprocess.STDOUT))
             log.close()
         deadline = time.monotonic() + start_timeout_s

@@ -1,0 +1,70 @@
+"""A rack lost whole: six nodes of two ranks on one machine (six `ntp-ds launch` processes, `--rack-size 2`: racks
+{0, 1}, {2, 3}, {4, 5}), TP 2, six replicas (one per node), ZeRO 1 with one copy of each partition.
+
+Rank 4 (replica 2, rack 1) stops itself (SIGSTOP) as step 4 begins; the test then kills rack 1 whole, both its
+launchers with their workers, so nobody is left there to mark an exit, and every watcher inside the rack is gone
+with it. The copies of rack 1's partitions sit in rack 2 (`layout.domains`), and rack 1's ranks are watched from
+racks 0 and 2, so the job must find all four dead, recover without loss, and end with the failure-free run's
+weights. Without racks the copy of replica 2's partition would sit on replica 3, in the same rack, and be lost.
+"""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from tests.helpers.cli import free_port, launch_node, run_events, train_clean
+from tests.helpers.training import assert_same_final_weights, wait_for_lines
+
+STEPS = 8
+NODES, PER_NODE, RACK = 6, 2, 2
+HEARTBEAT_TIMEOUT_S = 3.0
+JOB = ["parallel.tp=2", f"parallel.replicas={NODES}", "parallel.zero_stage=1", "parallel.zero_redundancy=1",
+       "parallel.timeout_s=20", f"parallel.heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}", f"train.steps={STEPS}",
+       "train.global_batch=12", "train.micro_batch=2", "data.seq_len=16", "logging.progress=false"]
+FAULTS = "fault.faults=[{rank:4,step:4,phase:forward,kind:hang}]"
+
+
+def _launch(node: int, port: int, run_dir, log):
+    return launch_node(["--nnodes", str(NODES), "--node-rank", str(node), "--store", f"127.0.0.1:{port}",
+                        "--nproc-per-node", str(PER_NODE), "--rack-size", str(RACK), "--grace-s", "5",
+                        "-m", "ntp_ds.train", *JOB, FAULTS, f"run_dir={run_dir}"], log)
+
+
+@pytest.mark.long
+def test_a_rack_lost_whole_is_found_and_recovered_without_loss(tmp_path):
+    clean = train_clean(tmp_path / "clean", JOB, timeout=300)
+
+    run_dir, port = tmp_path / "faulted", free_port()
+    logs = [open(tmp_path / f"node{n}.log", "w") for n in range(NODES)]
+    nodes = []
+    try:
+        nodes.append(_launch(0, port, run_dir, logs[0]))
+        time.sleep(1.0)  # node 0 hosts the store
+        nodes += [_launch(n, port, run_dir, logs[n]) for n in range(1, NODES)]
+        deadline = time.monotonic() + 300
+        wait_for_lines(tmp_path / "node2.log", ["injecting hang on rank 4 at step 4"], nodes, deadline)
+        for n in (2, 3):  # rack 1 whole: its launchers and their workers
+            os.killpg(nodes[n].pid, signal.SIGKILL)
+        for n in (0, 1, 4, 5):
+            nodes[n].wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for log in logs:
+            log.close()
+    for n in (0, 1, 4, 5):
+        assert nodes[n].returncode == 0, (tmp_path / f"node{n}.log").read_text()[-4000:]
+    recoveries = run_events(run_dir, "recovery")
+    assert len(recoveries) == 1, recoveries
+    event = recoveries[0]
+    print(json.dumps(event, indent=1, sort_keys=True))
+    assert sorted(event["dead"]) == [4, 5, 6, 7] and sorted(event["degrees_after"]) == [0, 0, 2, 2, 2, 2], event
+    assert event["lossless"], event
+    # found by the watchers outside the rack and recovered within the heartbeat timeout and 5 s
+    assert event["detection_s"] + event["recovery_s"] <= HEARTBEAT_TIMEOUT_S + 5.0, event
+    assert_same_final_weights(run_dir, clean)
