@@ -28,6 +28,9 @@ RACK_SIZE_ENV = "NTP_RACK_SIZE"
 """Through which the launcher tells its workers how many contiguous nodes form a rack (`launcher.rack_size`): rank r
 lives in rack r // node size // rack size. Under torchrun or deepspeed, export it; the node size is then
 LOCAL_WORLD_SIZE."""
+ETCD_COMPACT_ENV = "NTP_ETCD_COMPACT_EVERY"
+"""Revisions of an etcd store's history between two compactions by the job (`EtcdStore.compact_if_due`; default
+10,000): fewer keep less history in the cluster's space quota, more cost fewer compactions."""
 SENTINEL_ENV = "NTP_SENTINEL"
 """`0`: no sentinel; `child`: this process is the worker a sentinel started."""
 TEST_BACKEND_ENV = "NTP_TEST_BACKEND"

@@ -169,6 +169,41 @@ def test_one_client_compacts_per_period_whoever_asks(cluster):
     assert a.get("x") == b"4"  # compaction keeps every key's current value
 
 
+def _watch_metrics(cluster) -> tuple[int, int]:
+    """(watch streams, watchers) open on the cluster's members, from their metrics."""
+    import urllib.request
+
+    streams = watchers = 0
+    for port in cluster.client_ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+            for line in answer.read().decode().splitlines():
+                name, _, value = line.partition(" ")
+                streams += int(float(value)) if name == "etcd_debugging_mvcc_watch_stream_total" else 0
+                watchers += int(float(value)) if name == "etcd_debugging_mvcc_watcher_total" else 0
+    return streams, watchers
+
+
+@pytest.mark.parametrize("transport, streams", [("grpc", 1), ("http", 20)])
+def test_a_process_s_waits_share_one_watch_stream_over_grpc(transport, streams):
+    """20 waits of one process, each on a client of its own (as a rank's heartbeat, alarm thread and training
+    thread each hold one): over gRPC one watch stream carries all 20 watchers; over the HTTP gateway each wait opens
+    a stream of its own."""
+    with EtcdCluster(1) as small:
+        first = EtcdStore(small.address("streams"), 20, transport)
+        clients = [first.clone() for _ in range(20)]
+        threads = [threading.Thread(target=c.wait, args=([f"k/{i}"],)) for i, c in enumerate(clients)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while _watch_metrics(small)[1] < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _watch_metrics(small) == (streams, 20)
+        first.multi_set([f"k/{i}" for i in range(20)], ["1"] * 20)
+        for t in threads:
+            t.join(10)
+        assert not any(t.is_alive() for t in threads)  # every wait woke
+
+
 def test_bad_addresses_name_what_is_wrong(tmp_path):
     for address, words in [("etcd://", "names no etcd member"), ("etcd://h", "has no port"),
                            ("etcd://h:1,h:x", "member 'h:x'"), ("etcd://h:1/a b", "job name")]:
@@ -284,4 +319,65 @@ def test_a_two_node_job_on_etcd_loses_the_node_that_started_it(clean, tmp_path):
     assert [e["degrees_after"] for e in recoveries] == [[2, 0]] and recoveries[0]["lossless"], recoveries
     assert recoveries[0]["dead"] == [0, 1]  # replica 0 dropped: replica 1 is listed first now
     assert _steps_done(run_dir) == STEPS
+    assert_same_final_weights(run_dir, clean)
+
+
+CYCLES = 25
+"""Crash-and-repair cycles of the 50-generation job: each crash and each join starts a generation."""
+LONG_STEPS = 4 * CYCLES + 24
+LONG_JOB = [*(j for j in JOB if not j.startswith("train.steps")), f"train.steps={LONG_STEPS}"]
+
+
+def _keys_under(store, prefix: str) -> list[str]:
+    """The keys of the job under `prefix` (one range read, keys only)."""
+    import base64
+
+    start = store._key(prefix)
+    end = start[:-1] + bytes([start[-1] + 1])
+    answer = store._call("/kv/range", {"key": base64.b64encode(start).decode(),
+                                       "range_end": base64.b64encode(end).decode(), "keys_only": True})
+    return [base64.b64decode(kv["key"])[len(store._prefix):].decode() for kv in answer.get("kvs", [])]
+
+
+@pytest.mark.etcd
+def test_a_job_runs_through_50_generations_on_a_64_mb_quota_and_keeps_the_last_two(tmp_path):
+    """25 times over, the worker at TP rank 1 of replica 1 crashes in a backward pass and is repaired (a fresh launch
+    rank joins in its place): 50 generations, on a 3-member cluster whose space quota is 64 MB, the job compacting
+    every 500 revisions. The faults are sent to the running job through the store (a schedule cannot name the
+    replacements' launch ranks): crash launch rank 3 + i at step 4i + 2, repair it from step 4i + 4."""
+    from ntp_ds.control.etcd_store import COMPACTION_KEY
+    from ntp_ds.control.faults import REPAIR_PHASE, Fault, send_fault
+
+    clean = train_clean(tmp_path / "clean", LONG_JOB, timeout=600)
+    run_dir, log_path = tmp_path / "faulted", tmp_path / "job.log"
+    with EtcdCluster(3, quota_bytes=64 << 20) as etcd, open(log_path, "w") as log:
+        address = etcd.address("fifty")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ntp_ds.cli", "train", *LONG_JOB, f"launcher.store={address}",
+             f"hydra.run.dir={run_dir}", "fault=none"],
+            stdout=log, stderr=subprocess.STDOUT, env={**_env(), "NTP_ETCD_COMPACT_EVERY": "500"}, cwd=REPO,
+            start_new_session=True)
+        try:
+            deadline = time.monotonic() + 900
+            _wait_for_step(run_dir, 1, [proc], deadline, log_path)
+            store = connect_store(address, 30)
+            for i in range(CYCLES):
+                send_fault(store, Fault(3 + i, 4 * i + 2, "backward", "crash"))
+                send_fault(store, Fault(3 + i, 4 * i + 4, REPAIR_PHASE, "repair"))
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            compacted_to = int(store.get(COMPACTION_KEY.decode()))
+            revision = int(store._call("/kv/range", {"key": "AA=="})["header"]["revision"])
+            groups = {int(k.split("/")[1]) for k in _keys_under(store, "pg/")}
+            agreements = {int(k.split("/")[1]) for k in _keys_under(store, "membership/")}
+        finally:
+            _stop(proc)
+    assert proc.returncode == 0, log_path.read_text()[-4000:]
+    recoveries, joins = run_events(run_dir, "recovery"), run_events(run_dir, "join")
+    assert len(recoveries) == CYCLES and len(joins) == CYCLES, (len(recoveries), len(joins))
+    assert all(e["lossless"] for e in recoveries + joins)
+    last = max(e["generation"] for e in recoveries + joins)
+    assert last == 2 * CYCLES
+    assert groups <= {last - 1, last} and agreements <= {last - 1, last}, (groups, agreements)
+    assert 0 < compacted_to and revision - compacted_to < 5000, (compacted_to, revision)  # compacted all along
+    assert _steps_done(run_dir) == LONG_STEPS
     assert_same_final_weights(run_dir, clean)

@@ -36,14 +36,15 @@ def _timedelta(timeout_s: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=timeout_s)
 
 
-def connect_store(address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.Store:
+def connect_store(address: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, forks: bool = False) -> dist.Store:
     """Connect a client to the store at `address` (`HOST:PORT`, a TCPStore, or `etcd://HOST:PORT[,...][/JOB]`, an
-    etcd cluster: `control.etcd_store`); every blocking call on it is bounded by `timeout_s`.
+    etcd cluster: `control.etcd_store`); every blocking call on it is bounded by `timeout_s`. `forks`: this process
+    forks workers (a launcher), so an etcd client speaks HTTP to the gateway, not gRPC (`EtcdStore`).
 
     Raise ValueError for a malformed address and ConnectionError when nothing answers within `timeout_s`.
     """
     if is_etcd_address(address):
-        return _connect_etcd(address, timeout_s)
+        return _connect_etcd(address, timeout_s, "http" if forks else "grpc")
     host, port = parse_address(address)
     deadline = time.monotonic() + timeout_s
     _await_listener(host, port, address, timeout_s)
@@ -69,10 +70,10 @@ def connect_store(address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.St
     return outcome[0]
 
 
-def _connect_etcd(address: str, timeout_s: float) -> dist.Store:
+def _connect_etcd(address: str, timeout_s: float, transport: str) -> dist.Store:
     from ntp_ds.control.etcd_store import EtcdStore
 
-    store = EtcdStore(address, timeout_s)
+    store = EtcdStore(address, timeout_s, transport)
     try:
         store.check([PING_KEY])  # one read through the cluster: some member answers, and it has a leader
     except dist.DistStoreError as e:

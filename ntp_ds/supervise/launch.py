@@ -213,7 +213,7 @@ def _rendezvous(spec: LaunchSpec):
     from ntp_ds.control.store import connect_store, host_store, is_etcd_address, parse_address
 
     if spec.store and is_etcd_address(spec.store):  # nobody hosts it: every node is a client of the cluster
-        store = connect_store(spec.store)
+        store = connect_store(spec.store, forks=True)
         if spec.node_rank == 0 and not spec.join:
             if held := store.num_keys():
                 raise LaunchError(f"--store {spec.store}: this job's path in etcd already holds {held} keys of an "
@@ -229,7 +229,7 @@ def _rendezvous(spec: LaunchSpec):
         master = (host, _free_port())
         store.set(MASTER_PORT_KEY, str(master[1]))
         return store, address, master
-    store = connect_store(spec.store)
+    store = connect_store(spec.store, forks=True)
     host, _ = parse_address(spec.store)
     return store, spec.store, (host, int(store.get(MASTER_PORT_KEY).decode()))
 
