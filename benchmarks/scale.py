@@ -42,6 +42,7 @@ step_control_bytes_per_rank=...` (plan figures: the worst role at W = 100,000, o
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import subprocess
 import sys
@@ -61,7 +62,7 @@ from ntp_ds.control.keys import barrier_key, heartbeat_key  # noqa: E402
 from ntp_ds.control.liveness import Beat, LivenessMonitor  # noqa: E402
 from ntp_ds.control.liveness_store import (ALARM_BUCKET, LivenessReader, NodePublisher, alarm_bucket,  # noqa: E402
                                            mark_exited, prepare_store, register_alarm_watcher, request_fence)
-from ntp_ds.control.membership import FailureReport, Membership, barrier  # noqa: E402
+from ntp_ds.control.membership import FailureReport, Membership, barrier, count_arrival  # noqa: E402
 from ntp_ds.layout import Topology, plan_buddies, plan_gradient_sync  # noqa: E402
 from ntp_ds.layout.generation import replica_membership  # noqa: E402
 from ntp_ds.testing.shapes import llama_70b, shape_specs, zero_order  # noqa: E402
@@ -277,16 +278,18 @@ def others_after_crash(store, world: int, sample: set[int], survivors: tuple[int
     confirm, arrive and done barriers."""
     reason = f"rank {DEAD} exited (exit code -9)"
     others = [r for r in range(world) if r not in sample and r != DEAD]
-    count = len(others)
     store.add(f"membership/0/dead/{DEAD}", 1)
     first = FailureReport(others[0], frozenset({DEAD}), wall, reason, {DEAD: 0.05})
     store.set("membership/0/reports/1", first.encode())
     store.add("membership/0/reports/count", 1)
     store.add("membership/0/events", 1)
-    store.multi_set([f"membership/0/acks/{r}" for r in others], ["1"] * count)
-    store.add("membership/0/acks", count)
+    for r in (DEAD, *others):  # the claimant acknowledged for the dead rank, then every one of them for itself
+        store.add(f"membership/0/acks/{r}", 1)
+        count_arrival(store, "membership/0/acks", r, world)
     for name in ("membership/1/confirm", barrier_key(1, "arrive", survivors), barrier_key(1, "done", survivors)):
-        store.add(f"{name}/count", count)
+        for r in others:
+            store.add(f"{name}/{r}", 1)
+            count_arrival(store, name, bisect.bisect_left(survivors, r), len(survivors))
 
 
 def sampled_rank(rank: int, store, world: int, watched: list[int], out: dict, timeout_s: float) -> None:

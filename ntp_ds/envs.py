@@ -55,6 +55,8 @@ NONBLOCKING_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
 """torch's bound, in seconds, on a non-blocking communicator's wait to be ready (and on each NCCL call in progress);
 read once per process, at its first use."""
 GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
+GRPC_FORK_SUPPORT_ENV = "GRPC_ENABLE_FORK_SUPPORT"
+"""gRPC's switch for its fork handlers, read when grpc is first imported (`control.etcd_store`)."""
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 CUDA_DEVICE_MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
 DS_ACCELERATOR = "DS_ACCELERATOR"

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from ntp_ds.control.joins import JoinRefused, JoinRequest, await_verdict, read_join_plan, refuse, request_join
 from ntp_ds.control.liveness_store import LivenessView
-from ntp_ds.control.membership import FailureReport, MembershipChange
+from ntp_ds.control.membership import FailureReport, MembershipChange, count_arrival
 from ntp_ds.engine.snapshot import Snapshot
 from ntp_ds.layout import ModelUnits, Topology, plan_gradient_sync
 from ntp_ds.layout.generation import Generation
@@ -174,7 +174,8 @@ def test_barrier_keys_differ_for_different_members():
 def test_the_rendezvous_watches_the_ring_neighbours_beats():
     d = detector()
     store = dist.HashStore()
-    store.add(barrier_key(1, "arrive", (0, 2, 3, 5)) + "/count", 3)  # the other three arrived
+    for i in (0, 2, 3):  # the other three arrived
+        count_arrival(store, barrier_key(1, "arrive", (0, 2, 3, 5)), i, 4)
     d.arrive(store, 2, 1, (0, 2, 3, 5))
     assert set(d.monitor.ranks) == {0, 3}
 

@@ -41,7 +41,7 @@ import uuid
 import torch.distributed as dist
 
 from ntp_ds.control.address import parse_etcd_address
-from ntp_ds.envs import ETCD_COMPACT_ENV
+from ntp_ds.envs import ETCD_COMPACT_ENV, GRPC_FORK_SUPPORT_ENV
 
 ROOT = "/ntp_ds/"
 REQUEST_TIMEOUT_S = 2.0
@@ -119,6 +119,10 @@ class _Channels:
     _lock = threading.Lock()
 
     def __init__(self, endpoints: list[tuple[str, int]]):
+        # gRPC's own fork handlers restart its threads in a forked child, where a child that closes the descriptors
+        # it inherited (a forked worker, `supervise.forked`) then aborts on the closed poller: off, a child holds
+        # no gRPC thread and never touches the parent's channels (`of` keys them by process).
+        os.environ.setdefault(GRPC_FORK_SUPPORT_ENV, "false")
         import grpc
         from pyetcd import etcdrpc
 

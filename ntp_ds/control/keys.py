@@ -2,7 +2,8 @@
 
 The store outlives every rank (the launcher hosts it, or etcd). Keys are grouped by who writes them; a key that
 names a generation belongs to it alone (nothing of an older generation is read by a newer one). Counters are keys
-whose value `add` moves; a barrier named B keeps one key per arrival (`B/{rank}`) and their count (`B/count`).
+whose value `add` moves; a barrier named B keeps one key per arrival (`B/{rank}`), a tree of counters of the
+arrivals (`B/c/{level}/{node}`, `membership.BarrierWait`) and, once all arrived, `B/done`.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ WANDB_ID_KEY = "run/wandb_id"
 
 # -- liveness -------------------------------------------------------------------------------------------------------------
 EXITED_KEY = "exited"
-"""The exit log: `mark_exited` appends one `RANK REASON` line per worker known to have exited."""
+"""The exit log: `mark_exited` files one `RANK REASON` entry per worker known to have exited (`log_entry_key`)."""
 FENCE_KEY = "fence"
-"""The fence log: `request_fence` appends one `RANK REASON` line per worker its peers declared dead (once: a
-counter per rank, `fence_count_key`, admits the first request)."""
+"""The fence log: `request_fence` files one `RANK REASON` entry per worker its peers declared dead (once: a counter
+per rank, `fence_count_key`, admits the first request)."""
 ALARM_EPOCH_KEY = "alarm/epoch"
 """Store counter of the alarms raised so far in the job."""
 ALARM_BUCKETS_KEY = "alarm/buckets"
@@ -62,6 +63,16 @@ def alarm_watchers_key(bucket: int) -> str:
 
 def fence_count_key(rank: int) -> str:
     return f"{FENCE_KEY}/{rank}"
+
+
+def log_count_key(log: str) -> str:
+    """Store counter of the entries filed in the job log `log` (`EXITED_KEY`, `FENCE_KEY`)."""
+    return f"{log}/entries"
+
+
+def log_entry_key(log: str, n: int) -> str:
+    """Entry `n` (from 1) of the job log `log`: written once, never changed."""
+    return f"{log}/entry/{n}"
 
 
 # -- injected faults ------------------------------------------------------------------------------------------------------

@@ -31,7 +31,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from ntp_ds.control.keys import (ALARM_BUCKETS_KEY, ALARM_EPOCH_KEY, EXITED_KEY, FENCE_KEY, alarm_key,
-                                 alarm_watchers_key, fence_count_key, heartbeat_key, node_key)
+                                 alarm_watchers_key, fence_count_key, heartbeat_key, log_count_key, log_entry_key,
+                                 node_key)
 from ntp_ds.control.liveness import Beat, LivenessMonitor
 from ntp_ds.envs import NODE_SIZE_ENV
 
@@ -59,10 +60,57 @@ def read_beats(store, ranks: Iterable[int]) -> dict[int, Beat]:
     return {r: Beat.decode(store.get(k)) for r, k in zip(ranks, keys) if store.check([k])}
 
 
+class JobLog:
+    """One of the job's append-only logs (`EXITED_KEY`, `FENCE_KEY`) and one reader's place in it.
+
+    Each entry is a key of its own (`log_entry_key`), numbered by the log's counter (`log_count_key`). A reader that
+    polls reads the counter (in the same request as whatever else it reads: `catch_up`) and fetches only the entries
+    it has not read, so a poll costs the same however old the job is and however many deaths it has seen. A whole log
+    read at every poll, as before, grew with both."""
+
+    def __init__(self, store, log: str):
+        self.store, self.log = store, log
+        self.entries: dict[int, str] = {}
+        """Rank -> reason of every entry read so far (a rank's first entry counts)."""
+        self._read = 0
+
+    @property
+    def count_key(self) -> str:
+        return log_count_key(self.log)
+
+    def catch_up(self, count: int) -> dict[int, str]:
+        """Fetch the entries up to `count` (the counter as just read) not read yet, and return every entry read so
+        far. An entry counted but not written yet (its writer is between the two requests) is read at a later poll."""
+        if count > self._read:
+            keys = [log_entry_key(self.log, n) for n in range(self._read + 1, count + 1)]
+            if self.store.check(keys):  # the usual case: every counted entry written, two requests for all
+                values = self.store.multi_get(keys)
+            else:
+                values = []
+                for key in keys:
+                    if not self.store.check([key]):
+                        break
+                    values.append(self.store.get(key))
+            for raw in values:
+                rank, _, reason = raw.decode().partition(" ")
+                self.entries.setdefault(int(rank), reason)
+            self._read += len(values)
+        return self.entries
+
+    def read(self) -> dict[int, str]:
+        """One read of the counter, then the entries not read yet (see `catch_up`)."""
+        return self.catch_up(int(self.store.add(self.count_key, 0)))
+
+
+def file_entry(store, log: str, rank: int, reason: str) -> None:
+    """File `RANK REASON` as the next entry of the job log `log`."""
+    store.set(log_entry_key(log, store.add(log_count_key(log), 1)), f"{rank} {' '.join(reason.split())}")
+
+
 def mark_exited(store, rank: int, reason: str, alarm: bool = True) -> None:
     """Record that worker `rank` has exited (the launcher saw it, or the worker is leaving on its own) and wake the
     watchers (`alarm=False`: a worker that finished the job, whose peers are finishing too)."""
-    store.append(EXITED_KEY, f"{rank} {' '.join(reason.split())}\n")
+    file_entry(store, EXITED_KEY, rank, reason)
     if alarm:
         raise_alarm(store)
 
@@ -98,15 +146,16 @@ def raise_alarm(store) -> None:
 
 
 def read_exits(store) -> dict[int, str]:
-    """Return {rank: reason} of every worker marked as exited."""
-    return _read_lines(store, EXITED_KEY)
+    """Return {rank: reason} of every worker marked as exited (the whole log: a reader that polls keeps a
+    `JobLog`)."""
+    return JobLog(store, EXITED_KEY).read()
 
 
 def prepare_store(store) -> None:
-    """Create the exit and fence logs empty if absent, so a watcher can read them in the same request as node keys
-    (a `multi_get` of a missing key would wait for it). Idempotent: every launcher calls it."""
-    for key in (EXITED_KEY, FENCE_KEY):
-        store.compare_set(key, "", "")
+    """Create the exit and fence logs' counters if absent, so a watcher can read them in the same request as node
+    keys (a `multi_get` of a missing key would wait for it). Idempotent: every launcher calls it."""
+    for log in (EXITED_KEY, FENCE_KEY):
+        store.add(log_count_key(log), 0)
 
 
 def request_fence(store, ranks: Iterable[int], reason: str) -> None:
@@ -120,29 +169,16 @@ def request_fence(store, ranks: Iterable[int], reason: str) -> None:
     news = False
     for rank in ranks:
         if store.add(fence_count_key(rank), 1) == 1:
-            store.append(FENCE_KEY, f"{rank} {' '.join(reason.split())}\n")
+            file_entry(store, FENCE_KEY, rank, reason)
             news = True
     if news:
         raise_alarm(store)
 
 
 def read_fences(store) -> dict[int, str]:
-    """Return {rank: reason} of every worker some peer asked to be stopped."""
-    return _read_lines(store, FENCE_KEY)
-
-
-def _read_lines(store, key: str) -> dict[int, str]:
-    if not store.check([key]):
-        return {}
-    return _parse_lines(store.get(key))
-
-
-def _parse_lines(raw: bytes) -> dict[int, str]:
-    out = {}
-    for line in raw.decode().splitlines():
-        rank, _, reason = line.partition(" ")
-        out.setdefault(int(rank), reason)
-    return out
+    """Return {rank: reason} of every worker some peer asked to be stopped (the whole log: a reader that polls keeps
+    a `JobLog`)."""
+    return JobLog(store, FENCE_KEY).read()
 
 
 @dataclass(frozen=True)
@@ -213,6 +249,8 @@ class LivenessReader:
         if node_size is not None and node_size < 1:
             raise ValueError(f"node_size={node_size} must be a positive number of ranks per node (or None)")
         self.store, self.node_size, self.stale_s, self._clock = store, node_size, stale_s, clock
+        self.exits, self.fences = JobLog(store, EXITED_KEY), JobLog(store, FENCE_KEY)
+        """This reader's place in the exit and fence logs: each poll fetches only their new entries."""
         self._seq: dict[int, tuple[int, float]] = {}  # node -> (seq, when it last changed)
         self._present: set[str] = set()  # node keys seen to exist (never deleted)
 
@@ -228,19 +266,17 @@ class LivenessReader:
         """Read the beats of `ranks`, every exit and (with `fences`; always when read per node) every fence request."""
         ranks = sorted(set(ranks))
         if self.node_size is None:
-            return LivenessView(read_beats(self.store, ranks), read_exits(self.store),
-                                read_fences(self.store) if fences else {})
+            return self._per_rank(ranks, fences)
         nodes = sorted({r // self.node_size for r in ranks})
-        keys = [node_key(n) for n in nodes] + [EXITED_KEY, FENCE_KEY]
+        keys = [node_key(n) for n in nodes] + [self.exits.count_key, self.fences.count_key]
         if not set(keys) <= self._present:
             if not self.store.check(keys):  # a launcher has not published yet: read per rank meanwhile
-                return LivenessView(read_beats(self.store, ranks), read_exits(self.store),
-                                    read_fences(self.store) if fences else {})
+                return self._per_rank(ranks, fences)
             self._present.update(keys)
         values = self.store.multi_get(keys)
         now, wanted = self._clock(), set(ranks)
         beats: dict[int, Beat] = {}
-        exited = _parse_lines(values[-2])
+        exited = dict(self.exits.catch_up(int(values[-2])))
         stale: list[int] = []
         for node, raw in zip(nodes, values):
             liveness = NodeLiveness.decode(raw)
@@ -254,7 +290,11 @@ class LivenessReader:
                 exited.setdefault(rank, why)
         if stale:
             beats.update(read_beats(self.store, stale))
-        return LivenessView(beats, exited, _parse_lines(values[-1]))
+        return LivenessView(beats, exited, dict(self.fences.catch_up(int(values[-1]))))
+
+    def _per_rank(self, ranks: list[int], fences: bool) -> LivenessView:
+        return LivenessView(read_beats(self.store, ranks), dict(self.exits.read()),
+                            dict(self.fences.read()) if fences else {})
 
 
 def poll_liveness(store, monitor: LivenessMonitor, reader: LivenessReader | None = None) -> frozenset[int]:

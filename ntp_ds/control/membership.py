@@ -4,13 +4,15 @@ Protocol (keys in the launcher's store; ranks are launch ranks, stable across ge
 1. A rank that sees peers die claims each death once (`membership/{g}/dead/{r}`, a counter: the first claimant
    wins) and files a `FailureReport` of the deaths it claimed, if any, as entry i of `membership/{g}/reports` (keys
    `membership/{g}/reports/{i}`, i counted by `membership/{g}/reports/count`), where g is its generation. Then it
-   acknowledges (`membership/{g}/acks`, once per rank). So a failure seen by every survivor costs each of them a few
-   counter updates, and the reports every rank reads number the deaths, not the survivors.
-2. Every rank that learns of a failure (its own report, or `pending()`) calls `await_decision(g)`. Once reports have
-   been visible to it for `settle_s`, or every member not reported dead has acknowledged, it proposes the union of
-   all reports with `compare_set` on `decision/{g}`:
-   the first writer wins, every later proposer reads back the winner's bytes, so all ranks hold the same
-   `MembershipChange` to generation g + 1.
+   acknowledges, for the deaths it claimed (the dead cannot) and for itself: the acknowledgements are a barrier over
+   the members (`membership/{g}/acks`, `BarrierWait`'s tree of counters), which ends once every member not reported
+   dead has acknowledged. So a failure seen by every survivor costs each of them a few counter updates, on counters
+   of at most `BARRIER_FANOUT` writers, and the reports every rank reads number the deaths, not the survivors.
+2. Every rank that learns of a failure (its own report, or `pending()`) calls `await_decision(g)`. A rank that filed
+   a report proposes the union of all reports with `compare_set` on `decision/{g}` once the acknowledgements have
+   ended or reports have been visible to it for `settle_s`; a rank that filed none proposes only if no decision has
+   come within twice that (the reporters died on the way). The first writer wins, every later proposer reads back
+   the winner's bytes, so all ranks hold the same `MembershipChange` to generation g + 1.
 3. Each survivor `confirm`s: it adopts the change, then meets the other survivors at a barrier that names only
    survivors, so nobody waits on a dead rank.
 A report or decision of an older generation is ignored; every wait is bounded and raises a TimeoutError subclass
@@ -35,7 +37,6 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 from ntp_ds.control.keys import decision_key, membership_key
-
 
 
 class StaleGeneration(ValueError):
@@ -189,34 +190,49 @@ def barrier(store, name: str, rank: int, ranks: Sequence[int], timeout_s: float,
             sleep: Callable[[float], None] = time.sleep) -> None:
     """Wait until every rank in `ranks` has called this barrier `name`; raise BarrierTimeout after `timeout_s`.
 
-    Polls the arrival counter, pausing `poll_s` at first and twice as long after each poll up to `max_poll_s`.
+    Polls the barrier's end (`BarrierWait`), pausing `poll_s` at first and twice as long after each poll up to
+    `max_poll_s`.
     """
     wait = BarrierWait(store, name, rank, ranks, timeout_s, poll_s=poll_s, max_poll_s=max_poll_s, clock=clock)
     while (pause := wait.poll()) is not None:
         sleep(pause)
 
 
+BARRIER_FANOUT = 32
+"""Most ranks that write one counter of a barrier (`BarrierWait`): arrivals are counted in a tree of counters of at
+most this many writers each, not on one key that every member writes."""
+
+
 class BarrierWait:
     """One rank's arrival at barrier `name` and its wait for the others, one poll at a time (`barrier` runs it to the
-    end; a caller that multiplexes many waits calls `poll` itself)."""
+    end; a caller that multiplexes many waits calls `poll` itself).
+
+    Arrivals are counted in a tree: rank i of the (sorted) barrier ranks adds one to its leaf's counter
+    (`name/c/0/{i // 32}`); the arrival that fills a counter adds one to its parent's (`name/c/1/{i // 32**2}`), and
+    so on; the arrival that fills the root sets `name/done`, which the waiters read. No counter has more than
+    `BARRIER_FANOUT` writers, so on etcd, where a counter is a guarded transaction, writers no longer retry each
+    other out by the thousand on one key; each rank still makes two writes (its own arrival mark, its leaf) and
+    reads one key per poll. A rank that calls again is counted once (its mark, `name/{rank}`)."""
 
     def __init__(self, store, name: str, rank: int, ranks: Sequence[int], timeout_s: float, *, poll_s: float = 0.02,
-                 max_poll_s: float = MAX_POLL_S, clock: Callable[[], float] = time.monotonic):
-        if rank not in ranks:
-            raise ValueError(f"rank {rank} is not among the barrier's ranks {sorted(ranks)}")
-        self.store, self.name, self.ranks, self.timeout_s = store, name, tuple(ranks), timeout_s
+                 max_poll_s: float = MAX_POLL_S, clock: Callable[[], float] = time.monotonic,
+                 fanout: int = BARRIER_FANOUT):
+        ranks = _sorted_distinct(ranks)
+        if not _contains(ranks, rank):
+            raise ValueError(f"rank {rank} is not among the barrier's ranks {list(ranks)}")
+        self.store, self.name, self.ranks, self.timeout_s = store, name, ranks, timeout_s
         self._poll_s, self._max_poll_s, self._clock = poll_s, max(poll_s, max_poll_s), clock
         self.deadline = clock() + timeout_s
         self._pause = poll_s
         if store.add(f"{name}/{rank}", 1) == 1:  # count each rank once, even if it calls again
-            store.add(f"{name}/count", 1)
+            count_arrival(store, name, bisect.bisect_left(ranks, rank), len(ranks), fanout)
 
     def poll(self) -> float | None:
         """Poll once: return None once every rank has arrived, else the seconds to pause before the next poll.
 
         Raise BarrierTimeout, naming the ranks that never arrived, past the deadline.
         """
-        if self.store.add(f"{self.name}/count", 0) >= len(self.ranks):
+        if self.store.check([f"{self.name}/done"]):
             return None
         now = self._clock()
         if now >= self.deadline:
@@ -225,6 +241,21 @@ class BarrierWait:
         pause = min(self._pause, self.deadline - now)
         self._pause = min(2 * self._pause, self._max_poll_s)
         return pause
+
+
+def count_arrival(store, name: str, index: int, n: int, fanout: int = BARRIER_FANOUT) -> None:
+    """Count the arrival of the `index`-th of the `n` (sorted) ranks of barrier `name` in its tree of counters
+    (see `BarrierWait`, which also marks the rank's own arrival first)."""
+    level, width = 0, n  # width: the counters' count below this level (the ranks at level 0)
+    while True:
+        node = index // fanout
+        size = min(fanout, width - node * fanout)  # this counter's writers: the full ones below it
+        if store.add(f"{name}/c/{level}/{node}", 1) < size:
+            return
+        if width <= fanout:  # the root is full: every rank has arrived
+            store.set(f"{name}/done", "1")
+            return
+        level, index, width = level + 1, node, -(-width // fanout)
 
 
 class Membership:
@@ -244,6 +275,8 @@ class Membership:
         """Generation -> the reports read so far, in filing order (entries never change once written)."""
         self._decided: dict[int, MembershipChange] = {}
         """Generation -> its committed decision, once read (a decision never changes once committed)."""
+        self._reported: set[int] = set()
+        """Generations in which this rank filed a report: its reporters commit the decision (`DecisionWait`)."""
 
     def is_member(self, rank: int) -> bool:
         """Whether `rank` is a member of this rank's current generation (by bisection: members are W long)."""
@@ -291,10 +324,19 @@ class Membership:
             entry = self.store.add(f"{key}/count", 1)
             self.store.set(f"{key}/{entry}", report.encode())
             self.store.add(self._events_key(generation), 1)
-        acks = self._acks_key(generation)
-        if self.store.add(f"{acks}/{self.rank}", 1) == 1:  # after its report: an ack counts a complete view
-            self.store.add(acks, 1)
+            self._reported.add(generation)
+        # After its report, so that an acknowledgement counts a complete view: the dead it claimed first (they
+        # cannot acknowledge), then itself.
+        for rank in (*sorted(claimed), self.rank):
+            self._acknowledge(generation, rank)
         return True
+
+    def _acknowledge(self, generation: int, rank: int) -> None:
+        """Count `rank` (once) in the acknowledgements of `generation`: a barrier over its members, whose end
+        (`acks/done`) says every member not reported dead has acknowledged."""
+        acks = self._acks_key(generation)
+        if self.store.add(f"{acks}/{rank}", 1) == 1:
+            count_arrival(self.store, acks, bisect.bisect_left(self.members, rank), len(self.members))
 
     def pending(self) -> bool:
         """Return whether some rank has reported a failure in the current generation (one store round trip)."""
@@ -375,9 +417,10 @@ class Membership:
         """Move to `change`'s generation and members, and forget what was read of the generations before the last
         (a call naming one raises StaleGeneration): a rank keeps two generations' decisions, W long each, not all."""
         self.generation, self.members = change.generation, change.survivors
-        for old in [g for g in (*self._read, *self._decided) if g < change.generation - 1]:
+        for old in [g for g in (*self._read, *self._decided, *self._reported) if g < change.generation - 1]:
             self._read.pop(old, None)
             self._decided.pop(old, None)
+            self._reported.discard(old)
 
     def confirm(self, change: MembershipChange, timeout_s: float) -> bool:
         """Adopt `change`, then wait (bounded) until every survivor has; return False for a stale change.
@@ -410,16 +453,21 @@ class Membership:
 
 class DecisionWait:
     """One rank's wait for the decision of `generation`, one poll at a time (`Membership.await_decision` runs it to
-    the end; a caller that multiplexes many waits calls `poll` itself)."""
+    the end; a caller that multiplexes many waits calls `poll` itself).
+
+    The ranks that filed a report commit the decision, once every member not reported dead has acknowledged (the
+    acknowledgements' barrier has ended: `acks/done`) or the settle window has run out since they saw the first
+    report; the others read it. A rank that filed none commits only if no decision has come within twice the settle
+    window (its reporters died on the way): the decision key has as many writers as reports, not one per survivor,
+    whose settle windows all ran out together."""
 
     def __init__(self, membership: Membership, generation: int, timeout_s: float):
         membership._check_generation(generation)
         self.membership, self.generation, self.timeout_s = membership, generation, timeout_s
         self.deadline = membership._clock() + timeout_s
         self._first_seen: float | None = None
-        self._seen, self._acks, self._reports, self._pause = 0, 0, [], membership.poll_s
-        self._counters = [membership._events_key(generation), membership._acks_key(generation)]
-        self._members = frozenset(membership.members)  # once: a poll then costs the deaths, not the members
+        self._seen, self._everyone, self._reports, self._pause = 0, False, [], membership.poll_s
+        self._counters = [membership._events_key(generation), f"{membership._acks_key(generation)}/done"]
         for key in self._counters:  # both exist from here on, so one read fetches the two
             membership.store.add(key, 0)
 
@@ -429,7 +477,7 @@ class DecisionWait:
         Raise MembershipTimeout if no report has appeared by the deadline.
         """
         m, g = self.membership, self.generation
-        events, self._acks = (int(v) for v in m.store.multi_get(self._counters))  # one request while nothing happens
+        events, everyone = (int(v) for v in m.store.multi_get(self._counters))  # one request while nothing happens
         if events != self._seen:
             self._seen, self._pause = events, m.poll_s
             change = m.decision(g)
@@ -437,11 +485,19 @@ class DecisionWait:
                 return change
             self._reports = m.reports(g)
         now = m._clock()
+        if everyone and not self._everyone:  # the decision is due now: look again soon
+            self._everyone, self._pause = True, m.poll_s
         if self._reports:
             self._first_seen = now if self._first_seen is None else self._first_seen
-            if now - self._first_seen >= m.settle_s or now >= self.deadline or self._everyone_reported():
+            waited = now - self._first_seen
+            if g in m._reported:
+                if waited >= m.settle_s or now >= self.deadline or everyone:
+                    return m._commit(g, self._reports)
+                wake = min(self.deadline, self._first_seen + m.settle_s)
+            elif waited >= 2 * m.settle_s or now >= self.deadline:  # its reporters are gone: commit in their place
                 return m._commit(g, self._reports)
-            wake = min(self.deadline, self._first_seen + m.settle_s)
+            else:
+                wake = min(self.deadline, self._first_seen + 2 * m.settle_s)
         elif now >= self.deadline:
             raise MembershipTimeout(f"no failure was reported in generation {g} within {self.timeout_s}s")
         else:
@@ -449,10 +505,3 @@ class DecisionWait:
         pause = max(0.0, min(self._pause, wake - now))
         self._pause = min(2 * self._pause, m.max_poll_s)
         return pause
-
-    def _everyone_reported(self) -> bool:
-        """Whether every member not reported dead has acknowledged: no one is left to add a death to the union, so
-        the settle window need not run out (a death nobody has seen yet is left for the next generation either
-        way; a rank that acknowledged and then died counts, and its death too is left for the next)."""
-        dead = set().union(*(r.ranks for r in self._reports))
-        return self._acks >= len(self._members) - len(dead & self._members)

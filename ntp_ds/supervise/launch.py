@@ -238,9 +238,11 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1, finish=None) -> int:
     """Start the workers, wait for every one, report each exit; return the exit status described above, or what
     `finish(store, codes)` returns (called once every worker has exited, while this process still holds the store)
     if it returns a status."""
-    from ntp_ds.control.liveness_store import NODE_PUBLISH_S, NodePublisher, mark_exited, prepare_store
+    from ntp_ds.control.keys import FENCE_KEY
+    from ntp_ds.control.liveness_store import NODE_PUBLISH_S, JobLog, NodePublisher, mark_exited, prepare_store
 
     store, address, master = _rendezvous(spec)
+    fence_log = JobLog(store, FENCE_KEY)
     published_at, compacted_at, exits = -math.inf, time.monotonic(), {}
     stop = _StopRequests()
     previous = {s: signal.signal(s, stop.receive) for s in SIGNALS}
@@ -302,7 +304,7 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1, finish=None) -> int:
                 except Exception as e:  # tried again at the next period
                     _say(f"could not compact the store's history: {e}")
             left = {r: p for r, p in procs.items() if r not in codes}
-            _fence(store, left)
+            _fence(fence_log, left)
             if codes and left and all(_stopped(p) for p in left.values()):
                 # A worker stopped by SIGSTOP (a hang) never exits; once every other worker has, it is dead weight.
                 _say(f"rank{'s' if len(left) > 1 else ''} {', '.join(map(str, sorted(left)))} stopped (SIGSTOP) while "
@@ -389,13 +391,12 @@ def _start(spec: LaunchSpec, env: dict):
     return subprocess.Popen(spec.command, env=env)
 
 
-def _fence(store, running: dict) -> None:
+def _fence(fence_log, running: dict) -> None:
     """Kill this node's workers that their peers declared dead (hung): a fenced worker never rejoins, and its
-    closed connections end every wait on it at once."""
-    from ntp_ds.control.liveness_store import read_fences
-
+    closed connections end every wait on it at once. `fence_log`: this launcher's `JobLog` of the fence requests
+    (each poll reads the new ones only)."""
     try:
-        fences = read_fences(store)
+        fences = fence_log.read()
     except Exception as e:  # the store is ours; a failed read is retried at the next poll
         _say(f"could not read the fence requests: {e}")
         return

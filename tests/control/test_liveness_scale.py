@@ -10,9 +10,10 @@ import torch.distributed as dist
 
 from ntp_ds.control.heartbeat import WATCHES_PER_BEAT, Heartbeat, next_pause
 from ntp_ds.control.liveness import Beat, LivenessMonitor
+from ntp_ds.control.keys import log_count_key
 from ntp_ds.control.liveness_store import (EXITED_KEY, FENCE_KEY, NODE_PUBLISH_S, LivenessReader, NodeLiveness,
                                            NodePublisher, mark_exited, node_key, poll_liveness, prepare_store,
-                                           request_fence)
+                                           read_exits, request_fence)
 from ntp_ds.control.membership import Membership, MembershipChange, barrier
 from ntp_ds.supervise.launch import LaunchSpec, worker_env
 from ntp_ds.testing.liveness_load import CountingStore, LoadSpec, peers_of, run_load
@@ -116,13 +117,49 @@ def test_reader_from_env_reads_per_node_only_under_a_launcher():
     assert env["NTP_NODE_SIZE"] == "4" and env["RANK"] == "6"
 
 
-def test_prepare_store_creates_the_logs_once_and_keeps_their_lines():
+def test_prepare_store_creates_the_logs_once_and_keeps_their_entries():
     store = dist.HashStore()
     prepare_store(store)
-    assert store.get(EXITED_KEY) == b"" and store.get(FENCE_KEY) == b""
+    assert store.get(log_count_key(EXITED_KEY)) == b"0" and store.get(log_count_key(FENCE_KEY)) == b"0"
     mark_exited(store, 3, "gone")
     prepare_store(store)  # a second launcher
-    assert store.get(EXITED_KEY) == b"3 gone\n"
+    assert read_exits(store) == {3: "gone"}
+
+
+class _Recorder:
+    """A store client that records each call's name and arguments."""
+
+    def __init__(self, store):
+        self._store, self.calls = store, []
+
+    def __getattr__(self, name):
+        method = getattr(self._store, name)
+
+        def recorded(*args):
+            self.calls.append((name, args))
+            return method(*args)
+        return recorded
+
+
+def test_a_watcher_s_poll_reads_only_the_log_entries_it_has_not_read_however_old_the_job():
+    # 200 deaths filed, then one more: the reader's poll fetches the counters with the node keys and only the new
+    # entry; its bytes stay the same however many deaths the logs hold (the whole logs were read at every poll).
+    store = _Recorder(dist.HashStore())
+    prepare_store(store)
+    NodePublisher(store, 0, range(4)).publish({})
+    for rank in range(1000, 1200):
+        mark_exited(store, rank, "exit code -9", alarm=False)
+    reader = LivenessReader(store, 4)
+    assert len(reader.read(range(4)).exited) == 200
+    store.calls.clear()
+    view = reader.read(range(4))
+    assert len(view.exited) == 200 and [c[0] for c in store.calls] == ["multi_get"]  # nothing new: one request
+    request_fence(store, [1200], "no heartbeat")
+    store.calls.clear()
+    view = reader.read(range(4))
+    assert view.fences == {1200: "no heartbeat"} and len(view.exited) == 200
+    assert [c[0] for c in store.calls] == ["multi_get", "check", "multi_get"]  # the counters, then one new entry
+    assert store.calls[-1][1] == (["fence/entry/1"],)
 
 
 def test_backoff_doubles_while_quiet_and_resets_on_news():
@@ -164,10 +201,10 @@ def test_waiting_ranks_read_reports_only_when_the_events_counter_moves():
     assert sleeps[:6] == [0.02, 0.04, 0.08, 0.16, 0.16, 0.16]
     # Six quiet polls cost one read of the two counters each (events and acknowledgements, created once by the
     # waiter); the reports and decision were read once, after the report: 7 polls and the entry's fetch. Adds: the
-    # waiter's 2 counter creations, the reporter's claim, entry count, events bump and acknowledgement (2), the
-    # commit's bump and one read of the entry count.
+    # waiter's 2 counter creations, the reporter's claim, entry count, events bump and acknowledgements (its own and
+    # the dead rank's: a mark and a leaf counter each), the commit's bump and one read of the entry count.
     assert store.calls["get"] <= 2 and store.calls["multi_get"] == 7 + 1
-    assert store.calls["add"] == 2 + 5 + 1 + 1
+    assert store.calls["add"] == 2 + 7 + 1 + 1
     assert reporter.await_decision(0, 1.0) == change
 
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from ntp_ds.control.membership import (
     BarrierTimeout,
+    BarrierWait,
     Evicted,
     FailureReport,
     Membership,
@@ -26,6 +27,7 @@ from ntp_ds.control.membership import (
 from ntp_ds.control.store import connect_store, host_store
 from ntp_ds.layout import ModelUnits, Topology
 from ntp_ds.layout.generation import replica_membership
+from tests.helpers.clock import FakeClock
 
 UNITS = ModelUnits(heads=8, kv_heads=4, ffn=16, vocab=32)
 
@@ -222,15 +224,46 @@ def test_a_death_every_survivor_sees_is_reported_once_and_acknowledged_by_all():
                                      views[i].await_decision(0, timeout_s=20.0))[1], 16)
     assert time.monotonic() - start < 10.0
     assert len(set(changes)) == 1 and changes[0].dead == {16} and changes[0].survivors == tuple(range(16))
-    assert store.add("membership/0/reports/count", 0) == 1 and store.add("membership/0/acks", 0) == 16
+    assert store.add("membership/0/reports/count", 0) == 1 and store.get("membership/0/acks/done") == b"1"
     assert all(len(v.reports(0)) == 1 for v in views)
     # a second report of a death already claimed adds no entry, and acknowledges once
     store = dist.HashStore()
     a, b = (Membership(store, r, range(4), settle_s=0.0) for r in (0, 1))
     assert a.report_failure(0, {3}, 1.0, "x") and b.report_failure(0, {3}, 1.0, "y")
     assert a.report_failure(0, {3}, 2.0, "x")
-    assert store.add("membership/0/reports/count", 0) == 1 and store.add("membership/0/acks", 0) == 2
+    assert store.add("membership/0/reports/count", 0) == 1 and not store.check(["membership/0/acks/done"])
+    assert sorted(r for r in range(4) if store.check([f"membership/0/acks/{r}"])) == [0, 1, 3]  # 3: by its claimant
     assert b.report_failure(0, {2, 3}, 3.0, "z") and [sorted(r.ranks) for r in b.reports(0)] == [[3], [2]]
+
+
+def test_only_the_reporters_commit_and_the_others_read_their_decision():
+    # 64 members, rank 63 dies, every survivor sees it: one claims it and files the report; the decision key is
+    # written by that reporter alone (it was written by every survivor whose settle window ran out), and the
+    # acknowledgements complete the moment the last survivor acknowledges (its claimant acknowledged for the dead).
+    store = _Writers(dist.HashStore())
+    views = [Membership(store, r, range(64), settle_s=30.0, poll_s=0.002) for r in range(63)]
+
+    def agree(i):
+        store.rank = i
+        views[i].report_failure(0, {63}, 1.0, "exit code -9")
+        return views[i].await_decision(0, timeout_s=20.0)
+
+    start = time.monotonic()
+    changes = run_threads(agree, 63)
+    assert time.monotonic() - start < 10.0  # not the 30 s settle window: everyone had acknowledged
+    assert len(set(changes)) == 1 and changes[0].dead == {63}
+    reporter = views[0].reports(0)[0].reporter
+    assert store.compare_sets == {reporter}
+
+
+def test_the_others_commit_when_the_reporter_never_does():
+    # The reporter files its report and dies before committing: the others commit after twice the settle window.
+    store = dist.HashStore()
+    reporter, *others = (Membership(store, r, range(4), settle_s=0.05, poll_s=0.002) for r in range(3))
+    reporter.report_failure(0, {3}, 1.0, "exit code -9")
+    changes = run_threads(lambda i: (others[i].report_failure(0, {3}, 1.0, "x"),
+                                     others[i].await_decision(0, timeout_s=5.0))[1], 2)
+    assert changes[0] == changes[1] and changes[0].dead == {3}
 
 
 def _propose_in_process(address, rank, n, results):
@@ -335,6 +368,67 @@ def test_barrier_counts_a_repeated_arrival_once():
     with pytest.raises(BarrierTimeout):
         barrier(store, "b", 0, [0, 1], 0.05, poll_s=0.001)
     barrier(store, "b", 1, [0, 1], 0.5, poll_s=0.001)
+
+
+class _Writers:
+    """A store client that records, per key, which ranks wrote it (`add` of a non-zero amount, `set`), and which
+    ranks proposed a decision (`compare_set` on `decision/...`); `rank` is the calling thread's."""
+
+    def __init__(self, store):
+        self._store, self.writers, self.compare_sets, self._local = store, {}, set(), threading.local()
+
+    @property
+    def rank(self):
+        return getattr(self._local, "rank", None)
+
+    @rank.setter
+    def rank(self, value):
+        self._local.rank = value
+
+    def add(self, key, amount):
+        if amount:
+            self.writers.setdefault(key, set()).add(self.rank)
+        return self._store.add(key, amount)
+
+    def set(self, key, value):
+        self.writers.setdefault(key, set()).add(self.rank)
+        return self._store.set(key, value)
+
+    def compare_set(self, key, expected, desired):
+        if key.startswith("decision/"):
+            self.compare_sets.add(self.rank)
+        return self._store.compare_set(key, expected, desired)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+@given(st.integers(1, 1500), st.data())
+@settings(max_examples=25, deadline=None)
+def test_a_barrier_of_many_ranks_ends_when_the_last_arrives_and_no_key_has_more_than_32_writers(n, data):
+    ranks = sorted(data.draw(st.sets(st.integers(0, 3 * n), min_size=n, max_size=n)))
+    order = data.draw(st.permutations(ranks))
+    store = _Writers(dist.HashStore())
+    waits = []
+    for rank in order:
+        assert not waits or waits[0].poll() is not None  # not over before the last arrival
+        store.rank = rank
+        waits.append(BarrierWait(store, "b", rank, ranks, 60.0))
+    assert all(w.poll() is None for w in waits)
+    assert max(len(w) for w in store.writers.values()) <= 32
+    # each rank writes its mark and its leaf; the fillers of counters climb: fewer than 2.04 writes per rank
+    assert sum(len(w) for w in store.writers.values()) <= 2 * n + n // 31 + 2
+
+
+def test_a_barrier_that_runs_out_names_exactly_the_ranks_that_never_came():
+    ranks = list(range(100))
+    store, clock = dist.HashStore(), FakeClock()
+    waits = [BarrierWait(store, "b", r, ranks, 5.0, clock=clock) for r in ranks if r not in (7, 64, 99)]
+    assert waits[0].poll() is not None
+    clock.now += 5.0
+    with pytest.raises(BarrierTimeout) as err:
+        waits[0].poll()
+    assert err.value.missing == {7, 64, 99}
 
 
 def test_await_decision_is_bounded_without_reports():
