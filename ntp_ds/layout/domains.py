@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 SHIFT_TRIES = 64
 """How many shifts along the replica order are tried for one that puts every copy apart (a rack's replicas: a few)."""
@@ -70,10 +71,11 @@ def copy_targets(order: Sequence[int], anchors: int, copies: int,
     out = []
     for i in range(anchors):
         shifts = list(uniform)
-        if len(shifts) < copies:  # the nearest replicas apart, then the nearest of any rack
-            rest = [s for s in range(1, n) if s not in shifts]
-            shifts += [s for s in rest if _apart(domains, order[i], order[(i + s) % n])][:copies - len(shifts)]
-            shifts += [s for s in rest if s not in shifts][:copies - len(shifts)]
+        if len(shifts) < copies:  # the nearest replicas apart, then the nearest of any rack (scanned lazily: the
+            # nearest replica apart lies past the anchor's own rack, a few replicas on)
+            apart = (s for s in range(1, n) if s not in shifts and _apart(domains, order[i], order[(i + s) % n]))
+            shifts += islice(apart, copies - len(shifts))
+            shifts += islice((s for s in range(1, n) if s not in shifts), copies - len(shifts))
         out.append([order[(i + s) % n] for s in shifts])
     return out
 
