@@ -72,7 +72,11 @@ class JobLog:
         self.store, self.log = store, log
         self.entries: dict[int, str] = {}
         """Rank -> reason of every entry read so far (a rank's first entry counts)."""
-        self._read = 0
+        self._counted = 0
+        self._unread: set[int] = set()
+        """Entries counted but not read yet: counted by a writer that has not written them yet, or never will (it
+        died between the two requests); each is looked for again at the next polls, and the entries after it are
+        read meanwhile."""
 
     @property
     def count_key(self) -> str:
@@ -80,21 +84,20 @@ class JobLog:
 
     def catch_up(self, count: int) -> dict[int, str]:
         """Fetch the entries up to `count` (the counter as just read) not read yet, and return every entry read so
-        far. An entry counted but not written yet (its writer is between the two requests) is read at a later poll."""
-        if count > self._read:
-            keys = [log_entry_key(self.log, n) for n in range(self._read + 1, count + 1)]
-            if self.store.check(keys):  # the usual case: every counted entry written, two requests for all
-                values = self.store.multi_get(keys)
+        far. An entry counted but not written yet is read at a later poll; the ones after it are read now."""
+        if count > self._counted:
+            self._unread.update(range(self._counted + 1, count + 1))
+            self._counted = count
+        if self._unread:
+            keys = {n: log_entry_key(self.log, n) for n in sorted(self._unread)}
+            if self.store.check(list(keys.values())):  # the usual case: all written, two requests for all
+                found = dict(zip(keys, self.store.multi_get(list(keys.values()))))
             else:
-                values = []
-                for key in keys:
-                    if not self.store.check([key]):
-                        break
-                    values.append(self.store.get(key))
-            for raw in values:
+                found = {n: self.store.get(k) for n, k in keys.items() if self.store.check([k])}
+            for n, raw in sorted(found.items()):
                 rank, _, reason = raw.decode().partition(" ")
                 self.entries.setdefault(int(rank), reason)
-            self._read += len(values)
+                self._unread.discard(n)
         return self.entries
 
     def read(self) -> dict[int, str]:

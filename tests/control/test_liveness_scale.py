@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from ntp_ds.control.heartbeat import WATCHES_PER_BEAT, Heartbeat, next_pause
 from ntp_ds.control.liveness import Beat, LivenessMonitor
-from ntp_ds.control.keys import log_count_key
+from ntp_ds.control.keys import log_count_key, log_entry_key
 from ntp_ds.control.liveness_store import (EXITED_KEY, FENCE_KEY, NODE_PUBLISH_S, LivenessReader, NodeLiveness,
                                            NodePublisher, mark_exited, node_key, poll_liveness, prepare_store,
                                            read_exits, request_fence)
@@ -160,6 +160,17 @@ def test_a_watcher_s_poll_reads_only_the_log_entries_it_has_not_read_however_old
     assert view.fences == {1200: "no heartbeat"} and len(view.exited) == 200
     assert [c[0] for c in store.calls] == ["multi_get", "check", "multi_get"]  # the counters, then one new entry
     assert store.calls[-1][1] == (["fence/entry/1"],)
+
+
+def test_an_entry_whose_writer_died_before_writing_it_does_not_hide_the_entries_after_it():
+    store = dist.HashStore()
+    prepare_store(store)
+    reader = LivenessReader(store)
+    store.add(log_count_key(EXITED_KEY), 1)  # a launcher counted entry 1 and was lost before writing it
+    mark_exited(store, 5, "exit code -9", alarm=False)
+    assert reader.read([]).exited == {5: "exit code -9"}
+    store.set(log_entry_key(EXITED_KEY, 1), "4 exit code 1")  # (had it been written late, it is read then)
+    assert reader.read([]).exited == {4: "exit code 1", 5: "exit code -9"}
 
 
 def test_backoff_doubles_while_quiet_and_resets_on_news():
