@@ -166,6 +166,33 @@ def test_a_member_found_dead_during_a_watched_barrier_ends_it_at_once_and_is_kep
     assert not d.declared
 
 
+def test_a_verdict_while_the_engine_trains_is_reported_at_once_unless_another_watched_peer_is_suspect():
+    # The heartbeat's thread reports a verdict itself (a replica that lost nothing may be busy in its backward for a
+    # while yet): the decision then needs nothing from its training thread. Not while another watched peer has been
+    # silent for half the timeout (its verdict belongs in the same report), nor during a recovery (no engine).
+    from ntp_ds.control.liveness import LivenessMonitor
+    from ntp_ds.recovery.watch import Watch
+
+    clock, reports = Clock(), []
+    watch = object.__new__(Watch)  # the verdict's path only: no heartbeat thread, no wire
+    engine = object()
+    watch.rank, watch.timeout_s, watch.declared, watch.engine = 0, 2.0, {}, lambda: engine
+    watch.report = lambda dead, wall, reason, silent: reports.append((dead, reason, silent))
+    watch.heartbeat = types.SimpleNamespace(monitor=LivenessMonitor({1, 2, 3}, 2.0, clock=clock))
+    clock.now += 0.5
+    watch._report(frozenset({3}), 10.0, "rank 3 exited")
+    assert reports == [(frozenset({3}), "rank 3 exited", {3: 0.5})]
+    clock.now += 0.6  # ranks 1 and 2 silent for 1.1 s: more than half the timeout
+    watch._report(frozenset({3}), 11.0, "rank 3 exited")
+    assert len(reports) == 1
+    watch.declared.update({1: "dead", 2: "dead"})  # their verdicts are in: the report may go
+    watch._report(frozenset({3}), 11.0, "rank 3 exited")
+    assert len(reports) == 2
+    watch.engine = lambda: None  # a recovery under way reports from its own detection
+    watch._report(frozenset({3}), 12.0, "rank 3 exited")
+    assert len(reports) == 2
+
+
 def test_barrier_keys_differ_for_different_members():
     assert barrier_key(2, "arrive", (0, 1, 3)) != barrier_key(2, "arrive", (0, 1, 2))
     assert barrier_key(2, "arrive", (0, 1, 3)).startswith("recovery/2/arrive/")

@@ -22,8 +22,10 @@ Waiting ranks watch, they do not re-read: every report and every commit bumps on
 `membership/{g}/events`, and a waiter reads the decision and the reports it has not read yet only when that counter
 has moved (each report is an entry of its own, read once per rank: a rank's reads per failure grow with the number
 of reports, not with that number times the number of times the counter moved). Polls of
-the counter and of barriers back off from `poll_s` to `max_poll_s` while nothing changes, so thousands of waiting
-ranks cost the store one small request each per pause.
+the counter and of barriers back off from `poll_s` to `max_poll_s` while nothing changes. By default that ceiling
+grows with the number of waiters (`poll_ceiling`): all of them together poll at most POLL_RATE_PER_S times a second
+once backed off, so a barrier of a few ranks ends within 10 ms of its last arrival and one of thousands does not
+flood the store.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import bisect
 import json
 import operator
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -181,17 +184,26 @@ def decide(generation: int, members: Sequence[int], reports: Sequence[FailureRep
 
 
 
-MAX_POLL_S = 0.16
-"""Longest pause between two polls of a waiting rank once it has backed off."""
+POLL_RATE_PER_S = 20_000
+"""Polls per second the waiters of one barrier (or decision) send the store in all, once backed off."""
+MIN_POLL_S = 0.01
+"""The shortest pause between two polls of a waiting rank once it has backed off (a barrier of few ranks)."""
+
+
+def poll_ceiling(waiters: int) -> float:
+    """The longest pause between two polls of each of `waiters` ranks waiting on one key: long enough that they send
+    POLL_RATE_PER_S polls a second in all (0.05 s at 1,024 ranks, 5 s at 100,000), and at least MIN_POLL_S. The end
+    of a wait is seen that much after it happens: the price of polling, which only a wait the store answers avoids."""
+    return max(MIN_POLL_S, waiters / POLL_RATE_PER_S)
 
 
 def barrier(store, name: str, rank: int, ranks: Sequence[int], timeout_s: float, *, poll_s: float = 0.02,
-            max_poll_s: float = MAX_POLL_S, clock: Callable[[], float] = time.monotonic,
+            max_poll_s: float | None = None, clock: Callable[[], float] = time.monotonic,
             sleep: Callable[[float], None] = time.sleep) -> None:
     """Wait until every rank in `ranks` has called this barrier `name`; raise BarrierTimeout after `timeout_s`.
 
     Polls the barrier's end (`BarrierWait`), pausing `poll_s` at first and twice as long after each poll up to
-    `max_poll_s`.
+    `max_poll_s` (default: `poll_ceiling` of the barrier's size).
     """
     wait = BarrierWait(store, name, rank, ranks, timeout_s, poll_s=poll_s, max_poll_s=max_poll_s, clock=clock)
     while (pause := wait.poll()) is not None:
@@ -215,12 +227,15 @@ class BarrierWait:
     reads one key per poll. A rank that calls again is counted once (its mark, `name/{rank}`)."""
 
     def __init__(self, store, name: str, rank: int, ranks: Sequence[int], timeout_s: float, *, poll_s: float = 0.02,
-                 max_poll_s: float = MAX_POLL_S, clock: Callable[[], float] = time.monotonic,
+                 max_poll_s: float | None = None, clock: Callable[[], float] = time.monotonic,
                  fanout: int = BARRIER_FANOUT):
         ranks = _sorted_distinct(ranks)
         if not _contains(ranks, rank):
             raise ValueError(f"rank {rank} is not among the barrier's ranks {list(ranks)}")
         self.store, self.name, self.ranks, self.timeout_s = store, name, ranks, timeout_s
+        if max_poll_s is None:
+            max_poll_s = poll_ceiling(len(ranks))
+            poll_s = min(poll_s, max_poll_s)
         self._poll_s, self._max_poll_s, self._clock = poll_s, max(poll_s, max_poll_s), clock
         self.deadline = clock() + timeout_s
         self._pause = poll_s
@@ -243,18 +258,19 @@ class BarrierWait:
         return pause
 
 
-def count_arrival(store, name: str, index: int, n: int, fanout: int = BARRIER_FANOUT) -> None:
+def count_arrival(store, name: str, index: int, n: int, fanout: int = BARRIER_FANOUT) -> bool:
     """Count the arrival of the `index`-th of the `n` (sorted) ranks of barrier `name` in its tree of counters
-    (see `BarrierWait`, which also marks the rank's own arrival first)."""
+    (see `BarrierWait`, which also marks the rank's own arrival first). Return whether this arrival was the last (it
+    ended the barrier: exactly one arrival does)."""
     level, width = 0, n  # width: the counters' count below this level (the ranks at level 0)
     while True:
         node = index // fanout
         size = min(fanout, width - node * fanout)  # this counter's writers: the full ones below it
         if store.add(f"{name}/c/{level}/{node}", 1) < size:
-            return
+            return False
         if width <= fanout:  # the root is full: every rank has arrived
             store.set(f"{name}/done", "1")
-            return
+            return True
         level, index, width = level + 1, node, -(-width // fanout)
 
 
@@ -262,19 +278,23 @@ class Membership:
     """One rank's view of the job's members, kept in agreement with every other survivor through the store."""
 
     def __init__(self, store, rank: int, members: Iterable[int], generation: int = 0, *, settle_s: float = 0.2,
-                 poll_s: float = 0.02, max_poll_s: float = MAX_POLL_S, clock: Callable[[], float] = time.monotonic,
+                 poll_s: float = 0.02, max_poll_s: float | None = None, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep):
         self.store, self.rank = store, rank
         self.members = _sorted_distinct(members)
         if not self.is_member(rank):
             raise ValueError(f"rank {rank} is not among members {list(self.members)}")
         self.generation = generation
+        if max_poll_s is None:  # (a new generation's survivors wait on it as few more: the ceiling of the first)
+            max_poll_s = poll_ceiling(len(self.members))
+            poll_s = min(poll_s, max_poll_s)
         self.settle_s, self.poll_s, self.max_poll_s = settle_s, poll_s, max(poll_s, max_poll_s)
         self._clock, self._sleep = clock, sleep
         self._read: dict[int, list[FailureReport]] = {}
         """Generation -> the reports read so far, in filing order (entries never change once written)."""
         self._decided: dict[int, MembershipChange] = {}
         """Generation -> its committed decision, once read (a decision never changes once committed)."""
+        self._reading = threading.Lock()
         self._reported: set[int] = set()
         """Generations in which this rank filed a report: its reporters commit the decision (`DecisionWait`)."""
 
@@ -327,16 +347,20 @@ class Membership:
             self._reported.add(generation)
         # After its report, so that an acknowledgement counts a complete view: the dead it claimed first (they
         # cannot acknowledge), then itself.
-        for rank in (*sorted(claimed), self.rank):
-            self._acknowledge(generation, rank)
+        last = [self._acknowledge(generation, rank) for rank in (*sorted(claimed), self.rank)]
+        if any(last):  # every report is in: commit now, whoever waits (a reporter may be busy in its step)
+            self._commit(generation, self.reports(generation))
         return True
 
-    def _acknowledge(self, generation: int, rank: int) -> None:
+    def _acknowledge(self, generation: int, rank: int) -> bool:
         """Count `rank` (once) in the acknowledgements of `generation`: a barrier over its members, whose end
-        (`acks/done`) says every member not reported dead has acknowledged."""
+        (`acks/done`) says every member not reported dead has acknowledged. Return whether this was the last one.
+        Each member acknowledges after filing its report, so at the end every report is in the store, and the
+        rank that ended it commits their union at once (one writer of the decision)."""
         acks = self._acks_key(generation)
         if self.store.add(f"{acks}/{rank}", 1) == 1:
-            count_arrival(self.store, acks, bisect.bisect_left(self.members, rank), len(self.members))
+            return count_arrival(self.store, acks, bisect.bisect_left(self.members, rank), len(self.members))
+        return False
 
     def pending(self) -> bool:
         """Return whether some rank has reported a failure in the current generation (one store round trip)."""
@@ -345,6 +369,10 @@ class Membership:
     def reports(self, generation: int) -> list[FailureReport]:
         """Return the reports of `generation` visible in the store now. Only entries this rank has not read yet are
         fetched (two requests when there are none): an entry counted but not written yet is read on a later call."""
+        with self._reading:  # (the watch's early report reads them too, from the heartbeat's thread)
+            return self._reports(generation)
+
+    def _reports(self, generation: int) -> list[FailureReport]:
         key = self._reports_key(generation)
         read = self._read.setdefault(generation, [])
         if not self.store.check([f"{key}/count"]):
@@ -455,11 +483,11 @@ class DecisionWait:
     """One rank's wait for the decision of `generation`, one poll at a time (`Membership.await_decision` runs it to
     the end; a caller that multiplexes many waits calls `poll` itself).
 
-    The ranks that filed a report commit the decision, once every member not reported dead has acknowledged (the
-    acknowledgements' barrier has ended: `acks/done`) or the settle window has run out since they saw the first
-    report; the others read it. A rank that filed none commits only if no decision has come within twice the settle
-    window (its reporters died on the way): the decision key has as many writers as reports, not one per survivor,
-    whose settle windows all ran out together."""
+    Once every member not reported dead has acknowledged, the rank whose acknowledgement was the last commits the
+    decision (`Membership.report_failure`), and every waiter reads it. Otherwise the ranks that filed a report commit
+    it when the settle window has run out since they saw the first report; a rank that filed none commits only if
+    no decision has come within twice the settle window (its reporters died on the way): the decision key has one
+    writer, or as many as reports, not one per survivor, whose settle windows all ran out together."""
 
     def __init__(self, membership: Membership, generation: int, timeout_s: float):
         membership._check_generation(generation)
@@ -490,8 +518,8 @@ class DecisionWait:
         if self._reports:
             self._first_seen = now if self._first_seen is None else self._first_seen
             waited = now - self._first_seen
-            if g in m._reported:
-                if waited >= m.settle_s or now >= self.deadline or everyone:
+            if g in m._reported:  # (when every member has acknowledged, the last of them commits: `report_failure`)
+                if waited >= m.settle_s or now >= self.deadline:
                     return m._commit(g, self._reports)
                 wake = min(self.deadline, self._first_seen + m.settle_s)
             elif waited >= 2 * m.settle_s or now >= self.deadline:  # its reporters are gone: commit in their place

@@ -78,7 +78,7 @@ class Recovery:
         self.watch = Watch(store, rank, interval_s=heartbeat_interval_s, timeout_s=heartbeat_timeout_s,
                            hang_timeout_s=hang_timeout_s, first_beat_timeout_s=first_beat_timeout_s,
                            generation=lambda: self.membership.generation, members=lambda: self.members,
-                           engine=lambda: self.engine, declared=self.detector.declared)
+                           engine=lambda: self.engine, declared=self.detector.declared, report=self._report)
         self.heartbeat = self.watch.heartbeat
         self.watch.start()
         self.events: list[dict] = []
@@ -89,6 +89,11 @@ class Recovery:
         """Called with phase "recovery" once the new membership is agreed, "rendezvous" as the survivors meet for
         the new generation, "groups" as its communicators are about to be created (its members all met) and
         "transfer" as the lost units move: the fault-injection seams."""
+
+    def _report(self, dead: frozenset[int], wall: float, reason: str, silent: dict[int, float]) -> None:
+        """The watch's early report of a verdict (`Watch.report`), in the membership's generation."""
+        membership = self.membership
+        membership.report_failure(membership.generation, dead, wall, reason, silent)
 
     @property
     def members(self) -> tuple[int, ...]:

@@ -3,7 +3,10 @@
 The heartbeat's thread beats, watches a bounded set of peers (those this rank exchanges data with, or its ring
 neighbours while a recovery builds the next generation) and reads the fence requests of every member. A peer found
 dead or hung is fenced (its launcher stops it for good, which closes its connections and ends every gloo wait on it)
-and the wire is told (under NCCL this aborts the communicators, sparing the groups without a suspect).
+and the wire is told (under NCCL this aborts the communicators, sparing the groups without a suspect). While the
+engine trains, the verdict is also reported to the membership at once (`report`), from this thread: a rank still busy
+with its own step (a replica that lost nothing, in its backward) has acknowledged the death by the time it notices,
+so the decision is committed without waiting for it.
 """
 
 from __future__ import annotations
@@ -28,8 +31,12 @@ class Watch:
 
     def __init__(self, store, rank: int, *, interval_s: float, timeout_s: float, hang_timeout_s: float | None,
                  first_beat_timeout_s: float, generation: Callable[[], int], members: Callable[[], tuple[int, ...]],
-                 engine: Callable[[], object], declared: dict[int, str]):
+                 engine: Callable[[], object], declared: dict[int, str],
+                 report: Callable[[frozenset[int], float, str, dict[int, float]], None] | None = None):
         self.rank, self.timeout_s = rank, timeout_s
+        self.report = report
+        """Called from the heartbeat's thread with a verdict (the dead, the wall time, why, how long each was
+        silent) while the engine trains and no other watched peer is suspect: the membership's report."""
         self.members, self.engine, self.declared = members, engine, declared
         with wire.waiting():
             # Departures are asked from the training thread and, under NCCL, the abort thread: a client of their own.
@@ -93,3 +100,21 @@ class Watch:
             request_fence(self.heartbeat.store, ranks, reason)
         finally:
             wire.peer_failed(reason, suspects=self.suspects(ranks), arrival_s=self.timeout_s)
+        self._report(ranks, wall, reason)
+
+    def _report(self, ranks: frozenset[int], wall: float, reason: str) -> None:
+        """Report `ranks` dead to the membership now, unless no engine runs (a recovery reports from its own
+        detection) or another watched peer is silent for half the timeout: a report acknowledges this rank's view as
+        complete, and deaths at one moment (a node, a rack) belong in one decision (`Detector.detect` waits for such
+        a suspect's verdict the same way)."""
+        if self.report is None or self.engine() is None:
+            return
+        monitor = self.heartbeat.monitor
+        half = self.timeout_s / 2
+        if any(monitor.silent_for(r) > half for r in monitor.ranks if r not in ranks and r not in self.declared):
+            return
+        silent = {r: monitor.silent_for(r) for r in ranks if r in monitor.ranks}
+        try:
+            self.report(ranks, wall, reason, silent)
+        except Exception as err:  # the training thread's own detection reports it then
+            log.debug("rank %d: early report of %s failed: %s", self.rank, sorted(ranks), err)
