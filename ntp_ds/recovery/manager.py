@@ -18,7 +18,7 @@ import traceback
 import torch
 
 from ntp_ds.comm import wire
-from ntp_ds.comm.groups import keepable, mark_communicators, role_of
+from ntp_ds.comm.groups import keepable, mark_communicators, prepare_backend, role_of
 from ntp_ds.control.joins import JoinFailed, JoinPlan, read_join_plan
 from ntp_ds.control.liveness_store import LivenessReader, mark_exited, request_fence
 from ntp_ds.control.membership import BarrierTimeout, Membership, MembershipChange, barrier
@@ -343,6 +343,8 @@ class Recovery:
         """Ask the running job on `store` to take launch rank `rank` in from step `not_before` on; wait (at most
         `timeout_s`) to be admitted, then receive this rank's shard and optimizer state from the members. Return
         the Recovery, whose `engine` is ready for the next step. Raise JoinRefused with the job's reason."""
+        prepare_backend(job.ntp.timeout_s)  # its first call imports DeepSpeed's ops (0.3 s here): not while the
+        # members wait for this joiner in the new world's rendezvous
         plan = await_admission(job, store, rank, not_before=not_before, timeout_s=timeout_s, node=node,
                                heartbeat_interval_s=kwargs.get("heartbeat_interval_s", 0.5))
         recovery = cls(None, store, rank, job=job, generation=Generation.unplaced(plan.generation + 1, plan.members),
