@@ -535,6 +535,18 @@ def test_rank_0_seats_a_due_joiner_in_the_degraded_replica_and_refuses_another_j
     assert await_verdict(store, 7, 1.0).joiners == (7,)
 
 
+def test_a_join_plan_grows_with_the_joins_not_with_the_world():
+    # 100,000 members, a joiner seated in the middle of the global-rank order: the plan round-trips in a few
+    # hundred bytes (as lists it was about 1.4 MB, past etcd's request limit).
+    from ntp_ds.control.joins import JoinPlan
+
+    before = tuple(r for r in range(100_000) if r != 40_003)
+    members = before[:40_003] + (100_000,) + before[40_003:]
+    plan = JoinPlan(7, 120, (100_000,), before, members, (5.0,))
+    raw = plan.encode()
+    assert len(raw) < 300 and JoinPlan.decode(raw) == plan
+
+
 def test_a_joiner_without_a_free_place_is_refused():
     store, job_ = dist.HashStore(), admission_job()
     healthy = Generation.initial(Topology.from_degrees(UNITS, (2, 2)))
