@@ -1,0 +1,560 @@
+"""Every rank of a large job through one failure, against a store served by a process of its own.
+
+A job of W ranks (TP `tp` per replica, one replica per node of `tp` ranks, racks of `rack_nodes` nodes) is played by a
+few processes, each owning a share of the nodes. No rank is sampled and no key is written in advance: every rank runs
+the product's own control-plane code, on event loops (two threads per share, as `liveness_load` runs them) and one
+thread per rank blocked in the store for alarms, each with store clients of its own:
+
+- steady state: each rank's `Heartbeat` beats and polls its real peers (its TP group, its data-parallel ring
+  neighbours, its buddies and the ranks it owns copies of, and its neighbours on the ring that interleaves the racks:
+  the peers `NTPEngine.watched_peers` names in that topology), each node's launcher publishes its node key
+  (`NodePublisher`), and each rank's alarm thread (`Heartbeat._await_alarms`) waits for alarms;
+- the failure (scenario `gpu`: one rank killed, its launcher marks the exit; `node`: a node's ranks and its launcher
+  gone; `rack`: a rack's): the victims stop beating, and the watchers' verdicts go the way `Watch.peers_dead` sends
+  them (a fence request, the early report to the membership);
+- every survivor notices at its first verdict (its collectives would fail then: the wire is told) and runs the store
+  path of `Recovery._attempt` through the product's poll objects: the detection (`Detection`), the agreement
+  (`Agreement`: report, decision, watched confirm), the new generation's arrival (`Detector.arrival`), the done
+  barrier and, on the first member, `forget_generation`.
+
+Not run here: the departures and `keep`'s drains (a few keys per group a rank holds), the new world's process group
+and groups (their store rendezvous), and the hand-off's object collectives (they go over the communicators, not the
+store). The groups the new generation builds from scratch, and their members, are counted from the product's own
+group rule (`wanted_groups`, as `keep` compares) instead of created.
+
+Every request a client makes is counted (by call, with the bytes sent and received); the store server's own CPU time
+is read from /proc. Per failure: the counts from the failure to the last rank through the done barrier, less the
+steady state's rate over that time.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import multiprocessing as mp
+import random
+import statistics
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ntp_ds.control.heartbeat import WATCHES_PER_BEAT, Heartbeat, next_pause
+from ntp_ds.control.liveness import LivenessMonitor
+from ntp_ds.control.liveness_store import NODE_PUBLISH_S, LivenessReader, NodePublisher, mark_exited, prepare_store
+from ntp_ds.control.liveness_store import request_fence
+from ntp_ds.control.keys import barrier_key
+from ntp_ds.control.membership import BarrierWait, Membership
+from ntp_ds.control.store import connect_store, forget_generation
+
+SCENARIOS = ("gpu", "node", "rack")
+
+
+@dataclass(frozen=True)
+class FailureSpec:
+    world: int
+    scenario: str = "gpu"
+    tp: int = 8
+    rack_nodes: int = 4
+    processes: int = 4
+    shares: int = 2
+    """Event-loop pairs per process."""
+    interval_s: float = 0.5
+    heartbeat_timeout_s: float = 3.0
+    steady_s: float = 3.0
+    """Steady state measured before the failure."""
+    timeout_s: float = 120.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.scenario not in SCENARIOS:
+            raise ValueError(f"scenario={self.scenario!r} must be one of {', '.join(SCENARIOS)}")
+        nodes = self.world // self.tp
+        if self.world % self.tp or nodes < 3 * self.rack_nodes:
+            raise ValueError(f"world={self.world} must be a multiple of tp={self.tp} with at least three racks of "
+                             f"{self.rack_nodes} nodes")
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.tp
+
+    def victims(self) -> tuple[int, ...]:
+        """The ranks the failure takes: rank 3 of the middle node, that node, or its rack."""
+        node = self.nodes // 2
+        if self.scenario == "gpu":
+            return (node * self.tp + 3,)
+        if self.scenario == "node":
+            return tuple(range(node * self.tp, (node + 1) * self.tp))
+        first = node // self.rack_nodes * self.rack_nodes
+        return tuple(range(first * self.tp, (first + self.rack_nodes) * self.tp))
+
+    def dead_launchers(self) -> tuple[int, ...]:
+        """Nodes whose launcher goes with the failure (none for one GPU: its launcher marks the exit)."""
+        if self.scenario == "gpu":
+            return ()
+        return tuple(sorted({r // self.tp for r in self.victims()}))
+
+
+def job_topology(spec: FailureSpec):
+    """The job's placed topology: one replica of TP `tp` per node, racks of `rack_nodes` nodes."""
+    from ntp_ds.layout import Topology
+    from ntp_ds.layout.domains import Racks
+    from ntp_ds.layout.generation import Generation
+    from ntp_ds.testing.shapes import llama_70b
+
+    topology = Topology.from_degrees(llama_70b().units(), (spec.tp,) * spec.nodes)
+    return Generation.initial(topology, racks=Racks(spec.tp, spec.rack_nodes)).topology
+
+
+def watched_peers(topology, plan, buddies: dict, rank: int) -> set[int]:
+    """`NTPEngine.watched_peers` of `rank` in a uniform placed topology (its sync and parameter partners are none)."""
+    from ntp_ds.comm.groups import ring_neighbours
+    from ntp_ds.layout.domains import domain_neighbours
+
+    replica, tp = topology.locate(rank)
+    dp = [topology.ranks_of(a)[tp] for a in plan.anchors]
+    owners = {o for o, holders in buddies.items() if rank in holders}
+    return (set(topology.ranks_of(replica)) | ring_neighbours(dp, rank) | set(buddies.get(rank, ())) | owners
+            | domain_neighbours(topology, rank)) - {rank}
+
+
+class MeteredClient:
+    """A store client that counts its calls by name and the bytes it sends and receives (one per thread: no lock)."""
+
+    def __init__(self, store):
+        self._store, self.calls, self.sent, self.received = store, Counter(), 0, 0
+        self.largest = 0
+
+    def clone(self) -> MeteredClient:
+        return MeteredClient(self._store.clone())
+
+    def __getattr__(self, name):
+        method = getattr(self._store, name)
+
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            self.sent += _nbytes(args)
+            out = method(*args, **kwargs)
+            n = _nbytes(out)
+            self.received += n
+            self.largest = max(self.largest, n)
+            return out
+        return counted
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, (bytes, bytearray, str)):
+        return len(value)
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    if isinstance(value, (int, float, bool)):
+        return 8
+    return 0
+
+
+# -- the store server ----------------------------------------------------------------------------------------------
+def _serve(conn, timeout_s: float) -> None:
+    from ntp_ds.control.store import host_store
+
+    store, address = host_store(timeout_s=timeout_s)
+    prepare_store(store)
+    conn.send(address)
+    conn.recv()  # until the parent is done
+    del store
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far (/proc, clock ticks)."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# -- one process's share of the job --------------------------------------------------------------------------------
+@dataclass
+class RankPath:
+    """One survivor's failure path: when it noticed, the poll object it is in, when it got through each phase."""
+
+    noticed: float | None = None
+    phase: str = "train"
+    poll: object = None
+    decided: float | None = None
+    done: float | None = None
+    error: str | None = None
+    change: object = None
+
+
+class _Share:
+    def __init__(self, spec: FailureSpec, address: str, nodes: list[int], topology, plan, buddies, victims):
+        self.spec, self.nodes, self.victims = spec, nodes, set(victims)
+        self.beat_store = MeteredClient(connect_store(address, 60.0))
+        self.watch_store = MeteredClient(connect_store(address, 60.0))
+        self.ranks = [n * spec.tp + i for n in nodes for i in range(spec.tp)]
+        self.publishers = {n: NodePublisher(self.beat_store, n, range(n * spec.tp, (n + 1) * spec.tp))
+                           for n in nodes}
+        settle_s = spec.heartbeat_timeout_s / 2 + spec.interval_s
+        members = tuple(range(spec.world))  # one tuple and one set for every rank (a rank's own copies, W long each,
+        everyone = frozenset(members)       # would make the harness's memory grow with W squared)
+        self.beaters, self.heartbeats, self.memberships, self.detectors = {}, {}, {}, {}
+        self.paths = {r: RankPath() for r in self.ranks if r not in self.victims}
+        self.errors: list[str] = []
+        self.alarm_clients: list[MeteredClient] = []
+        self.wake: set[int] = set()
+        self._wake_lock = threading.Lock()
+        from ntp_ds.recovery.detect import Detector
+
+        for rank in self.ranks:
+            self.beaters[rank] = Heartbeat(self.beat_store, rank, spec.interval_s)
+            reader = LivenessReader(self.watch_store, spec.tp)
+            monitor = LivenessMonitor((), spec.heartbeat_timeout_s)
+            hb = Heartbeat(self.watch_store, rank, spec.interval_s, monitor=monitor, reader=reader,
+                           on_dead=lambda ranks, wall, r=rank: self._dead(r, ranks, wall))
+            hb.watch(sorted(watched_peers(topology, plan, buddies, rank)))
+            hb._members = everyone
+            self.heartbeats[rank] = hb
+            self.memberships[rank] = Membership(self.watch_store, rank, members, settle_s=settle_s)
+            self.detectors[rank] = Detector(LivenessReader(self.watch_store, spec.tp),
+                                            heartbeat_timeout_s=spec.heartbeat_timeout_s,
+                                            heartbeat_interval_s=spec.interval_s,
+                                            first_beat_timeout_s=spec.heartbeat_timeout_s,
+                                            collective_timeout_s=spec.timeout_s / 4)
+
+    # The verdict's way (`Watch.peers_dead`, `Watch._report`): fence, report while training, notice.
+    def _dead(self, rank: int, ranks: frozenset[int], wall: float) -> None:
+        path = self.paths.get(rank)
+        if path is None:
+            return
+        hb = self.heartbeats[rank]
+        request_fence(self.watch_store, ranks, f"declared dead by rank {rank}")
+        self.detectors[rank].declared.update((r, f"rank {r} declared dead by a peer") for r in ranks)
+        if path.phase == "train":
+            monitor, half = hb.monitor, self.spec.heartbeat_timeout_s / 2
+            if not any(monitor.silent_for(r) > half for r in monitor.ranks if r not in ranks):
+                m = self.memberships[rank]
+                m.report_failure(m.generation, ranks, wall, "declared dead",
+                                 {r: monitor.silent_for(r) for r in ranks if r in monitor.ranks})
+            path.noticed, path.phase = time.monotonic(), "notice"
+
+    def _alarmed(self, rank: int) -> None:
+        with self._wake_lock:
+            self.wake.add(rank)
+
+    def setup(self) -> None:
+        for b in self.beaters.values():
+            b.beat()
+        for p in self.publishers.values():
+            p.publish()
+
+    def start_alarms(self, address: str) -> list[threading.Thread]:
+        threads = []
+        for rank, hb in self.heartbeats.items():
+            client = MeteredClient(connect_store(address, 60.0))
+            self.alarm_clients.append(client)
+            hb.on_alarm.append(lambda r=rank: self._alarmed(r))
+            t = threading.Thread(target=hb._await_alarms, args=(client,), daemon=True, name=f"alarm-{rank}")
+            t.start()
+            threads.append(t)
+        return threads
+
+    def run(self, loop: str, start: float, fail_at: float, end: float) -> None:
+        try:
+            self._run(loop, start, fail_at, end)
+        except Exception as err:  # reported by the process: a share that stopped early fails the case
+            self.errors.append(f"{loop}: {type(err).__name__}: {err}")
+
+    def _run(self, loop: str, start: float, fail_at: float, end: float) -> None:
+        spec = self.spec
+        rng = random.Random(spec.seed + self.nodes[0] * 7 + (loop == "watches"))
+        fastest = spec.interval_s / WATCHES_PER_BEAT
+        queue, seq = [], 0
+
+        def push(due, kind, who):
+            nonlocal seq
+            seq += 1
+            heapq.heappush(queue, (due, seq, kind, who))
+
+        dead_nodes = set(spec.dead_launchers())
+        if loop == "beats":
+            for r in self.ranks:
+                push(start + rng.uniform(0, spec.interval_s), "beat", r)
+            for n in self.nodes:
+                push(start + rng.uniform(0, NODE_PUBLISH_S), "publish", n)
+            for r in sorted(self.victims & set(self.ranks)):  # the launcher of a killed GPU marks its exit
+                if r // spec.tp not in dead_nodes:
+                    push(fail_at + 0.05, "exit", r)
+        else:
+            for r in self.paths:
+                push(start + rng.uniform(0, spec.interval_s), "watch", r)
+            push(start, "wake", -1)
+        pause = {r: fastest for r in self.ranks}
+        while queue:
+            due, _, kind, who = heapq.heappop(queue)
+            if due >= end or self._finished(loop, fail_at):
+                return
+            now = time.monotonic()
+            if due > now:
+                time.sleep(due - now)
+            failed = time.monotonic() >= fail_at
+            if kind == "beat":
+                if failed and who in self.victims:
+                    continue
+                self.beaters[who].beat()
+                push(due + spec.interval_s, "beat", who)
+            elif kind == "publish":
+                if failed and who in dead_nodes:
+                    continue
+                self.publishers[who].publish()
+                push(due + NODE_PUBLISH_S, "publish", who)
+            elif kind == "exit":
+                mark_exited(self.beat_store, who, "exit code -9")
+            elif kind == "wake":  # alarms heard since: their ranks poll now
+                with self._wake_lock:
+                    woken, self.wake = self.wake, set()
+                for r in woken:
+                    if r in self.paths:
+                        pause[r] = fastest
+                        push(time.monotonic(), "watch", r)
+                push(time.monotonic() + 0.01, "wake", -1)
+            elif kind == "watch":
+                path = self.paths[who]
+                if path.phase == "done" or path.error:
+                    continue
+                news = self.heartbeats[who].poll_peers()
+                pause[who] = next_pause(pause[who], news, fastest, spec.interval_s)
+                push(time.monotonic() + pause[who], "watch", who)
+                if path.phase == "notice":
+                    path.phase = "detect"
+                    push(time.monotonic(), "path", who)
+            else:
+                wait_s = self._step(who)
+                if wait_s is not None:
+                    push(time.monotonic() + wait_s, "path", who)
+
+    def _finished(self, loop: str, fail_at: float) -> bool:
+        """Past the failure, once every survivor of the share is through (or failed): its beats stop too."""
+        return time.monotonic() > fail_at + 0.2 and all(p.phase == "done" or p.error for p in self.paths.values())
+
+    def _step(self, rank: int) -> float | None:
+        """One poll of `rank`'s failure path; the pause before the next, or None at its end."""
+        from ntp_ds.recovery.detect import Agreement, Detection
+
+        path, d, m = self.paths[rank], self.detectors[rank], self.memberships[rank]
+        try:
+            if path.phase == "detect":
+                if path.poll is None:
+                    d.monitor = self.heartbeats[rank].watch([])
+                    path.poll = Detection(d, m, RuntimeError("peer failed"))
+                pause = path.poll.poll()
+                if pause is not None:
+                    return pause
+                dead, reason = path.poll.result
+                request_fence(self.watch_store, dead, reason)
+                silent = self.heartbeats[rank].silences()
+                path.phase, path.poll = "agree", Agreement(d, m, dead, reason, silent)
+            if path.phase == "agree":
+                pause = path.poll.poll()
+                if path.poll.change is not None and path.decided is None:
+                    path.decided = time.monotonic()
+                if pause is not None:
+                    return pause
+                path.change = change = path.poll.change
+                path.phase, path.poll = "arrive", d.arrival(self.watch_store, rank, change.generation,
+                                                            change.survivors)
+            if path.phase == "arrive":
+                pause = path.poll.poll()
+                if pause is not None:
+                    return pause
+                change = path.change
+                from ntp_ds.comm.groups import ring_neighbours
+
+                hb = self.heartbeats[rank]  # `Watch.watch_ring`: the ring neighbours, and every member's fences
+                hb.watch(sorted(ring_neighbours(list(change.survivors), rank)))
+                hb._members = frozenset(change.survivors)
+                path.phase = "regroup"
+                path.poll = BarrierWait(self.watch_store, barrier_key(change.generation, "done", change.survivors),
+                                        rank, change.survivors, self.spec.timeout_s)
+            if path.phase == "regroup":
+                pause = path.poll.poll()
+                if pause is not None:
+                    return pause
+                change = path.change
+                if change.survivors[0] == rank and change.generation >= 2:
+                    forget_generation(self.watch_store, change.generation - 2)
+                path.phase, path.done = "done", time.monotonic()
+            return None
+        except Exception as err:  # a failed attempt: recorded (the harness runs one attempt)
+            path.error = f"{path.phase}: {type(err).__name__}: {err}"
+            return None
+
+
+# -- a process of the harness --------------------------------------------------------------------------------------
+def _process(spec: FailureSpec, address: str, nodes: list[int], conn) -> None:
+    from ntp_ds.layout import plan_buddies, plan_gradient_sync
+
+    topology = job_topology(spec)
+    plan = plan_gradient_sync(topology)
+    buddies = plan_buddies(topology, plan, 1, 1)
+    victims = spec.victims()
+    shares = [_Share(spec, address, nodes[i::spec.shares], topology, plan, buddies, victims)
+              for i in range(spec.shares) if nodes[i::spec.shares]]
+    for s in shares:
+        s.setup()
+    alarms = [t for s in shares for t in s.start_alarms(address)]
+    gc.collect()
+    gc.freeze()
+    conn.send("ready")
+    start, fail_at, end = conn.recv()
+    for s in shares:
+        for c in (s.beat_store, s.watch_store, *s.alarm_clients):
+            c.calls.clear()
+            c.sent = c.received = c.largest = 0
+    threads = [threading.Thread(target=s.run, args=(loop, start, fail_at, end), daemon=True)
+               for s in shares for loop in ("beats", "watches")]
+    for t in threads:
+        t.start()
+    time.sleep(max(0.0, fail_at - time.monotonic()))
+    steady = _counts(shares)
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()) + 5.0)
+    total = _counts(shares)
+    paths = {r: (p.noticed, p.decided, p.done, p.error) for s in shares for r, p in s.paths.items()}
+    for s in shares:
+        for hb in s.heartbeats.values():
+            hb._stop.set()
+    conn.send({"steady": steady, "total": total, "paths": paths, "errors": [e for s in shares for e in s.errors],
+               "alarm_threads": len(alarms)})
+    conn.close()
+
+
+def _counts(shares) -> dict:
+    calls, sent, received, largest = Counter(), 0, 0, 0
+    for s in shares:
+        for c in (s.beat_store, s.watch_store, *s.alarm_clients):
+            calls.update(c.calls)
+            sent, received, largest = sent + c.sent, received + c.received, max(largest, c.largest)
+    return {"calls": dict(calls), "sent": sent, "received": received, "largest": largest,
+            "at": time.monotonic()}
+
+
+@dataclass
+class FailureResult:
+    spec: FailureSpec
+    steady_req_per_s: float
+    steady_bytes_per_s: float
+    failure_req: float
+    failure_bytes: float
+    failure_calls: dict
+    server_busy_s: float
+    """The store server's CPU seconds over the failure, less its steady rate over that time."""
+    decision_s: float | None
+    done_s: float | None
+    survivors: int
+    through: int
+    errors: list = field(default_factory=list)
+    largest_value: int = 0
+    bootstrapped_groups: int = 0
+    bootstrapped_members: int = 0
+
+
+def run_failure(spec: FailureSpec) -> FailureResult:
+    """Run the job through the scenario's failure; return what the store served and how long the survivors took."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    server = ctx.Process(target=_serve, args=(child, spec.timeout_s), daemon=True)
+    server.start()
+    if not parent.poll(60.0):
+        raise TimeoutError("the store server did not start within 60 s")
+    address = parent.recv()
+    nodes = list(range(spec.nodes))
+    pipes, procs = [], []
+    try:
+        for p in range(spec.processes):
+            a, b = ctx.Pipe()
+            proc = ctx.Process(target=_process, args=(spec, address, nodes[p::spec.processes], b), daemon=True)
+            proc.start()
+            pipes.append(a)
+            procs.append(proc)
+        for a in pipes:
+            if not a.poll(spec.timeout_s):
+                raise TimeoutError(f"a harness process did not set up within {spec.timeout_s} s")
+            a.recv()
+        start = time.monotonic() + 0.5
+        fail_at = start + spec.steady_s
+        end = fail_at + spec.timeout_s
+        cpu_start = cpu_seconds(server.pid)
+        for a in pipes:
+            a.send((start, fail_at, end))
+        time.sleep(max(0.0, fail_at - time.monotonic()))
+        cpu_fail = cpu_seconds(server.pid)
+        outs = []
+        for a in pipes:
+            if not a.poll(spec.timeout_s + 30.0):
+                raise TimeoutError("a harness process did not finish within its bound")
+            outs.append(a.recv())
+        cpu_end, t_end = cpu_seconds(server.pid), time.monotonic()
+    finally:
+        for proc in procs:
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
+        parent.send("stop")
+        server.join(5.0)
+        if server.is_alive():
+            server.kill()
+    return _result(spec, outs, start, fail_at, cpu_start, cpu_fail, cpu_end, t_end)
+
+
+def _result(spec, outs, start, fail_at, cpu_start, cpu_fail, cpu_end, t_end) -> FailureResult:
+    steady_n = sum(sum(o["steady"]["calls"].values()) for o in outs)
+    steady_b = sum(o["steady"]["sent"] + o["steady"]["received"] for o in outs)
+    steady_s = spec.steady_s
+    paths = {r: p for o in outs for r, p in o["paths"].items()}
+    done = [p[2] for p in paths.values() if p[2] is not None]
+    decided = [p[1] for p in paths.values() if p[1] is not None]
+    last = max(done) if done else max(o["total"]["at"] for o in outs)
+    window = last - fail_at
+    calls = Counter()
+    for o in outs:
+        calls.update(o["total"]["calls"])
+        calls.subtract(o["steady"]["calls"])
+    total_n = sum(sum(o["total"]["calls"].values()) for o in outs) - steady_n
+    total_b = sum(o["total"]["sent"] + o["total"]["received"] for o in outs) - steady_b
+    rate_n, rate_b = steady_n / steady_s, steady_b / steady_s
+    busy = (cpu_end - cpu_fail) - (cpu_fail - cpu_start) / (fail_at - start) * (t_end - fail_at)
+    groups, members = bootstraps(spec)
+    return FailureResult(spec=spec, steady_req_per_s=rate_n, steady_bytes_per_s=rate_b,
+                         failure_req=total_n - rate_n * window, failure_bytes=total_b - rate_b * window,
+                         failure_calls=dict(calls), server_busy_s=max(0.0, busy),
+                         decision_s=(max(decided) - fail_at) if decided else None,
+                         done_s=(last - fail_at) if done else None, survivors=len(paths), through=len(done),
+                         errors=[e for o in outs for e in o["errors"]] + [f"rank {r}: {p[3]}" for r, p in
+                                                                        paths.items() if p[3]],
+                         largest_value=max(o["total"]["largest"] for o in outs),
+                         bootstrapped_groups=groups, bootstrapped_members=members)
+
+
+def bootstraps(spec: FailureSpec) -> tuple[int, int]:
+    """Communicators the new generation creates from scratch, and their members in all: every group of the new
+    topology (`wanted_groups`, for every rank) that no group of the old one matches in role and launch ranks (what
+    `keep` could carry)."""
+    from ntp_ds.comm.groups import wanted_groups
+    from ntp_ds.layout import plan_gradient_sync
+    from ntp_ds.layout.generation import Generation
+    from ntp_ds.layout.domains import Racks
+
+    old_topology = job_topology(spec)
+    before = Generation.initial(old_topology, racks=Racks(spec.tp, spec.rack_nodes))
+    after = before.after_loss(set(spec.victims()), 1, 1).after
+    old_sync, new_sync = plan_gradient_sync(before.topology), plan_gradient_sync(after.topology)
+    old = {(role, tuple(before.members[r] for r in ranks)) for g in range(spec.world)
+           for role, ranks in wanted_groups(before.topology, old_sync, g, twins=False)}
+    new = {(role, tuple(after.members[r] for r in ranks)) for g in range(len(after.members))
+           for role, ranks in wanted_groups(after.topology, new_sync, g, twins=False)}
+    fresh = [ranks for key in new - old for ranks in [key[1]] if len(ranks) > 1]
+    return len(fresh), sum(len(r) for r in fresh)
+
+
+def median(values):
+    return statistics.median(values) if values else None
