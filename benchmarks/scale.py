@@ -196,7 +196,9 @@ def failure_case(world: int, scenario: str, timeout_s: float) -> dict:
     r = run_failure(FailureSpec(world, scenario, processes=processes, timeout_s=timeout_s))
     return {"world": world, "scenario": scenario, "processes": processes, "survivors": r.survivors,
             "through": r.through, "decision_s": r.decision_s, "done_s": r.done_s, "req": r.failure_req,
-            "bytes": r.failure_bytes, "busy_s": r.server_busy_s, "steady_req_per_s": r.steady_req_per_s,
+            "bytes": r.failure_bytes, "busy_s": r.server_busy_s, "window_s": r.window_s,
+            "steady_busy_s_per_s": r.steady_busy_s_per_s, "attempts": r.attempts,
+            "steady_req_per_s": r.steady_req_per_s,
             "steady_bytes_per_s": r.steady_bytes_per_s, "largest_value": r.largest_value,
             "groups": r.bootstrapped_groups, "group_ranks": r.bootstrapped_members, "errors": r.errors[:5],
             "calls": {k: round(v) for k, v in sorted(r.failure_calls.items(), key=lambda kv: -kv[1])[:8]}}
@@ -319,8 +321,9 @@ def main(argv=None) -> int:
     for world in sizes:
         job_topology(world)  # a bad size fails here, before any case runs
         print(f"\n== W={world} ({world // TP} replicas x TP {TP}, racks of 4 nodes): every rank runs ==", flush=True)
-        print(f"{'scenario':<8} {'through':>11} {'decision_s':>10} {'done_s':>7} {'req':>9} {'req/rank':>8} "
-              f"{'bytes':>11} {'busy_s':>7} {'boot grp/ranks':>14} {'value_B':>8}  heaviest calls", flush=True)
+        print(f"{'scenario':<8} {'through':>11} {'tries':>5} {'decision_s':>10} {'done_s':>7} {'req':>9} "
+              f"{'req/rank':>8} {'bytes':>11} {'busy_s':>7} {'boot grp/ranks':>14} {'value_B':>8}  heaviest calls "
+              f"(from the failure to the last rank through: beats and polls included)", flush=True)
         for scenario in scenarios:
             started = time.monotonic()
             c = run_child(["--failure-case", str(world), scenario, "--timeout-s", str(args.timeout_s)],
@@ -331,7 +334,7 @@ def main(argv=None) -> int:
                 print(f"{scenario:<8} {why}", flush=True)
                 continue
             mix = " ".join(f"{k}={v}" for k, v in c["calls"].items())
-            print(f"{scenario:<8} {c['through']:>5}/{c['survivors']:<5} {fmt(c['decision_s']):>10} "
+            print(f"{scenario:<8} {c['through']:>5}/{c['survivors']:<5} {c['attempts']:>5} {fmt(c['decision_s']):>10} "
                   f"{fmt(c['done_s']):>7} {c['req']:>9.0f} {c['req'] / world:>8.1f} {c['bytes']:>11.0f} "
                   f"{c['busy_s']:>7.2f} {c['groups']:>6}/{c['group_ranks']:<7} {c['largest_value']:>8}  {mix}"
                   f"  ({time.monotonic() - started:.0f} s, {c['processes']} processes)", flush=True)
@@ -341,7 +344,8 @@ def main(argv=None) -> int:
         if steady:
             rate = max(c["steady_req_per_s"] for c in steady)
             print(f"steady state: {rate:.0f} requests/s ({rate / world:.2f} per rank), "
-                  f"{max(c['steady_bytes_per_s'] for c in steady):.0f} B/s", flush=True)
+                  f"{max(c['steady_bytes_per_s'] for c in steady):.0f} B/s, the store server busy "
+                  f"{max(c['steady_busy_s_per_s'] for c in steady):.2f} s/s", flush=True)
         g = gathered_bytes(world)
         print(f"gathers every rank receives in a recovery: hand-off {g['hand_off']} B, re-slice {g['reslice']} B "
               f"(pickled)", flush=True)

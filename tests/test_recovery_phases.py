@@ -75,10 +75,11 @@ class FakeMembership:
     def report_failure(self, generation, dead, wall, reason, silent):
         self.calls.append(("report", generation, frozenset(dead), reason, silent))
 
-    def await_decision(self, generation, bound):
+    def decision_wait(self, generation, bound):
         self.calls.append(("decision", generation, bound))
         dead = frozenset(r for c in self.calls if c[0] == "report" for r in c[2])
-        return MembershipChange(generation + 1, dead, tuple(m for m in self.members if m not in dead), 0.1, "lost")
+        change = MembershipChange(generation + 1, dead, tuple(m for m in self.members if m not in dead), 0.1, "lost")
+        return types.SimpleNamespace(poll=lambda: change)
 
     def confirm_wait(self, change, bound):
         self.calls.append(("confirm", change.generation))
@@ -115,6 +116,16 @@ def test_detection_names_an_exited_a_fenced_and_a_reported_member_with_their_rea
     assert dead == {3, 5, 6, 7}
     assert "rank 3 exited (exit code -9)" in reason and "declared dead by a peer (hung)" in reason
     assert "rank 7 silent for 2.1 s" in reason and "rank 6 reported dead by a peer" in reason
+    # each with its own reason (what its fence files: one naming every dead rank, filed for each, grew the fence
+    # log with the square of a rack's deaths)
+    assert d.reasons == {3: "rank 3 exited (exit code -9)", 5: "rank 5 declared dead by a peer (hung)",
+                         6: "rank 6 reported dead by a peer", 7: "rank 7 silent for 2.1 s"}
+    store = dist.HashStore()
+    from ntp_ds.control.liveness_store import prepare_store, read_fences, request_fence
+
+    prepare_store(store)
+    request_fence(store, dead, d.reasons)
+    assert read_fences(store) == d.reasons
 
 
 def test_detection_finding_nobody_dead_within_its_bound_raises_the_rank_s_own_error():

@@ -161,9 +161,11 @@ def prepare_store(store) -> None:
         store.add(log_count_key(log), 0)
 
 
-def request_fence(store, ranks: Iterable[int], reason: str) -> None:
+def request_fence(store, ranks: Iterable[int], reason: str | Mapping[int, str]) -> None:
     """Ask the launchers to stop workers `ranks` for good: their peers declared them dead (a hung worker must never
-    come back into the job, and stopping it closes its connections, which ends every wait on it).
+    come back into the job, and stopping it closes its connections, which ends every wait on it). `reason`: one for
+    all, or each rank's own (a reason that names every dead rank, filed for each, would grow the log with the square
+    of a rack's deaths).
 
     Only the first request for a rank is logged and raises the alarm: every peer that sees a death, and then every
     survivor's recovery, asks for its fence, and a line per request would grow the log (which every watcher reads) by
@@ -172,7 +174,7 @@ def request_fence(store, ranks: Iterable[int], reason: str) -> None:
     news = False
     for rank in ranks:
         if store.add(fence_count_key(rank), 1) == 1:
-            file_entry(store, FENCE_KEY, rank, reason)
+            file_entry(store, FENCE_KEY, rank, reason if isinstance(reason, str) else reason[rank])
             news = True
     if news:
         raise_alarm(store)

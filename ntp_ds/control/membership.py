@@ -419,12 +419,16 @@ class Membership:
 
         Raise MembershipTimeout if no report appears within `timeout_s`.
         """
-        wait = DecisionWait(self, generation, timeout_s)
+        wait = self.decision_wait(generation, timeout_s)
         while True:
             outcome = wait.poll()
             if isinstance(outcome, MembershipChange):
                 return outcome
             self._sleep(outcome)
+
+    def decision_wait(self, generation: int, timeout_s: float) -> DecisionWait:
+        """`await_decision`, one poll at a time."""
+        return DecisionWait(self, generation, timeout_s)
 
     def _commit(self, generation: int, reports: Sequence[FailureReport]) -> MembershipChange:
         return self._propose(generation, decide(generation, self.members, reports))

@@ -51,6 +51,8 @@ class Detector:
         self.declared: dict[int, str] = {}
         """Members this rank's heartbeat declared dead, with why: a hung peer still beats, so only this verdict
         names it."""
+        self.reasons: dict[int, str] = {}
+        """The last detection's dead, each with its own reason (what its fence request files)."""
 
     def poll_dead(self, among: Iterable[int]) -> tuple[frozenset[int], dict[int, str]]:
         """One read of the store (the watched peers' beats, the exit and fence logs): which of `among` are dead,
@@ -70,47 +72,33 @@ class Detector:
 
         A watched peer silent for half the timeout is judged before the answer is given (dead, or beating again):
         peers that died together (a node) are then reported together, not one generation after another."""
-        deadline = self.clock() + 2 * self.heartbeat_timeout_s + self.collective_timeout_s
-        pause = 0.05
-        members = set(membership.members)  # after a failed confirm, the generation it adopted
-        seen = self.monitor
-        seen.retain(members - {membership.rank})
-        dead, reasons = frozenset(), {}
-        while self.clock() < deadline:
-            dead, reasons = self.poll_dead(members)
-            reported = {r for rep in membership.reports(membership.generation) for r in rep.ranks}
-            dead |= (reported | set(self.declared)) & members
-            suspects = [r for r in seen.ranks if r not in dead and seen.silent_for(r) > self.heartbeat_timeout_s / 2]
-            if dead and not suspects:
-                break
-            self.sleep(pause)  # backs off to a beat interval (not while a suspect waits): every survivor polls here
-            pause = 0.05 if suspects else min(2 * pause, max(0.05, self.heartbeat_interval_s))
-        if not dead:
-            raise error
-        return dead, "; ".join(self.declared.get(r) or reasons.get(r) or f"rank {r} reported dead by a peer"
-                               for r in sorted(dead))
+        detection = Detection(self, membership, error)
+        while (pause := detection.poll()) is not None:
+            self.sleep(pause)
+        self.reasons = detection.reasons
+        return detection.result
 
     def agree(self, membership, dead: frozenset[int], reason: str, silent: dict[int, float]) -> MembershipChange:
         """Report `dead` in the membership's generation, await the decision every survivor adopts, and confirm it
         with the other survivors (watched meanwhile)."""
-        generation = membership.generation
-        membership.report_failure(generation, dead, time.time(), reason, {r: silent[r] for r in dead if r in silent})
-        # A survivor blocked in a collective with a hung peer arrives only after its process-group timeout.
-        bound = 2 * self.collective_timeout_s + self.heartbeat_timeout_s
-        change = membership.await_decision(generation, bound)
-        wait = membership.confirm_wait(change, bound)
-        if wait is not None:  # (None: a stale change, the membership has moved past it)
-            self.watch(wait, set(change.survivors) - {membership.rank},
-                       f"the survivors confirmed generation {change.generation}")
-        return change
+        agreement = Agreement(self, membership, dead, reason, silent)
+        while (pause := agreement.poll()) is not None:
+            self.sleep(pause)
+        return agreement.change
 
     def arrive(self, store, rank: int, generation: int, members: tuple[int, ...]) -> None:
         """Meet the new generation's members before joining its process group, watching the ring neighbours' beats
         and everyone's exits and fences."""
+        arrival = self.arrival(store, rank, generation, members)
+        while (pause := arrival.poll()) is not None:
+            self.sleep(pause)
+
+    def arrival(self, store, rank: int, generation: int, members: tuple[int, ...]) -> Watching:
+        """`arrive`, one poll at a time."""
         self.monitor = LivenessMonitor(ring_neighbours(list(members), rank), self.heartbeat_timeout_s, clock=self.clock,
                                        first_beat_timeout_s=self.first_beat_timeout_s)
         wait = BarrierWait(store, barrier_key(generation, "arrive", members), rank, members, self.collective_timeout_s)
-        self.watch(wait, set(members) - {rank}, f"generation {generation}'s rendezvous")
+        return Watching(self, wait, set(members) - {rank}, f"generation {generation}'s rendezvous")
 
     def missed(self, timeout: BarrierTimeout) -> frozenset[int]:
         """The ranks that never reached a barrier within its bound, from now on declared dead (for the next
@@ -123,10 +111,104 @@ class Detector:
     def watch(self, wait, others: set[int], what: str) -> None:
         """Poll `wait` (a store barrier) to its end; a member of `others` found dead meanwhile ends it with a
         RuntimeError naming it (and is kept in `declared`, for the next attempt's detection)."""
-        while (pause := wait.poll()) is not None:
-            dead, reasons = self.poll_dead(others)
-            if dead:
-                self.declared.update(reasons)
-                raise RuntimeError(f"rank(s) {sorted(dead)} died before {what}: "
-                                   + "; ".join(reasons[r] for r in sorted(dead)))
+        watching = Watching(self, wait, others, what)
+        while (pause := watching.poll()) is not None:
             self.sleep(pause)
+
+
+class Detection:
+    """`Detector.detect`, one poll at a time: `poll` returns the seconds to pause before the next, or None once
+    `result` (the dead and why) is known; it raises the rank's own `error` when nobody is found dead in time. (The
+    recovery runs it to the end; a harness that plays many ranks on one thread polls it itself.)"""
+
+    def __init__(self, detector: Detector, membership, error: BaseException):
+        self.detector, self.membership, self.error = detector, membership, error
+        self.deadline = detector.clock() + 2 * detector.heartbeat_timeout_s + detector.collective_timeout_s
+        self._pause = 0.05
+        self._members = set(membership.members)  # after a failed confirm, the generation it adopted
+        detector.monitor.retain(self._members - {membership.rank})
+        self._dead: frozenset[int] = frozenset()
+        self._reasons: dict[int, str] = {}
+        self.result: tuple[frozenset[int], str] | None = None
+        self.reasons: dict[int, str] = {}
+        """Each of the dead found, with its own reason."""
+
+    def poll(self) -> float | None:
+        d, membership, members = self.detector, self.membership, self._members
+        if d.clock() >= self.deadline:
+            return self._end()
+        seen = d.monitor
+        dead, self._reasons = d.poll_dead(members)
+        reported = {r for rep in membership.reports(membership.generation) for r in rep.ranks}
+        self._dead = dead | ((reported | set(d.declared)) & members)
+        suspects = [r for r in seen.ranks if r not in self._dead and seen.silent_for(r) > d.heartbeat_timeout_s / 2]
+        if self._dead and not suspects:
+            return self._end()
+        # Backs off to a beat interval (not while a suspect waits): every survivor polls here.
+        pause = self._pause
+        self._pause = 0.05 if suspects else min(2 * pause, max(0.05, d.heartbeat_interval_s))
+        return pause
+
+    def _end(self) -> None:
+        if not self._dead:
+            raise self.error
+        d = self.detector
+        self.reasons = {r: d.declared.get(r) or self._reasons.get(r) or f"rank {r} reported dead by a peer"
+                        for r in sorted(self._dead)}
+        self.result = self._dead, "; ".join(self.reasons.values())
+        return None
+
+
+class Agreement:
+    """`Detector.agree`, one poll at a time: the report (at the first poll), the wait for the decision, then the
+    confirm barrier, watched; `poll` returns None once every survivor has confirmed `change`."""
+
+    def __init__(self, detector: Detector, membership, dead: frozenset[int], reason: str, silent: dict[int, float]):
+        self.detector, self.membership = detector, membership
+        self._report = (dead, reason, {r: silent[r] for r in dead if r in silent})
+        self._decision = None
+        self._confirm = None
+        self.change: MembershipChange | None = None
+
+    def poll(self) -> float | None:
+        d, membership = self.detector, self.membership
+        if self._decision is None:
+            generation = membership.generation
+            dead, reason, silent = self._report
+            membership.report_failure(generation, dead, time.time(), reason, silent)
+            # A survivor blocked in a collective with a hung peer arrives only after its process-group timeout.
+            bound = 2 * d.collective_timeout_s + d.heartbeat_timeout_s
+            self._decision = membership.decision_wait(generation, bound)
+        if self.change is None:
+            outcome = self._decision.poll()
+            if not isinstance(outcome, MembershipChange):
+                return outcome
+            self.change = outcome
+            bound = 2 * d.collective_timeout_s + d.heartbeat_timeout_s
+            wait = membership.confirm_wait(outcome, bound)
+            if wait is None:  # a stale change: the membership has moved past it
+                return None
+            self._confirm = Watching(d, wait, set(outcome.survivors) - {membership.rank},
+                                     f"the survivors confirmed generation {outcome.generation}")
+        return None if self._confirm is None else self._confirm.poll()
+
+
+class Watching:
+    """`Detector.watch`, one poll at a time: polls `wait` (a store barrier), and between its polls reads whether a
+    member of `others` died (then raises a RuntimeError naming it, kept in the detector's `declared`); None once the
+    barrier has ended."""
+
+    def __init__(self, detector: Detector, wait, others: set[int], what: str):
+        self.detector, self.wait, self.others, self.what = detector, wait, others, what
+
+    def poll(self) -> float | None:
+        pause = self.wait.poll()
+        if pause is None:
+            return None
+        d = self.detector
+        dead, reasons = d.poll_dead(self.others)
+        if dead:
+            d.declared.update(reasons)
+            raise RuntimeError(f"rank(s) {sorted(dead)} died before {self.what}: "
+                               + "; ".join(reasons[r] for r in sorted(dead)))
+        return pause

@@ -188,7 +188,8 @@ class Recovery:
         tear_down(candidates, self._held)
         dead, reason = self.detector.detect(self.membership, error)
         candidates = close_hit(candidates, snapshot.topology, before.members, dead)
-        request_fence(self.store, dead, reason)  # a hung rank is stopped by its launcher before it can come back
+        # A hung rank is stopped by its launcher before it can come back (each with its own reason).
+        request_fence(self.store, dead, self.detector.reasons)
         change = self.detector.agree(self.membership, dead, reason, silent)
         t_agreed = time.monotonic()
 

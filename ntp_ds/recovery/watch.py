@@ -92,12 +92,12 @@ class Watch:
             return
         monitor = self.heartbeat.monitor
         judged = monitor.dead() | monitor.hung()  # the rest: fenced at another peer's request
-        reason = "; ".join(monitor.reason(r) if r in judged else f"rank {r} declared dead by a peer"
-                           for r in sorted(ranks))
-        self.declared.update((r, reason) for r in ranks)
+        reasons = {r: monitor.reason(r) if r in judged else f"rank {r} declared dead by a peer" for r in ranks}
+        reason = "; ".join(reasons[r] for r in sorted(ranks))
+        self.declared.update(reasons)
         log.warning("rank %d: %s", self.rank, reason)
         try:
-            request_fence(self.heartbeat.store, ranks, reason)
+            request_fence(self.heartbeat.store, ranks, reasons)
         finally:
             wire.peer_failed(reason, suspects=self.suspects(ranks), arrival_s=self.timeout_s)
         self._report(ranks, wall, reason)

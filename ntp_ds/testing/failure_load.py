@@ -23,8 +23,8 @@ store). The groups the new generation builds from scratch, and their members, ar
 group rule (`wanted_groups`, as `keep` compares) instead of created.
 
 Every request a client makes is counted (by call, with the bytes sent and received); the store server's own CPU time
-is read from /proc. Per failure: the counts from the failure to the last rank through the done barrier, less the
-steady state's rate over that time.
+is read from /proc. Per failure: everything served from the failure to the last rank through the done barrier (the
+beats and polls that go on meanwhile included), and the steady state's rates measured before it, stated apart.
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ from ntp_ds.control.membership import BarrierWait, Membership
 from ntp_ds.control.store import connect_store, forget_generation
 
 SCENARIOS = ("gpu", "node", "rack")
+MAX_ATTEMPTS = 10
+"""Attempts of one rank's recovery before the harness counts it failed (the product's bound is the world size)."""
+SETUP_S = 600.0
+"""Bound on a harness process's set-up (its ranks' store clients and alarm threads)."""
 
 
 @dataclass(frozen=True)
@@ -184,6 +188,7 @@ class RankPath:
     done: float | None = None
     error: str | None = None
     change: object = None
+    attempts: int = 1
 
 
 class _Share:
@@ -248,9 +253,14 @@ class _Share:
             p.publish()
 
     def start_alarms(self, address: str) -> list[threading.Thread]:
+        # Connected 32 at a time: now and then a connection waits 5 s on this machine's resolver
+        # (`control.store._ipv4_listener`), which one after the other would make the set-up take minutes.
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(32) as pool:
+            clients = list(pool.map(lambda _: MeteredClient(connect_store(address, 60.0)), self.heartbeats))
         threads = []
-        for rank, hb in self.heartbeats.items():
-            client = MeteredClient(connect_store(address, 60.0))
+        for (rank, hb), client in zip(self.heartbeats.items(), clients):
             self.alarm_clients.append(client)
             hb.on_alarm.append(lambda r=rank: self._alarmed(r))
             t = threading.Thread(target=hb._await_alarms, args=(client,), daemon=True, name=f"alarm-{rank}")
@@ -344,13 +354,15 @@ class _Share:
         try:
             if path.phase == "detect":
                 if path.poll is None:
-                    d.monitor = self.heartbeats[rank].watch([])
+                    seen = self.heartbeats[rank].watch([])  # as `Recovery._attempt`: a retry keeps the last monitor
+                    if seen.ranks:
+                        d.monitor = seen
                     path.poll = Detection(d, m, RuntimeError("peer failed"))
                 pause = path.poll.poll()
                 if pause is not None:
                     return pause
                 dead, reason = path.poll.result
-                request_fence(self.watch_store, dead, reason)
+                request_fence(self.watch_store, dead, path.poll.reasons)
                 silent = self.heartbeats[rank].silences()
                 path.phase, path.poll = "agree", Agreement(d, m, dead, reason, silent)
             if path.phase == "agree":
@@ -384,9 +396,19 @@ class _Share:
                     forget_generation(self.watch_store, change.generation - 2)
                 path.phase, path.done = "done", time.monotonic()
             return None
-        except Exception as err:  # a failed attempt: recorded (the harness runs one attempt)
-            path.error = f"{path.phase}: {type(err).__name__}: {err}"
-            return None
+        except Exception as err:
+            from ntp_ds.control.membership import BarrierTimeout
+            from ntp_ds.recovery.errors import failed_on_the_way
+
+            if not failed_on_the_way(err) or path.attempts >= MAX_ATTEMPTS:
+                path.error = f"{path.phase}: {type(err).__name__}: {str(err)[:300]}"
+                return None
+            # `Recovery._recover_from`: another attempt; who never came to a barrier is dead, and fenced.
+            if isinstance(err, BarrierTimeout) and err.missing:
+                request_fence(self.watch_store, d.missed(err), f"{err} (seen by rank {rank})")
+            path.attempts += 1
+            path.phase, path.poll, path.change = "detect", None, None
+            return 0.0
 
 
 # -- a process of the harness --------------------------------------------------------------------------------------
@@ -419,7 +441,7 @@ def _process(spec: FailureSpec, address: str, nodes: list[int], conn) -> None:
     for t in threads:
         t.join(max(0.0, end - time.monotonic()) + 5.0)
     total = _counts(shares)
-    paths = {r: (p.noticed, p.decided, p.done, p.error) for s in shares for r, p in s.paths.items()}
+    paths = {r: (p.noticed, p.decided, p.done, p.error, p.attempts) for s in shares for r, p in s.paths.items()}
     for s in shares:
         for hb in s.heartbeats.values():
             hb._stop.set()
@@ -447,13 +469,19 @@ class FailureResult:
     failure_bytes: float
     failure_calls: dict
     server_busy_s: float
-    """The store server's CPU seconds over the failure, less its steady rate over that time."""
+    """The store server's CPU seconds from the failure until every harness process had finished."""
+    window_s: float
+    """From the failure to the last survivor through its done barrier (or to the end of the run)."""
+    steady_busy_s_per_s: float
+    """The store server's CPU seconds per second in the steady state before."""
     decision_s: float | None
     done_s: float | None
     survivors: int
     through: int
     errors: list = field(default_factory=list)
     largest_value: int = 0
+    attempts: int = 1
+    """The most attempts any survivor's recovery took."""
     bootstrapped_groups: int = 0
     bootstrapped_members: int = 0
 
@@ -477,8 +505,8 @@ def run_failure(spec: FailureSpec) -> FailureResult:
             pipes.append(a)
             procs.append(proc)
         for a in pipes:
-            if not a.poll(spec.timeout_s):
-                raise TimeoutError(f"a harness process did not set up within {spec.timeout_s} s")
+            if not a.poll(SETUP_S):
+                raise TimeoutError(f"a harness process did not set up within {SETUP_S} s")
             a.recv()
         start = time.monotonic() + 0.5
         fail_at = start + spec.steady_s
@@ -493,7 +521,7 @@ def run_failure(spec: FailureSpec) -> FailureResult:
             if not a.poll(spec.timeout_s + 30.0):
                 raise TimeoutError("a harness process did not finish within its bound")
             outs.append(a.recv())
-        cpu_end, t_end = cpu_seconds(server.pid), time.monotonic()
+        cpu_end = cpu_seconds(server.pid)
     finally:
         for proc in procs:
             proc.join(5.0)
@@ -503,10 +531,10 @@ def run_failure(spec: FailureSpec) -> FailureResult:
         server.join(5.0)
         if server.is_alive():
             server.kill()
-    return _result(spec, outs, start, fail_at, cpu_start, cpu_fail, cpu_end, t_end)
+    return _result(spec, outs, start, fail_at, cpu_start, cpu_fail, cpu_end)
 
 
-def _result(spec, outs, start, fail_at, cpu_start, cpu_fail, cpu_end, t_end) -> FailureResult:
+def _result(spec, outs, start, fail_at, cpu_start, cpu_fail, cpu_end) -> FailureResult:
     steady_n = sum(sum(o["steady"]["calls"].values()) for o in outs)
     steady_b = sum(o["steady"]["sent"] + o["steady"]["received"] for o in outs)
     steady_s = spec.steady_s
@@ -521,17 +549,19 @@ def _result(spec, outs, start, fail_at, cpu_start, cpu_fail, cpu_end, t_end) -> 
         calls.subtract(o["steady"]["calls"])
     total_n = sum(sum(o["total"]["calls"].values()) for o in outs) - steady_n
     total_b = sum(o["total"]["sent"] + o["total"]["received"] for o in outs) - steady_b
-    rate_n, rate_b = steady_n / steady_s, steady_b / steady_s
-    busy = (cpu_end - cpu_fail) - (cpu_fail - cpu_start) / (fail_at - start) * (t_end - fail_at)
     groups, members = bootstraps(spec)
-    return FailureResult(spec=spec, steady_req_per_s=rate_n, steady_bytes_per_s=rate_b,
-                         failure_req=total_n - rate_n * window, failure_bytes=total_b - rate_b * window,
-                         failure_calls=dict(calls), server_busy_s=max(0.0, busy),
+    # Everything served from the failure to the last rank through: the steady state's own traffic over that time is
+    # not subtracted (a recovering rank polls its peers less, so the difference would understate), and stated apart.
+    return FailureResult(spec=spec, steady_req_per_s=steady_n / steady_s, steady_bytes_per_s=steady_b / steady_s,
+                         failure_req=total_n, failure_bytes=total_b, failure_calls=dict(calls),
+                         server_busy_s=cpu_end - cpu_fail, window_s=window,
+                         steady_busy_s_per_s=(cpu_fail - cpu_start) / (fail_at - start),
                          decision_s=(max(decided) - fail_at) if decided else None,
                          done_s=(last - fail_at) if done else None, survivors=len(paths), through=len(done),
                          errors=[e for o in outs for e in o["errors"]] + [f"rank {r}: {p[3]}" for r, p in
                                                                         paths.items() if p[3]],
                          largest_value=max(o["total"]["largest"] for o in outs),
+                         attempts=max((p[4] for p in paths.values()), default=1),
                          bootstrapped_groups=groups, bootstrapped_members=members)
 
 
