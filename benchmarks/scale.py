@@ -20,8 +20,8 @@ recovery planning, the per-step control bytes.
 - step control bytes: the payload of `NTPEngine.step`'s two votes and the Trainer's loss sum along the control tree
   (measured from the code path), and the hops a reduction crosses (formula, labelled so).
 
-The figures at 100,000 ranks are extrapolated from the two largest sizes measured, per failure as a + b W (the
-formula is printed); the steady state's rate per rank times 100,000.
+The figures at 100,000 ranks are extrapolated from the two largest sizes at which every survivor got through, per
+failure as a + b W (the formula is printed; n/a with fewer than two); the steady state's rate per rank times 100,000.
 
     python benchmarks/scale.py [--sizes 1024,4096] [--scenarios gpu,node,rack] [--plan-sizes 4096,32768,100000]
                                [--quick] [--timeout-s 300]
@@ -371,7 +371,9 @@ def report(cases: dict, plans: dict, ctl: dict, sizes) -> int:
                          ("group_ranks", "bootstrapped ranks per failure")):
         per_scenario = {}
         for scenario in sorted({s for _, s in cases}):
-            points = {w: c.get(field) for (w, s), c in cases.items() if s == scenario and field in c}
+            # Only cases every survivor got through: a figure cut off by the case's bound is not the failure's.
+            points = {w: c.get(field) for (w, s), c in cases.items()
+                      if s == scenario and field in c and c["through"] == c["survivors"]}
             per_scenario[scenario] = at_big(points)
             print(f"{label}, {scenario}: by size {dict(sorted(points.items()))}; 100k = "
                   f"{fmt(per_scenario[scenario][0], '', 0 if field != 'busy_s' else 2)} ({per_scenario[scenario][1]})")
