@@ -1,7 +1,7 @@
 """A join's cost to the replicas that lost nothing: how long they stand at the boundary where a replacement comes in.
 
 2 replicas x TP 2, a 17M-parameter Llama; rank 3 crashes in step K, its replacement trains from step J
-(`ntp_ds.testing.join_cost` says what is measured and how). The last line reads `join_stall_s=<longest stall of a
+(`tests.helpers.join_cost` says what is measured and how). The last line reads `join_stall_s=<longest stall of a
 rank of replica 0> step_s=<its median step> join_stall_ratio=<stall / step> grow_s=<the members' grow, from the
 event> joiner_start_s=<the joiner's start() to its engine, waiting for the boundary included>`: the target is a ratio
 of at most 1 (the join costs the others at most one step).
@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ntp_ds.testing.join_cost import CRASH_RANK, measure, parse_args  # noqa: E402
+from tests.helpers.join_cost import CRASH_RANK, measure, parse_args  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,4 @@
-"""A join costs the replicas that lost nothing at most one step (`ntp_ds.testing.join_cost` at the defaults
+"""A join costs the replicas that lost nothing at most one step (`tests.helpers.join_cost` at the defaults
 `benchmarks/join.py` runs).
 
 2 replicas x TP 2, a 17M-parameter Llama whose step takes about 1.3 s here: rank 3 crashes in step 3, its replacement
@@ -10,7 +10,7 @@ promises.
 
 import pytest
 
-from ntp_ds.testing.join_cost import measure, parse_args
+from tests.helpers.join_cost import measure, parse_args
 
 
 @pytest.mark.long

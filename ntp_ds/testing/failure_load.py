@@ -47,6 +47,7 @@ from ntp_ds.control.liveness_store import request_fence
 from ntp_ds.control.keys import barrier_key
 from ntp_ds.control.membership import BarrierWait, Membership
 from ntp_ds.control.store import connect_store, forget_generation
+from ntp_ds.testing.spawn import start_with_pipes
 
 SCENARIOS = ("gpu", "node", "rack")
 MAX_ATTEMPTS = 10
@@ -496,18 +497,10 @@ def run_failure(spec: FailureSpec) -> FailureResult:
         raise TimeoutError("the store server did not start within 60 s")
     address = parent.recv()
     nodes = list(range(spec.nodes))
-    pipes, procs = [], []
+    procs = []
     try:
-        for p in range(spec.processes):
-            a, b = ctx.Pipe()
-            proc = ctx.Process(target=_process, args=(spec, address, nodes[p::spec.processes], b), daemon=True)
-            proc.start()
-            pipes.append(a)
-            procs.append(proc)
-        for a in pipes:
-            if not a.poll(SETUP_S):
-                raise TimeoutError(f"a harness process did not set up within {SETUP_S} s")
-            a.recv()
+        pipes, procs = start_with_pipes(_process, [(spec, address, nodes[p::spec.processes])
+                                                   for p in range(spec.processes)], SETUP_S, "a harness process")
         start = time.monotonic() + 0.5
         fail_at = start + spec.steady_s
         end = fail_at + spec.timeout_s

@@ -174,21 +174,10 @@ def run_load(spec: LoadSpec) -> LoadResult:
     if spec.processes == 1:
         sims = _run_shares(spec, address, shares, None)
     else:
-        import multiprocessing as mp
+        from ntp_ds.testing.spawn import start_with_pipes
 
-        ctx = mp.get_context("spawn")
-        pipes, procs = [], []
-        for p in range(spec.processes):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_run_shares, args=(spec, address, shares[p::spec.processes], child), daemon=True)
-            proc.start()
-            pipes.append(parent)
-            procs.append(proc)
-        bound = time.monotonic() + 60.0
-        for conn in pipes:  # every process has set its workers up
-            if not conn.poll(max(0.0, bound - time.monotonic())):
-                raise TimeoutError("a load process did not set up its workers within 60 s")
-            conn.recv()
+        pipes, procs = start_with_pipes(_run_shares, [(spec, address, shares[p::spec.processes])
+                                                      for p in range(spec.processes)], 60.0, "a load process")
         start = time.monotonic() + 0.2
         for conn in pipes:
             conn.send(start)

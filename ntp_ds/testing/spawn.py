@@ -21,6 +21,26 @@ import traceback
 from ntp_ds.envs import CUDA_VISIBLE_DEVICES, DS_ACCELERATOR, JOIN_ENV, STORE_ENV, TEST_DEVICE_ENV
 
 
+def start_with_pipes(target, args_of: list[tuple], ready_s: float, what: str) -> tuple[list, list]:
+    """Spawn one process per entry of `args_of`, each running `target(*args, conn)` with its end of a pipe, and wait
+    (at most `ready_s` for all) until each has sent its first message, which says it is set up. Return the parent's
+    ends and the processes (daemons: they die with this one)."""
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for args in args_of:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=target, args=(*args, child), daemon=True)
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    bound = time.monotonic() + ready_s
+    for conn in pipes:
+        if not conn.poll(max(0.0, bound - time.monotonic())):
+            raise TimeoutError(f"{what} did not set up within {ready_s:g} s")
+        conn.recv()
+    return pipes, procs
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
