@@ -110,11 +110,17 @@ class Watch:
         if self.report is None or self.engine() is None:
             return
         monitor = self.heartbeat.monitor
-        half = self.timeout_s / 2
-        if any(monitor.silent_for(r) > half for r in monitor.ranks if r not in ranks and r not in self.declared):
+        if another_suspect(monitor, ranks, self.declared):
             return
         silent = {r: monitor.silent_for(r) for r in ranks if r in monitor.ranks}
         try:
             self.report(ranks, wall, reason, silent)
         except Exception as err:  # the training thread's own detection reports it then
             log.debug("rank %d: early report of %s failed: %s", self.rank, sorted(ranks), err)
+
+
+def another_suspect(monitor: LivenessMonitor, dead, declared) -> bool:
+    """Whether a watched peer besides `dead` and the `declared` has been silent for half the heartbeat timeout: its
+    verdict belongs in the same report (`Watch._report`)."""
+    half = monitor.heartbeat_timeout_s / 2
+    return any(monitor.silent_for(r) > half for r in monitor.ranks if r not in dead and r not in declared)

@@ -33,7 +33,6 @@ import gc
 import heapq
 import multiprocessing as mp
 import random
-import statistics
 import threading
 import time
 from collections import Counter
@@ -47,6 +46,7 @@ from ntp_ds.control.liveness_store import request_fence
 from ntp_ds.control.keys import barrier_key
 from ntp_ds.control.membership import BarrierWait, Membership
 from ntp_ds.control.store import connect_store, forget_generation
+from ntp_ds.recovery.watch import another_suspect
 from ntp_ds.testing.spawn import start_with_pipes
 
 SCENARIOS = ("gpu", "node", "rack")
@@ -236,8 +236,8 @@ class _Share:
         request_fence(self.watch_store, ranks, f"declared dead by rank {rank}")
         self.detectors[rank].declared.update((r, f"rank {r} declared dead by a peer") for r in ranks)
         if path.phase == "train":
-            monitor, half = hb.monitor, self.spec.heartbeat_timeout_s / 2
-            if not any(monitor.silent_for(r) > half for r in monitor.ranks if r not in ranks):
+            monitor = hb.monitor
+            if not another_suspect(monitor, ranks, self.detectors[rank].declared):
                 m = self.memberships[rank]
                 m.report_failure(m.generation, ranks, wall, "declared dead",
                                  {r: monitor.silent_for(r) for r in ranks if r in monitor.ranks})
@@ -577,7 +577,3 @@ def bootstraps(spec: FailureSpec) -> tuple[int, int]:
            for role, ranks in wanted_groups(after.topology, new_sync, g, twins=False)}
     fresh = [ranks for key in new - old for ranks in [key[1]] if len(ranks) > 1]
     return len(fresh), sum(len(r) for r in fresh)
-
-
-def median(values):
-    return statistics.median(values) if values else None
