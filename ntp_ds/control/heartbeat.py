@@ -60,12 +60,16 @@ class Heartbeat:
     def __init__(self, store, rank: int, interval_s: float = 1.0, *, wall: Callable[[], float] = time.time,
                  monitor: LivenessMonitor | None = None,
                  on_dead: Callable[[frozenset[int], float], None] | None = None,
-                 reader: LivenessReader | None = None, progress: Callable[[], object] | None = None):
+                 reader: LivenessReader | None = None, progress: Callable[[], object] | None = None,
+                 beats_to=None):
         if not interval_s > 0:
             raise ValueError(f"interval_s={interval_s} must be positive")
         if (monitor is None) != (on_dead is None):
             raise ValueError("pass monitor and on_dead together, or neither")
         self.store, self.rank, self.interval_s = store, rank, interval_s
+        self.beats_to = beats_to
+        """The node's own store (`node_store`), where the launcher reads this rank's beats; None: the job's store.
+        A beat it fails goes to the job's store (its launcher is gone, and its watchers then read there)."""
         if monitor is not None:  # it looks once a beat when all is quiet: a gap of two beats is not yet blindness
             monitor.blind_gap_s = max(monitor.blind_gap_s, 2 * interval_s)
         self.monitor, self.on_dead = monitor, on_dead
@@ -102,6 +106,12 @@ class Heartbeat:
         else:
             beat = Beat(self._counter, self._wall(), now.count, now.waiting,
                         None if now.since is None else max(0.0, time.monotonic() - now.since))
+        if self.beats_to is not None:
+            try:
+                self.beats_to.set(heartbeat_key(self.rank), beat.encode())
+                return beat
+            except Exception as err:
+                log.warning("rank %d beats to the job's store: its node's store failed (%s)", self.rank, err)
         self.store.set(heartbeat_key(self.rank), beat.encode())
         return beat
 
@@ -186,8 +196,8 @@ class Heartbeat:
                     last_beat = time.monotonic()
                 if self._progress is not None:
                     self._watch_own_progress()
-                if self.monitor is not None:
-                    tick = next_pause(tick, self.poll_peers(), fastest, self.interval_s)
+                if self.monitor is not None:  # news (fast polls) is read from the job's store itself
+                    tick = next_pause(tick, self.poll_peers(direct=tick == fastest), fastest, self.interval_s)
                 self.error = None
             except Exception as err:  # a store hiccup must not end the beats; the error is kept for the caller
                 tick = fastest
@@ -215,10 +225,11 @@ class Heartbeat:
             log.warning("rank %d: its training has made no progress outside a wait for %.2f s%s (hang_timeout_s %gs); "
                         "it is at:\n%s", self.rank, now - since, device, hang_timeout_s, where.rstrip())
 
-    def poll_peers(self) -> bool:
-        """Poll the peers once; report the newly dead; return whether anything was news (keep polling fast)."""
+    def poll_peers(self, direct: bool = True) -> bool:
+        """Poll the peers once (not `direct`: from the launcher's copy where it serves, `LivenessReader`); report
+        the newly dead; return whether anything was news (keep polling fast)."""
         with self._lock:
-            view = self.reader.read(self.monitor.ranks, fences=bool(self._members))
+            view = self.reader.read(self.monitor.ranks, fences=bool(self._members), direct=direct)
             self.polls += 1
             self.monitor.observe(view.beats, view.exited)
             new = self.monitor.dead() - self._reported
@@ -256,6 +267,7 @@ class Heartbeat:
                                            self.monitor.blind_gap_s)
             self._members = set(members)
             self._reported = set()
+        self.reader.want(self.rank, self.monitor.ranks, self.interval_s)
         return previous
 
     def retain(self, ranks: Iterable[int]) -> None:

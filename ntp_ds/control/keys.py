@@ -52,6 +52,16 @@ def node_key(node: int) -> str:
     return f"node/{node}"
 
 
+# -- a node's own store (`control.node_store`): its workers' beats, what they watch, the launcher's mirror ----------
+NODE_MIRROR_KEY = "mirror"
+"""Node-store key of the launcher's copy of the job-store keys its workers' watchers poll (`NodeMirror`)."""
+
+
+def watching_key(rank: int) -> str:
+    """Node-store key listing the nodes whose keys worker `rank` watches (what the launcher mirrors for it)."""
+    return f"watching/{rank}"
+
+
 def alarm_key(bucket: int, epoch: int) -> str:
     """Store key whose setting wakes the watchers of `bucket` waiting for alarm `epoch`."""
     return f"alarm/{bucket}/{epoch}"

@@ -30,10 +30,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from ntp_ds.control.keys import (ALARM_BUCKETS_KEY, ALARM_EPOCH_KEY, EXITED_KEY, FENCE_KEY, alarm_key,
-                                 alarm_watchers_key, fence_count_key, heartbeat_key, log_count_key, log_entry_key,
-                                 node_key)
+from ntp_ds.control.keys import (ALARM_BUCKETS_KEY, ALARM_EPOCH_KEY, EXITED_KEY, FENCE_KEY, NODE_MIRROR_KEY,
+                                 alarm_key, alarm_watchers_key, fence_count_key, heartbeat_key, log_count_key,
+                                 log_entry_key, node_key)
 from ntp_ds.control.liveness import Beat, LivenessMonitor
+from ntp_ds.control.node_store import PERIOD_S, MirrorView, list_watched
 from ntp_ds.envs import NODE_SIZE_ENV
 
 log = logging.getLogger("ntp_ds.control.heartbeat")  # liveness logs under one name, whichever of its modules logs
@@ -43,8 +44,9 @@ ALARM_BUCKET = 32
 cheaper (W / ALARM_BUCKET keys) and each stop wake more bucket-mates."""
 
 
-NODE_PUBLISH_S = 0.25
-"""How often a launcher publishes its node's liveness key."""
+NODE_PUBLISH_S = PERIOD_S
+"""How often a launcher publishes its node's liveness key before its workers have said how often they beat
+(`node_store.NodeMirror.period_s`)."""
 NODE_STALE_S = 1.0
 """A node key unchanged for this long (its launcher is gone or hung) is bypassed: its ranks are read per rank."""
 
@@ -209,11 +211,13 @@ class NodeLiveness:
 class NodePublisher:
     """A launcher's side of liveness: read its own workers' beats and publish them as one key, `node/{node}`.
 
-    Two requests per publication however many workers the node runs (one once every worker has beaten).
+    Two requests per publication however many workers the node runs (one once every worker has beaten); with
+    `beats_from` (the node's own store, where the workers beat: `node_store`) one request to the job's store.
     """
 
-    def __init__(self, store, node: int, ranks: Iterable[int]):
+    def __init__(self, store, node: int, ranks: Iterable[int], beats_from=None):
         self.store, self.node, self.ranks = store, node, tuple(ranks)
+        self.beats_from = beats_from if beats_from is not None else store
         self.seq = 0
         self._all_beating = False
 
@@ -221,9 +225,9 @@ class NodePublisher:
         """Publish the latest beats of this node's workers and those of them known to have exited."""
         keys = [heartbeat_key(r) for r in self.ranks]
         if self._all_beating:  # keys are never deleted: once all exist, skip the existence check
-            beats = {r: Beat.decode(v) for r, v in zip(self.ranks, self.store.multi_get(keys))}
+            beats = {r: Beat.decode(v) for r, v in zip(self.ranks, self.beats_from.multi_get(keys))}
         else:
-            beats = read_beats(self.store, self.ranks)
+            beats = read_beats(self.beats_from, self.ranks)
             self._all_beating = len(beats) == len(self.ranks)
         self.seq += 1
         liveness = NodeLiveness(self.seq, beats, dict(exited or {}))
@@ -250,13 +254,18 @@ class LivenessReader:
     """
 
     def __init__(self, store, node_size: int | None = None, *, stale_s: float = NODE_STALE_S,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, mirror=None):
         if node_size is not None and node_size < 1:
             raise ValueError(f"node_size={node_size} must be a positive number of ranks per node (or None)")
         self.store, self.node_size, self.stale_s, self._clock = store, node_size, stale_s, clock
+        self.mirror = mirror if node_size is not None else None
+        """A client of the node's store, whose copy of the node keys (`node_store.NodeMirror`) a read that is not
+        `direct` takes instead of the job's store while the copy moves and holds every node wanted; None: none."""
         self.exits, self.fences = JobLog(store, EXITED_KEY), JobLog(store, FENCE_KEY)
         """This reader's place in the exit and fence logs: each poll fetches only their new entries."""
         self._seq: dict[int, tuple[int, float]] = {}  # node -> (seq, when it last changed)
+        self._latest: dict[int, NodeLiveness] = {}  # node -> the newest of its keys read (a copy may be older)
+        self._mirror_seq: tuple[int, float] | None = None  # the copy's (seq, when it last changed)
         self._present: set[str] = set()  # node keys seen to exist (never deleted)
 
     @classmethod
@@ -267,24 +276,65 @@ class LivenessReader:
             raise ValueError(f"{NODE_SIZE_ENV}={size!r} must be a positive integer (ranks per node)")
         return cls(store, int(size) if size else None, **kwargs)
 
-    def read(self, ranks: Iterable[int], fences: bool = True) -> LivenessView:
-        """Read the beats of `ranks`, every exit and (with `fences`; always when read per node) every fence request."""
+    def want(self, rank: int, ranks: Iterable[int], interval_s: float) -> None:
+        """Tell the launcher's copy which nodes worker `rank` watches from now on (`ranks`' nodes), and how often it
+        beats."""
+        if self.mirror is None:
+            return
+        try:
+            list_watched(self.mirror, rank, {r // self.node_size for r in ranks}, interval_s)
+        except Exception as err:  # the node's store is gone: the job's store serves
+            log.warning("rank %d reads its peers from the job's store: its node's store failed (%s)", rank, err)
+            self.mirror = None
+
+    def read(self, ranks: Iterable[int], fences: bool = True, direct: bool = True) -> LivenessView:
+        """Read the beats of `ranks`, every exit and (with `fences`; always when read per node) every fence request.
+        Not `direct`: from the launcher's copy where it serves (see `mirror`)."""
         ranks = sorted(set(ranks))
         if self.node_size is None:
             return self._per_rank(ranks, fences)
         nodes = sorted({r // self.node_size for r in ranks})
+        if not direct and self.mirror is not None and (view := self._mirrored(nodes, ranks)) is not None:
+            return view
         keys = [node_key(n) for n in nodes] + [self.exits.count_key, self.fences.count_key]
         if not set(keys) <= self._present:
             if not self.store.check(keys):  # a launcher has not published yet: read per rank meanwhile
                 return self._per_rank(ranks, fences)
             self._present.update(keys)
         values = self.store.multi_get(keys)
+        return self._view(ranks, nodes, values[:-2], int(values[-2]), int(values[-1]))
+
+    def _mirrored(self, nodes: list[int], ranks: list[int]) -> LivenessView | None:
+        """A read of the launcher's copy, or None where it does not serve: absent, not moving for `stale_s`, or
+        short of a node wanted (the launcher copies it from its next period on)."""
+        try:
+            if self._mirror_seq is None and not self.mirror.check([NODE_MIRROR_KEY]):
+                return None
+            copy = MirrorView.decode(self.mirror.get(NODE_MIRROR_KEY))
+        except Exception as err:  # the node's store is gone: the job's store serves
+            log.warning("reading peers from the job's store: the node's store failed (%s)", err)
+            self.mirror = None
+            return None
+        now = self._clock()
+        if self._mirror_seq is None or copy.seq != self._mirror_seq[0]:
+            self._mirror_seq = (copy.seq, now)
+        elif now - self._mirror_seq[1] > self.stale_s:
+            return None
+        if not set(nodes) <= copy.nodes.keys():
+            return None
+        return self._view(ranks, nodes, [copy.nodes[n] for n in nodes], copy.exits, copy.fences)
+
+    def _view(self, ranks: list[int], nodes: list[int], raws, exits: int, fences: int) -> LivenessView:
         now, wanted = self._clock(), set(ranks)
         beats: dict[int, Beat] = {}
-        exited = dict(self.exits.catch_up(int(values[-2])))
+        exited = dict(self.exits.catch_up(exits))
         stale: list[int] = []
-        for node, raw in zip(nodes, values):
+        for node, raw in zip(nodes, raws):
             liveness = NodeLiveness.decode(raw)
+            latest = self._latest.get(node)
+            if latest is not None and liveness.seq < latest.seq:  # a copy older than a key read before
+                liveness = latest
+            self._latest[node] = liveness
             seq, since = self._seq.get(node, (None, now))
             if seq != liveness.seq:
                 self._seq[node] = (liveness.seq, now)
@@ -295,7 +345,7 @@ class LivenessReader:
                 exited.setdefault(rank, why)
         if stale:
             beats.update(read_beats(self.store, stale))
-        return LivenessView(beats, exited, dict(self.fences.catch_up(int(values[-1]))))
+        return LivenessView(beats, exited, dict(self.fences.catch_up(fences)))
 
     def _per_rank(self, ranks: list[int], fences: bool) -> LivenessView:
         return LivenessView(read_beats(self.store, ranks), dict(self.exits.read()),

@@ -19,6 +19,7 @@ from ntp_ds.comm.groups import ring_neighbours
 from ntp_ds.control.heartbeat import Heartbeat
 from ntp_ds.control.liveness import LivenessMonitor
 from ntp_ds.control.liveness_store import LivenessReader, request_fence
+from ntp_ds.control.node_store import connect_node_store
 from ntp_ds.recovery.keep import departed, suspects
 
 log = logging.getLogger("ntp_ds.recovery")
@@ -43,12 +44,14 @@ class Watch:
             departures = store.clone()
             wire.on_departure(lambda group: departed(departures, generation(), group))
             beat_store = store.clone()
+            node_store = connect_node_store()  # (`ntp-ds launch`'s: beats and quiet polls stay on the node)
             # A peer that beats but makes no training progress while this rank waits on it is hung (hang_timeout_s).
             self.heartbeat = Heartbeat(beat_store, rank, interval_s,
                                        monitor=LivenessMonitor((), timeout_s, hang_timeout_s=hang_timeout_s,
                                                                first_beat_timeout_s=first_beat_timeout_s),
-                                       on_dead=self.peers_dead, reader=LivenessReader.from_env(beat_store),
-                                       progress=wire.progress)
+                                       on_dead=self.peers_dead,
+                                       reader=LivenessReader.from_env(beat_store, mirror=node_store),
+                                       progress=wire.progress, beats_to=node_store)
 
     def start(self) -> None:
         """Watch the engine's peers, if it runs, and start beating (connecting to the store's server is waiting,

@@ -6,12 +6,16 @@ job's TCPStore in its own process (node 0's launcher), never in a training rank,
 store; workers find it in `NTP_STORE=HOST:PORT`.
 
 Every exit is recorded in the store (`mark_exited`), so the survivors learn of a death at once. A worker stopped by
-SIGSTOP (a hang) never exits: once every other worker has, it is killed. Every NODE_PUBLISH_S, and at once after an
-exit, the launcher publishes its node's liveness (`node/{node}`: its workers' latest beats and exits), which the
-workers' watchers read instead of one key per peer.
+SIGSTOP (a hang) never exits: once every other worker has, it is killed. As often as its workers beat, and at once
+after an exit, the launcher publishes its node's liveness (`node/{node}`: its workers' latest beats and exits), which
+the workers' watchers read instead of one key per peer. It hosts a small store of the node's own (`NTP_NODE_STORE`),
+where its workers beat and where, as often, it copies the keys their watchers poll from the job's store
+(`ntp_ds.control.node_store`): between failures a node costs the job's store two requests a period, not a few per
+worker; the copy's fence counter also tells it which of its workers to stop.
 
 Each worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (the node), NTP_STORE, MASTER_ADDR and
 MASTER_PORT (for the default env:// rendezvous), NTP_NODE_SIZE (ranks per node: node keys are published),
+NTP_NODE_STORE (the node's own store; not for a joiner),
 NTP_RACK_SIZE with `--rack-size` (nodes per rack), and NTP_RUN_DIR when a run directory is given.
 
 Exit status: 0 when at least one worker finished successfully (exit 0), the others' deaths being printed; else the
@@ -41,7 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ntp_ds.control.keys import LAUNCH_RANKS_KEY, MASTER_ADDR_KEY, MASTER_PORT_KEY
-from ntp_ds.envs import DS_ACCELERATOR, LOCAL_WORLD_SIZE, NODE_SIZE_ENV, OMP_NUM_THREADS, RACK_SIZE_ENV, RUN_DIR_ENV
+from ntp_ds.envs import (DS_ACCELERATOR, LOCAL_WORLD_SIZE, NODE_SIZE_ENV, NODE_STORE_ENV, OMP_NUM_THREADS,
+                         RACK_SIZE_ENV, RUN_DIR_ENV)
 from ntp_ds.supervise.stop import DUPLICATE_S, SIGNALS
 
 PROG = "ntp-ds launch"
@@ -158,8 +163,9 @@ def _free_port() -> int:
 
 
 def worker_env(spec: LaunchSpec, local_rank: int, store: str, master: tuple[str, int], base=os.environ,
-               joining: tuple[int, int, int] | None = None) -> dict:
-    """The environment of one worker; `joining` = (launch rank, job world size, first step) for a joiner."""
+               joining: tuple[int, int, int] | None = None, node_store: str | None = None) -> dict:
+    """The environment of one worker; `joining` = (launch rank, job world size, first step) for a joiner;
+    `node_store`: the address of the node's own store (`control.node_store`), for a worker that is not a joiner."""
     env = dict(base)
     package_root = str(Path(__file__).resolve().parents[2])  # the folder that holds ntp_ds
     env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -171,6 +177,8 @@ def worker_env(spec: LaunchSpec, local_rank: int, store: str, master: tuple[str,
         rank, world, step = joining
         env.update(RANK=str(rank), WORLD_SIZE=str(world), NTP_JOIN="1", NTP_JOIN_STEP=str(step))
         env.pop(NODE_SIZE_ENV)  # its rank lies outside the node numbering: watchers read its beats per rank
+    elif node_store is not None:
+        env[NODE_STORE_ENV] = node_store
     if spec.rack_size is not None:
         env[RACK_SIZE_ENV] = str(spec.rack_size)
     if spec.run_dir:
@@ -240,10 +248,12 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1, finish=None) -> int:
     if it returns a status."""
     from ntp_ds.control.keys import FENCE_KEY
     from ntp_ds.control.liveness_store import NODE_PUBLISH_S, JobLog, NodePublisher, mark_exited, prepare_store
+    from ntp_ds.control.node_store import NodeMirror, host_node_store
 
     store, address, master = _rendezvous(spec)
     fence_log = JobLog(store, FENCE_KEY)
-    published_at, compacted_at, exits = -math.inf, time.monotonic(), {}
+    published_at, mirrored_at, compacted_at, exits = -math.inf, -math.inf, time.monotonic(), {}
+    node_store = mirror = node_address = None
     stop = _StopRequests()
     previous = {s: signal.signal(s, stop.receive) for s in SIGNALS}
     repairs = _Repairs(store, spec.repairs)
@@ -259,10 +269,13 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1, finish=None) -> int:
         else:
             prepare_store(store)
             first = spec.node_rank * spec.nproc_per_node
-            publisher = NodePublisher(store, spec.node_rank, range(first, first + spec.nproc_per_node))
+            ranks = range(first, first + spec.nproc_per_node)
+            node_store, node_address = host_node_store()
+            publisher = NodePublisher(store, spec.node_rank, ranks, beats_from=node_store)
+            mirror = NodeMirror(store, node_store, ranks)
             _say(f"store at {address} (NTP_STORE); starting ranks {first}-{first + spec.nproc_per_node - 1} of "
                  f"{spec.world_size}: {' '.join(spec.command[1:])}")
-            procs = {first + i: _start(spec, worker_env(spec, i, address, master))
+            procs = {first + i: _start(spec, worker_env(spec, i, address, master, node_store=node_address))
                      for i in range(spec.nproc_per_node)}
         local = {r: i for i, r in enumerate(procs)}
         codes: dict[int, int] = {}
@@ -291,7 +304,7 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1, finish=None) -> int:
                     local[new] = local[rank]
                     procs[new] = _start(spec, worker_env(spec, local[rank], address, master,
                                                          joining=(new, world, step)))
-            if publisher is not None and time.monotonic() - published_at >= NODE_PUBLISH_S:
+            if publisher is not None and time.monotonic() - published_at >= mirror.period_s:
                 published_at = time.monotonic()
                 try:
                     publisher.publish(exits)
@@ -304,7 +317,10 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1, finish=None) -> int:
                 except Exception as e:  # tried again at the next period
                     _say(f"could not compact the store's history: {e}")
             left = {r: p for r, p in procs.items() if r not in codes}
-            _fence(fence_log, left)
+            if time.monotonic() - mirrored_at >= (NODE_PUBLISH_S if mirror is None else mirror.period_s):
+                # the fence requests come with the copy's counters
+                mirrored_at = time.monotonic()
+                _fence(fence_log, left, _refresh(mirror))
             if codes and left and all(_stopped(p) for p in left.values()):
                 # A worker stopped by SIGSTOP (a hang) never exits; once every other worker has, it is dead weight.
                 _say(f"rank{'s' if len(left) > 1 else ''} {', '.join(map(str, sorted(left)))} stopped (SIGSTOP) while "
@@ -391,12 +407,24 @@ def _start(spec: LaunchSpec, env: dict):
     return subprocess.Popen(spec.command, env=env)
 
 
-def _fence(fence_log, running: dict) -> None:
+def _refresh(mirror) -> int | None:
+    """Copy the keys this node's watchers poll into its store (`NodeMirror`); return the fence log's counter as
+    copied, or None (no copy: a joining launcher's node, or a failed one)."""
+    if mirror is None:
+        return None
+    try:
+        return mirror.refresh().fences
+    except Exception as e:  # the store is ours; retried at the next period (watchers read the job's store meanwhile)
+        _say(f"could not copy the keys this node's watchers poll: {e}")
+        return None
+
+
+def _fence(fence_log, running: dict, count: int | None = None) -> None:
     """Kill this node's workers that their peers declared dead (hung): a fenced worker never rejoins, and its
     closed connections end every wait on it at once. `fence_log`: this launcher's `JobLog` of the fence requests
-    (each poll reads the new ones only)."""
+    (each poll reads the new ones only); `count`: its counter as just read (else read here)."""
     try:
-        fences = fence_log.read()
+        fences = fence_log.read() if count is None else fence_log.catch_up(count)
     except Exception as e:  # the store is ours; a failed read is retried at the next poll
         _say(f"could not read the fence requests: {e}")
         return

@@ -8,7 +8,10 @@ thread per rank blocked in the store for alarms, each with store clients of its 
 - steady state: each rank's `Heartbeat` beats and polls its real peers (its TP group, its data-parallel ring
   neighbours, its buddies and the ranks it owns copies of, and its neighbours on the ring that interleaves the racks:
   the peers `NTPEngine.watched_peers` names in that topology), each node's launcher publishes its node key
-  (`NodePublisher`), and each rank's alarm thread (`Heartbeat._await_alarms`) waits for alarms;
+  (`NodePublisher`) and copies the keys its watchers poll into its node's store (`NodeMirror`, with the fence
+  requests its launcher reads), and each rank's alarm thread (`Heartbeat._await_alarms`) waits for alarms. A node's
+  own store (`control.node_store`: the beats, the copy) is a store in the harness process, as it is a store on the
+  node: its requests are not the job store's and are not counted;
 - the failure (scenario `gpu`: one rank killed, its launcher marks the exit; `node`: a node's ranks and its launcher
   gone; `rack`: a rack's): the victims stop beating, and the watchers' verdicts go the way `Watch.peers_dead` sends
   them (a fence request, the early report to the membership);
@@ -39,11 +42,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch.distributed as dist
+
 from ntp_ds.control.heartbeat import WATCHES_PER_BEAT, Heartbeat, next_pause
 from ntp_ds.control.liveness import LivenessMonitor
-from ntp_ds.control.liveness_store import NODE_PUBLISH_S, LivenessReader, NodePublisher, mark_exited, prepare_store
-from ntp_ds.control.liveness_store import request_fence
-from ntp_ds.control.keys import barrier_key
+from ntp_ds.control.liveness_store import (NODE_PUBLISH_S, JobLog, LivenessReader, NodePublisher, mark_exited,
+                                           prepare_store, request_fence)
+from ntp_ds.control.keys import FENCE_KEY, barrier_key
+from ntp_ds.control.node_store import NodeMirror
 from ntp_ds.control.membership import BarrierWait, Membership
 from ntp_ds.control.store import connect_store, forget_generation
 from ntp_ds.recovery.watch import another_suspect
@@ -67,8 +73,11 @@ class FailureSpec:
     """Event-loop pairs per process."""
     interval_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
-    steady_s: float = 3.0
-    """Steady state measured before the failure."""
+    steady_s: float = 4.0
+    """Steady state before the failure: its rates are measured over the part after `warm_s`."""
+    warm_s: float = 1.5
+    """The start of the steady state left out of its rates: every watcher's first polls (fast, to the job's store,
+    and each reader's one-time existence checks) are the job's start, not its steady state."""
     timeout_s: float = 120.0
     seed: int = 0
 
@@ -130,6 +139,9 @@ class MeteredClient:
     def __init__(self, store):
         self._store, self.calls, self.sent, self.received = store, Counter(), 0, 0
         self.largest = 0
+        self.tag = "watch"
+        """What the client's owner is doing (a phase of the failure path): requests are also counted by it."""
+        self.tags: Counter = Counter()
 
     def clone(self) -> MeteredClient:
         return MeteredClient(self._store.clone())
@@ -139,6 +151,7 @@ class MeteredClient:
 
         def counted(*args, **kwargs):
             self.calls[name] += 1
+            self.tags[self.tag] += 1
             self.sent += _nbytes(args)
             out = method(*args, **kwargs)
             n = _nbytes(out)
@@ -197,9 +210,15 @@ class _Share:
         self.spec, self.nodes, self.victims = spec, nodes, set(victims)
         self.beat_store = MeteredClient(connect_store(address, 60.0))
         self.watch_store = MeteredClient(connect_store(address, 60.0))
+        self.beat_store.tag = "launcher"  # (the beats go to the node's store: this client is its launchers')
         self.ranks = [n * spec.tp + i for n in nodes for i in range(spec.tp)]
-        self.publishers = {n: NodePublisher(self.beat_store, n, range(n * spec.tp, (n + 1) * spec.tp))
-                           for n in nodes}
+        # Each node's own store (`ntp-ds launch` hosts it on the node): its requests never reach the job's store.
+        self.node_stores = {n: dist.HashStore() for n in nodes}
+        self.publishers = {n: NodePublisher(self.beat_store, n, range(n * spec.tp, (n + 1) * spec.tp),
+                                            beats_from=self.node_stores[n]) for n in nodes}
+        self.mirrors = {n: NodeMirror(self.beat_store, self.node_stores[n], range(n * spec.tp, (n + 1) * spec.tp))
+                        for n in nodes}
+        self.fence_logs = {n: JobLog(self.beat_store, FENCE_KEY) for n in nodes}
         settle_s = spec.heartbeat_timeout_s / 2 + spec.interval_s
         members = tuple(range(spec.world))  # one tuple and one set for every rank (a rank's own copies, W long each,
         everyone = frozenset(members)       # would make the harness's memory grow with W squared)
@@ -212,8 +231,9 @@ class _Share:
         from ntp_ds.recovery.detect import Detector
 
         for rank in self.ranks:
-            self.beaters[rank] = Heartbeat(self.beat_store, rank, spec.interval_s)
-            reader = LivenessReader(self.watch_store, spec.tp)
+            local = self.node_stores[rank // spec.tp]
+            self.beaters[rank] = Heartbeat(self.beat_store, rank, spec.interval_s, beats_to=local)
+            reader = LivenessReader(self.watch_store, spec.tp, mirror=local)
             monitor = LivenessMonitor((), spec.heartbeat_timeout_s)
             hb = Heartbeat(self.watch_store, rank, spec.interval_s, monitor=monitor, reader=reader,
                            on_dead=lambda ranks, wall, r=rank: self._dead(r, ranks, wall))
@@ -233,6 +253,7 @@ class _Share:
         if path is None:
             return
         hb = self.heartbeats[rank]
+        self.watch_store.tag = "verdict"
         request_fence(self.watch_store, ranks, f"declared dead by rank {rank}")
         self.detectors[rank].declared.update((r, f"rank {r} declared dead by a peer") for r in ranks)
         if path.phase == "train":
@@ -242,6 +263,7 @@ class _Share:
                 m.report_failure(m.generation, ranks, wall, "declared dead",
                                  {r: monitor.silent_for(r) for r in ranks if r in monitor.ranks})
             path.noticed, path.phase = time.monotonic(), "notice"
+        self.watch_store.tag = "watch"
 
     def _alarmed(self, rank: int) -> None:
         with self._wake_lock:
@@ -260,6 +282,8 @@ class _Share:
 
         with ThreadPoolExecutor(32) as pool:
             clients = list(pool.map(lambda _: MeteredClient(connect_store(address, 60.0)), self.heartbeats))
+        for client in clients:
+            client.tag = "alarm"
         threads = []
         for (rank, hb), client in zip(self.heartbeats.items(), clients):
             self.alarm_clients.append(client)
@@ -292,6 +316,7 @@ class _Share:
                 push(start + rng.uniform(0, spec.interval_s), "beat", r)
             for n in self.nodes:
                 push(start + rng.uniform(0, NODE_PUBLISH_S), "publish", n)
+                push(start + rng.uniform(0, spec.interval_s), "mirror", n)
             for r in sorted(self.victims & set(self.ranks)):  # the launcher of a killed GPU marks its exit
                 if r // spec.tp not in dead_nodes:
                     push(fail_at + 0.05, "exit", r)
@@ -317,7 +342,12 @@ class _Share:
                 if failed and who in dead_nodes:
                     continue
                 self.publishers[who].publish()
-                push(due + NODE_PUBLISH_S, "publish", who)
+                push(due + self.mirrors[who].period_s, "publish", who)  # (as often as its workers beat)
+            elif kind == "mirror":  # the launcher's copy, and the fence requests it reads with it
+                if failed and who in dead_nodes:
+                    continue
+                self.fence_logs[who].catch_up(self.mirrors[who].refresh().fences)
+                push(due + self.mirrors[who].period_s, "mirror", who)
             elif kind == "exit":
                 mark_exited(self.beat_store, who, "exit code -9")
             elif kind == "wake":  # alarms heard since: their ranks poll now
@@ -332,14 +362,16 @@ class _Share:
                 path = self.paths[who]
                 if path.phase == "done" or path.error:
                     continue
-                news = self.heartbeats[who].poll_peers()
+                news = self.heartbeats[who].poll_peers(direct=pause[who] == fastest)  # (as `Heartbeat._run`)
                 pause[who] = next_pause(pause[who], news, fastest, spec.interval_s)
                 push(time.monotonic() + pause[who], "watch", who)
                 if path.phase == "notice":
                     path.phase = "detect"
                     push(time.monotonic(), "path", who)
             else:
+                self.watch_store.tag = self.paths[who].phase
                 wait_s = self._step(who)
+                self.watch_store.tag = "watch"
                 if wait_s is not None:
                     push(time.monotonic() + wait_s, "path", who)
 
@@ -432,11 +464,14 @@ def _process(spec: FailureSpec, address: str, nodes: list[int], conn) -> None:
     for s in shares:
         for c in (s.beat_store, s.watch_store, *s.alarm_clients):
             c.calls.clear()
+            c.tags.clear()
             c.sent = c.received = c.largest = 0
     threads = [threading.Thread(target=s.run, args=(loop, start, fail_at, end), daemon=True)
                for s in shares for loop in ("beats", "watches")]
     for t in threads:
         t.start()
+    time.sleep(max(0.0, start + spec.warm_s - time.monotonic()))
+    warm = _counts(shares)
     time.sleep(max(0.0, fail_at - time.monotonic()))
     steady = _counts(shares)
     for t in threads:
@@ -446,18 +481,19 @@ def _process(spec: FailureSpec, address: str, nodes: list[int], conn) -> None:
     for s in shares:
         for hb in s.heartbeats.values():
             hb._stop.set()
-    conn.send({"steady": steady, "total": total, "paths": paths, "errors": [e for s in shares for e in s.errors],
+    conn.send({"warm": warm, "steady": steady, "total": total, "paths": paths, "errors": [e for s in shares for e in s.errors],
                "alarm_threads": len(alarms)})
     conn.close()
 
 
 def _counts(shares) -> dict:
-    calls, sent, received, largest = Counter(), 0, 0, 0
+    calls, tags, sent, received, largest = Counter(), Counter(), 0, 0, 0
     for s in shares:
         for c in (s.beat_store, s.watch_store, *s.alarm_clients):
             calls.update(c.calls)
+            tags.update(c.tags)
             sent, received, largest = sent + c.sent, received + c.received, max(largest, c.largest)
-    return {"calls": dict(calls), "sent": sent, "received": received, "largest": largest,
+    return {"calls": dict(calls), "tags": dict(tags), "sent": sent, "received": received, "largest": largest,
             "at": time.monotonic()}
 
 
@@ -469,6 +505,10 @@ class FailureResult:
     failure_req: float
     failure_bytes: float
     failure_calls: dict
+    failure_phases: dict
+    """The same requests by what their rank was doing: its watch's polls (`watch`), a verdict's fence and report
+    (`verdict`), the recovery's phases (`detect`, `agree`, `arrive`, `regroup`), the launchers (`launcher`: node
+    keys, copies, exits, fence reads), the alarm threads (`alarm`)."""
     server_busy_s: float
     """The store server's CPU seconds from the failure until every harness process had finished."""
     window_s: float
@@ -504,9 +544,10 @@ def run_failure(spec: FailureSpec) -> FailureResult:
         start = time.monotonic() + 0.5
         fail_at = start + spec.steady_s
         end = fail_at + spec.timeout_s
-        cpu_start = cpu_seconds(server.pid)
         for a in pipes:
             a.send((start, fail_at, end))
+        time.sleep(max(0.0, start + spec.warm_s - time.monotonic()))
+        cpu_start = cpu_seconds(server.pid)
         time.sleep(max(0.0, fail_at - time.monotonic()))
         cpu_fail = cpu_seconds(server.pid)
         outs = []
@@ -530,25 +571,31 @@ def run_failure(spec: FailureSpec) -> FailureResult:
 def _result(spec, outs, start, fail_at, cpu_start, cpu_fail, cpu_end) -> FailureResult:
     steady_n = sum(sum(o["steady"]["calls"].values()) for o in outs)
     steady_b = sum(o["steady"]["sent"] + o["steady"]["received"] for o in outs)
-    steady_s = spec.steady_s
+    warm_n = sum(sum(o["warm"]["calls"].values()) for o in outs)
+    warm_b = sum(o["warm"]["sent"] + o["warm"]["received"] for o in outs)
+    steady_s = spec.steady_s - spec.warm_s
     paths = {r: p for o in outs for r, p in o["paths"].items()}
     done = [p[2] for p in paths.values() if p[2] is not None]
     decided = [p[1] for p in paths.values() if p[1] is not None]
     last = max(done) if done else max(o["total"]["at"] for o in outs)
     window = last - fail_at
-    calls = Counter()
+    calls, tags = Counter(), Counter()
     for o in outs:
         calls.update(o["total"]["calls"])
         calls.subtract(o["steady"]["calls"])
+        tags.update(o["total"]["tags"])
+        tags.subtract(o["steady"]["tags"])
     total_n = sum(sum(o["total"]["calls"].values()) for o in outs) - steady_n
     total_b = sum(o["total"]["sent"] + o["total"]["received"] for o in outs) - steady_b
     groups, members = bootstraps(spec)
     # Everything served from the failure to the last rank through: the steady state's own traffic over that time is
     # not subtracted (a recovering rank polls its peers less, so the difference would understate), and stated apart.
-    return FailureResult(spec=spec, steady_req_per_s=steady_n / steady_s, steady_bytes_per_s=steady_b / steady_s,
+    return FailureResult(spec=spec, steady_req_per_s=(steady_n - warm_n) / steady_s,
+                         steady_bytes_per_s=(steady_b - warm_b) / steady_s,
                          failure_req=total_n, failure_bytes=total_b, failure_calls=dict(calls),
+                         failure_phases={k: v for k, v in tags.items() if v},
                          server_busy_s=cpu_end - cpu_fail, window_s=window,
-                         steady_busy_s_per_s=(cpu_fail - cpu_start) / (fail_at - start),
+                         steady_busy_s_per_s=(cpu_fail - cpu_start) / steady_s,
                          decision_s=(max(decided) - fail_at) if decided else None,
                          done_s=(last - fail_at) if done else None, survivors=len(paths), through=len(done),
                          errors=[e for o in outs for e in o["errors"]] + [f"rank {r}: {p[3]}" for r, p in

@@ -1,0 +1,130 @@
+"""A node's own store: its workers' liveness stays on the node between failures.
+
+At 100,000 ranks, every worker beating to the job's store and every watcher polling it costs the store about half a
+million requests a second while nothing happens. `ntp-ds launch` therefore hosts a second, small store for its node
+(on 127.0.0.1, `NTP_NODE_STORE`), and between failures:
+
+- each worker beats there (`Heartbeat`'s `beats_to`): the launcher reads its workers' beats from it and publishes
+  them as the node's one key in the job's store (`NodePublisher`);
+- each watcher lists there the nodes whose keys it polls (`watching_key`), and the launcher copies those node keys
+  and the exit and fence logs' counters from the job's store into one key of the node's (`NodeMirror`), one request
+  per period for the whole node; a quiet watcher reads that copy (`LivenessReader`'s `mirror`).
+
+What the copy may hide, and what it does not: it is at most a period old, so a watcher reads the job's store itself
+whenever something is news (an alarm, a peer silent for half the timeout, a new exit or fence), which is also when
+a failure is being judged; the entries of the exit and fence logs are always read from the job's store. A copy that
+has stopped moving (its launcher is gone) is not read at all, nor one that lacks a node the watcher wants: the job's
+store is the truth, the copy an economy. A worker whose node store fails beats to the job's store from then on, and
+its node key, no longer published, is read per rank by its watchers (`LivenessReader`).
+
+Under another launcher (`deepspeed`, `torchrun`) there is no node store: workers beat to the job's store and poll it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from ntp_ds.control.keys import EXITED_KEY, FENCE_KEY, NODE_MIRROR_KEY, log_count_key, node_key, watching_key
+from ntp_ds.envs import NODE_STORE_ENV
+
+PERIOD_S = 0.5
+"""How often a launcher publishes its node's key and copies the keys its workers' watchers poll, until its workers
+have said how often they beat (then: at their shortest beat interval, `NodeMirror.period_s`). Faster costs the
+job's store more (two requests per node per period); slower delays what a watcher sees of a beat by more."""
+NODE_STORE_TIMEOUT_S = 2.0
+"""Bound on a call to the node's store: it lives on this machine, so a call that takes longer means its launcher
+is gone or stuck (a worker then beats to the job's store)."""
+
+
+def host_node_store():
+    """Host this node's store (in the launcher, on 127.0.0.1 and a free port); return it and its HOST:PORT."""
+    from ntp_ds.control.store import host_store
+
+    return host_store(0, "127.0.0.1", NODE_STORE_TIMEOUT_S)
+
+
+def connect_node_store(env: Mapping[str, str] = os.environ):
+    """A client of the node's store the launcher named in `NTP_NODE_STORE`, or None where there is none (another
+    launcher) or it cannot be reached (then the job's store serves)."""
+    address = env.get(NODE_STORE_ENV)
+    if not address:
+        return None
+    from ntp_ds.control.store import connect_store
+
+    try:
+        return connect_store(address, NODE_STORE_TIMEOUT_S)
+    except (ConnectionError, ValueError):
+        return None
+
+
+def list_watched(node_store, rank: int, nodes: Iterable[int], interval_s: float) -> None:
+    """Tell the launcher which nodes' keys worker `rank` polls (it copies them into the node's store) and how often
+    it beats (the launcher publishes and copies as often)."""
+    node_store.set(watching_key(rank), json.dumps({"nodes": sorted(set(nodes)), "interval_s": interval_s}))
+
+
+@dataclass(frozen=True)
+class MirrorView:
+    """The launcher's copy: a sequence number that rises with every copy, the raw node keys copied, and the exit
+    and fence logs' counters as the job's store held them then."""
+
+    seq: int
+    nodes: dict[int, str]
+    exits: int
+    fences: int
+
+    def encode(self) -> str:
+        return json.dumps({"seq": self.seq, "nodes": {str(n): v for n, v in self.nodes.items()},
+                           "counts": [self.exits, self.fences]}, separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> MirrorView:
+        d = json.loads(raw)
+        return cls(d["seq"], {int(n): v for n, v in d["nodes"].items()}, *d["counts"])
+
+
+class NodeMirror:
+    """A launcher's side of the copy: every `refresh` reads the nodes its workers watch (from the node's store), then
+    those nodes' keys and the two log counters from the job's store in one request, and writes them as one key of
+    the node's store (`NODE_MIRROR_KEY`)."""
+
+    def __init__(self, job_store, node_store, ranks: Iterable[int]):
+        self.job_store, self.node_store, self.ranks = job_store, node_store, tuple(ranks)
+        self.seq = 0
+        self.period_s = PERIOD_S
+        """How often to publish and copy: the shortest beat interval of the node's workers, as they listed it."""
+        self._present: set[str] = set()  # job-store keys seen to exist (node keys are never deleted)
+
+    def watched(self) -> set[int]:
+        """The nodes this node's workers watch now (and `period_s` from what they listed)."""
+        keys = [watching_key(r) for r in self.ranks]
+        if self.node_store.check(keys):
+            raws = self.node_store.multi_get(keys)
+        else:  # a worker that has not listed its nodes yet
+            raws = [self.node_store.get(k) for k in keys if self.node_store.check([k])]
+        listed = [json.loads(raw) for raw in raws]
+        if listed:
+            self.period_s = min(entry["interval_s"] for entry in listed)
+        return {n for entry in listed for n in entry["nodes"]}
+
+    def refresh(self) -> MirrorView:
+        """Copy once; return the copy."""
+        counts = [log_count_key(EXITED_KEY), log_count_key(FENCE_KEY)]
+        wanted = [node_key(n) for n in sorted(self.watched())]
+        missing = [k for k in wanted + counts if k not in self._present]
+        if missing and not self.job_store.check(missing):  # a node not published yet: left out of this copy
+            self._present.update(k for k in missing if self.job_store.check([k]))
+        else:
+            self._present.update(missing)
+        if not set(counts) <= self._present:  # created by `prepare_store`, before any worker starts
+            raise RuntimeError("the job's store has no exit and fence log counters yet")
+        keys = [k for k in wanted if k in self._present]
+        values = self.job_store.multi_get(keys + counts)
+        self.seq += 1
+        view = MirrorView(self.seq, {int(k.rsplit("/", 1)[1]): v.decode() for k, v in zip(keys, values)},
+                          int(values[-2]), int(values[-1]))
+        self.node_store.set(NODE_MIRROR_KEY, view.encode())
+        return view
