@@ -57,7 +57,7 @@ class Reader:
     def __init__(self):
         self.exited, self.fences, self.reads = {}, {}, 0
 
-    def read(self, ranks, fences=True) -> LivenessView:
+    def read(self, ranks, fences=True, direct=True) -> LivenessView:
         self.reads += 1
         return LivenessView({}, dict(self.exited), dict(self.fences))
 
@@ -188,19 +188,19 @@ def test_a_verdict_while_the_engine_trains_is_reported_at_once_unless_another_wa
     watch = object.__new__(Watch)  # the verdict's path only: no heartbeat thread, no wire
     engine = object()
     watch.rank, watch.timeout_s, watch.declared, watch.engine = 0, 2.0, {}, lambda: engine
-    watch.report = lambda dead, wall, reason, silent: reports.append((dead, reason, silent))
+    watch.report = lambda dead, wall, reason, silent, fenced: reports.append((dead, reason, silent))
     watch.heartbeat = types.SimpleNamespace(monitor=LivenessMonitor({1, 2, 3}, 2.0, clock=clock))
     clock.now += 0.5
-    watch._report(frozenset({3}), 10.0, "rank 3 exited")
+    watch._report(frozenset({3}), 10.0, "rank 3 exited", frozenset())
     assert reports == [(frozenset({3}), "rank 3 exited", {3: 0.5})]
     clock.now += 0.6  # ranks 1 and 2 silent for 1.1 s: more than half the timeout
-    watch._report(frozenset({3}), 11.0, "rank 3 exited")
+    watch._report(frozenset({3}), 11.0, "rank 3 exited", frozenset())
     assert len(reports) == 1
     watch.declared.update({1: "dead", 2: "dead"})  # their verdicts are in: the report may go
-    watch._report(frozenset({3}), 11.0, "rank 3 exited")
+    watch._report(frozenset({3}), 11.0, "rank 3 exited", frozenset())
     assert len(reports) == 2
     watch.engine = lambda: None  # a recovery under way reports from its own detection
-    watch._report(frozenset({3}), 12.0, "rank 3 exited")
+    watch._report(frozenset({3}), 12.0, "rank 3 exited", frozenset())
     assert len(reports) == 2
 
 
@@ -670,3 +670,15 @@ def test_losing_ranks_then_taking_them_back_restores_the_configured_job(degrees,
     assert loss.after.topology.world_size == len(loss.after.members)
     grown, unseated = loss.after.after_join(tuple(sorted(dead)), 1, 2)
     assert unseated == () and grown.topology == start.topology and sorted(grown.members) == sorted(start.members)
+
+
+def test_a_detection_fences_only_the_dead_the_logs_do_not_name_yet():
+    # Rank 1 exited (its launcher logged it), rank 2 was fenced by a peer, rank 3 this rank declared itself: only
+    # rank 3 needs a fence request from this survivor (each request is a write to the rank's key).
+    reader = Reader()
+    reader.exited, reader.fences = {1: "exit code -9"}, {2: "silent"}
+    d = detector(reader)
+    d.declared[3] = "rank 3: no heartbeat for 3.1 s"
+    dead, _ = d.detect(FakeMembership(range(4)), RuntimeError("none"))
+    assert dead == {1, 2, 3}
+    assert d.to_fence() == {3: "rank 3: no heartbeat for 3.1 s"}

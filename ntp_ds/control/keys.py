@@ -57,9 +57,14 @@ NODE_MIRROR_KEY = "mirror"
 """Node-store key of the launcher's copy of the job-store keys its workers' watchers poll (`NodeMirror`)."""
 
 
-def watching_key(rank: int) -> str:
-    """Node-store key listing the nodes whose keys worker `rank` watches (what the launcher mirrors for it)."""
-    return f"watching/{rank}"
+WATCHERS = ("heartbeat", "recovery")
+"""The readers of a worker that list what they watch: its heartbeat's, its recovery's (`watching_key`)."""
+
+
+def watching_key(rank: int, watcher: str = "heartbeat") -> str:
+    """Node-store key listing the nodes whose keys a reader (`WATCHERS`) of worker `rank` watches (what the launcher
+    copies for it)."""
+    return f"watching/{rank}/{watcher}"
 
 
 def alarm_key(bucket: int, epoch: int) -> str:

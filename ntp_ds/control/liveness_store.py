@@ -276,13 +276,13 @@ class LivenessReader:
             raise ValueError(f"{NODE_SIZE_ENV}={size!r} must be a positive integer (ranks per node)")
         return cls(store, int(size) if size else None, **kwargs)
 
-    def want(self, rank: int, ranks: Iterable[int], interval_s: float) -> None:
-        """Tell the launcher's copy which nodes worker `rank` watches from now on (`ranks`' nodes), and how often it
-        beats."""
+    def want(self, rank: int, ranks: Iterable[int], interval_s: float, watcher: str = "heartbeat") -> None:
+        """Tell the launcher's copy which nodes this reader (`keys.WATCHERS`) of worker `rank` watches from now on
+        (`ranks`' nodes), and how often the worker beats."""
         if self.mirror is None:
             return
         try:
-            list_watched(self.mirror, rank, {r // self.node_size for r in ranks}, interval_s)
+            list_watched(self.mirror, rank, {r // self.node_size for r in ranks}, interval_s, watcher)
         except Exception as err:  # the node's store is gone: the job's store serves
             log.warning("rank %d reads its peers from the job's store: its node's store failed (%s)", rank, err)
             self.mirror = None

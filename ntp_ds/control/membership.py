@@ -199,13 +199,14 @@ def poll_ceiling(waiters: int) -> float:
 
 def barrier(store, name: str, rank: int, ranks: Sequence[int], timeout_s: float, *, poll_s: float = 0.02,
             max_poll_s: float | None = None, clock: Callable[[], float] = time.monotonic,
-            sleep: Callable[[float], None] = time.sleep) -> None:
+            sleep: Callable[[float], None] = time.sleep, node: NodeLocal | None = None) -> None:
     """Wait until every rank in `ranks` has called this barrier `name`; raise BarrierTimeout after `timeout_s`.
 
-    Polls the barrier's end (`BarrierWait`), pausing `poll_s` at first and twice as long after each poll up to
-    `max_poll_s` (default: `poll_ceiling` of the barrier's size).
+    Polls the barrier's end (`BarrierWait`, through the node's store with `node`), pausing `poll_s` at first and
+    twice as long after each poll up to `max_poll_s` (default: `poll_ceiling` of the barrier's size).
     """
-    wait = BarrierWait(store, name, rank, ranks, timeout_s, poll_s=poll_s, max_poll_s=max_poll_s, clock=clock)
+    wait = BarrierWait(store, name, rank, ranks, timeout_s, poll_s=poll_s, max_poll_s=max_poll_s, clock=clock,
+                       node=node)
     while (pause := wait.poll()) is not None:
         sleep(pause)
 
@@ -213,6 +214,20 @@ def barrier(store, name: str, rank: int, ranks: Sequence[int], timeout_s: float,
 BARRIER_FANOUT = 32
 """Most ranks that write one counter of a barrier (`BarrierWait`): arrivals are counted in a tree of counters of at
 most this many writers each, not on one key that every member writes."""
+
+
+@dataclass(frozen=True)
+class NodeLocal:
+    """A node's own store (`control.node_store`: `ntp-ds launch` hosts one per node) and the ranks per node (rank r
+    lives on node r // size): a barrier counts the node's arrivals there and reaches the job's store once per node."""
+
+    store: object
+    size: int
+
+    def span(self, ranks: Sequence[int], rank: int) -> tuple[int, int]:
+        """The positions [lo, hi) in sorted `ranks` of the ranks on `rank`'s node (by bisection: O(log W))."""
+        first = rank // self.size * self.size
+        return bisect.bisect_left(ranks, first), bisect.bisect_left(ranks, first + self.size)
 
 
 class BarrierWait:
@@ -224,50 +239,101 @@ class BarrierWait:
     so on; the arrival that fills the root sets `name/done`, which the waiters read. No counter has more than
     `BARRIER_FANOUT` writers, so on etcd, where a counter is a guarded transaction, writers no longer retry each
     other out by the thousand on one key; each rank still makes two writes (its own arrival mark, its leaf) and
-    reads one key per poll. A rank that calls again is counted once (its mark, `name/{rank}`)."""
+    reads one key per poll. A rank that calls again is counted once (its mark, `name/{rank}`).
+
+    With `node` (`NodeLocal`), a node's ranks meet in the node's store first: each marks and counts its arrival
+    there, and the one whose arrival completes the node's count arrives for all of them in the job's store (its node's
+    mark, `name/node/{n}`, and one add per leaf counter its node's ranks fall in, of their number); it alone polls the
+    job's store for the end and copies it into the node's store, where its node-mates poll. A barrier then costs the
+    job's store a few requests per node, not per rank. A rank whose node has not completed by half the bound marks its
+    own arrival in the job's store too, so that a timeout names the node's missing ranks, not all of them; a closer
+    that dies after arriving is a death its node-mates' watch sees (`Detector.watch`)."""
 
     def __init__(self, store, name: str, rank: int, ranks: Sequence[int], timeout_s: float, *, poll_s: float = 0.02,
                  max_poll_s: float | None = None, clock: Callable[[], float] = time.monotonic,
-                 fanout: int = BARRIER_FANOUT):
+                 fanout: int = BARRIER_FANOUT, node: NodeLocal | None = None):
         ranks = _sorted_distinct(ranks)
         if not _contains(ranks, rank):
             raise ValueError(f"rank {rank} is not among the barrier's ranks {list(ranks)}")
         self.store, self.name, self.ranks, self.timeout_s = store, name, ranks, timeout_s
+        self.rank, self.node = rank, node
         if max_poll_s is None:
-            max_poll_s = poll_ceiling(len(ranks))
+            max_poll_s = poll_ceiling(len(ranks) if node is None else -(-len(ranks) // node.size))
             poll_s = min(poll_s, max_poll_s)
         self._poll_s, self._max_poll_s, self._clock = poll_s, max(poll_s, max_poll_s), clock
-        self.deadline = clock() + timeout_s
+        self.start = clock()
+        self.deadline = self.start + timeout_s
         self._pause = poll_s
-        if store.add(f"{name}/{rank}", 1) == 1:  # count each rank once, even if it calls again
-            count_arrival(store, name, bisect.bisect_left(ranks, rank), len(ranks), fanout)
+        self._marked = False
+        if node is None:
+            self.closer = True
+            if store.add(f"{name}/{rank}", 1) == 1:  # count each rank once, even if it calls again
+                count_arrival(store, name, bisect.bisect_left(ranks, rank), len(ranks), fanout)
+        else:
+            self.closer = self._arrive_on_node(fanout)
+
+    def _arrive_on_node(self, fanout: int) -> bool:
+        """Count this rank's arrival in its node's store; the arrival that completes the node's count arrives for the
+        node in the job's store. Return whether this rank polls the job's store (it completed its node's count, or
+        calls again after it was completed)."""
+        local, name = self.node.store, self.name
+        lo, hi = self.node.span(self.ranks, self.rank)
+        if local.add(f"{name}/{self.rank}", 1) != 1:  # a second call: count it once; poll with the closer
+            return int(local.add(f"{name}/count", 0)) >= hi - lo
+        if int(local.add(f"{name}/count", 1)) < hi - lo:
+            return False
+        if self.store.add(f"{name}/node/{self.rank // self.node.size}", 1) == 1:
+            n = len(self.ranks)
+            for leaf in range(lo // fanout, (hi - 1) // fanout + 1):  # a node's ranks span one leaf or two
+                first, last = max(lo, leaf * fanout), min(hi, (leaf + 1) * fanout)
+                count_arrival(self.store, name, first, n, fanout, last - first)
+        return True
 
     def poll(self) -> float | None:
         """Poll once: return None once every rank has arrived, else the seconds to pause before the next poll.
 
         Raise BarrierTimeout, naming the ranks that never arrived, past the deadline.
         """
-        if self.store.check([f"{self.name}/done"]):
+        done = f"{self.name}/done"
+        if self.closer:
+            if self.store.check([done]):
+                if self.node is not None:  # tell the node-mates
+                    self.node.store.set(done, "1")
+                return None
+        elif self.node.store.check([done]):
             return None
         now = self._clock()
+        if not self.closer and not self._marked and now - self.start >= self.timeout_s / 2:
+            self.store.add(f"{self.name}/{self.rank}", 1)  # my node has not completed: name me apart from it
+            self._marked = True
         if now >= self.deadline:
-            missing = frozenset(r for r in self.ranks if not self.store.check([f"{self.name}/{r}"]))
-            raise BarrierTimeout(self.name, missing, self.timeout_s)
+            if self.store.check([done]):  # (a closer that died after arriving: nobody copied the end)
+                return None
+            raise BarrierTimeout(self.name, self._missing(), self.timeout_s)
         pause = min(self._pause, self.deadline - now)
         self._pause = min(2 * self._pause, self._max_poll_s)
         return pause
 
+    def _missing(self) -> frozenset[int]:
+        arrived = lambda key: self.store.check([key])  # noqa: E731
+        if self.node is None:
+            return frozenset(r for r in self.ranks if not arrived(f"{self.name}/{r}"))
+        nodes = {n: arrived(f"{self.name}/node/{n}") for n in {r // self.node.size for r in self.ranks}}
+        return frozenset(r for r in self.ranks if not nodes[r // self.node.size] and not arrived(f"{self.name}/{r}"))
 
-def count_arrival(store, name: str, index: int, n: int, fanout: int = BARRIER_FANOUT) -> bool:
+
+def count_arrival(store, name: str, index: int, n: int, fanout: int = BARRIER_FANOUT, amount: int = 1) -> bool:
     """Count the arrival of the `index`-th of the `n` (sorted) ranks of barrier `name` in its tree of counters
-    (see `BarrierWait`, which also marks the rank's own arrival first). Return whether this arrival was the last (it
-    ended the barrier: exactly one arrival does)."""
+    (see `BarrierWait`, which also marks the rank's own arrival first); `amount`: that many ranks from `index` on, all
+    in its leaf (a node's, counted at once). Return whether this arrival was the last (it ended the barrier: exactly
+    one arrival does)."""
     level, width = 0, n  # width: the counters' count below this level (the ranks at level 0)
     while True:
         node = index // fanout
         size = min(fanout, width - node * fanout)  # this counter's writers: the full ones below it
-        if store.add(f"{name}/c/{level}/{node}", 1) < size:
+        if store.add(f"{name}/c/{level}/{node}", amount) < size:
             return False
+        amount = 1
         if width <= fanout:  # the root is full: every rank has arrived
             store.set(f"{name}/done", "1")
             return True
@@ -279,8 +345,10 @@ class Membership:
 
     def __init__(self, store, rank: int, members: Iterable[int], generation: int = 0, *, settle_s: float = 0.2,
                  poll_s: float = 0.02, max_poll_s: float | None = None, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep, node: NodeLocal | None = None):
         self.store, self.rank = store, rank
+        self.node = node
+        """The node's own store, through which the survivors' barrier is met (`BarrierWait`); None: none."""
         self.members = _sorted_distinct(members)
         if not self.is_member(rank):
             raise ValueError(f"rank {rank} is not among members {list(self.members)}")
@@ -325,8 +393,10 @@ class Membership:
             raise ValueError(f"generation={generation} is ahead of this rank's generation {self.generation}")
 
     def report_failure(self, generation: int, ranks: Iterable[int], detected_at: float, reason: str,
-                       silent_s: Mapping[int, float] | None = None) -> bool:
+                       silent_s: Mapping[int, float] | None = None, fenced: Iterable[int] = ()) -> bool:
         """Propose that `ranks` died; return False if ignored (older generation, not members, already decided).
+        `fenced`: those of them this rank knows of only from the fence log, whose fencer claims them (this rank
+        acknowledges them, and claims them at its recovery's report, after reading the reports).
 
         A rank reported after the decision is not in it: once the change is adopted, report it again.
         """
@@ -336,7 +406,11 @@ class Membership:
         ranks = frozenset(r for r in ranks if self.is_member(r))
         if not ranks or self.store.check([self._decision_key(generation)]):
             return False
-        claimed = frozenset(r for r in sorted(ranks) if self.store.add(membership_key(generation, f"dead/{r}"), 1) == 1)
+        # A death in a report read already is claimed: only the others are (a claim is a write to the dead rank's
+        # key, which every survivor that learns of the death would otherwise make).
+        known = {r for report in self._read.get(generation, ()) for r in report.ranks} | set(fenced)
+        claimed = frozenset(r for r in sorted(ranks - known)
+                            if self.store.add(membership_key(generation, f"dead/{r}"), 1) == 1)
         if claimed:  # deaths somebody else reported already add nothing to the union
             seen = {r: float(t) for r, t in (silent_s or {}).items() if r in claimed and t is not None}
             report = FailureReport(self.rank, claimed, float(detected_at), reason, seen)
@@ -480,7 +554,8 @@ class Membership:
             raise Evicted(f"rank {self.rank} was declared dead in generation {change.generation}: {change.reason}")
         self._enter(change)
         return BarrierWait(self.store, membership_key(change.generation, "confirm"), self.rank, change.survivors,
-                           timeout_s, poll_s=self.poll_s, max_poll_s=self.max_poll_s, clock=self._clock)
+                           timeout_s, poll_s=self.poll_s, max_poll_s=None if self.node else self.max_poll_s,
+                           clock=self._clock, node=self.node)
 
 
 class DecisionWait:

@@ -6,6 +6,8 @@ million requests a second while nothing happens. `ntp-ds launch` therefore hosts
 
 - each worker beats there (`Heartbeat`'s `beats_to`): the launcher reads its workers' beats from it and publishes
   them as the node's one key in the job's store (`NodePublisher`);
+- the recovery's barriers over the whole generation (the survivors' confirmation, the new generation's arrival,
+  its end) are met there first, and reach the job's store once per node (`membership.BarrierWait`'s `node`);
 - each watcher lists there the nodes whose keys it polls (`watching_key`), and the launcher copies those node keys
   and the exit and fence logs' counters from the job's store into one key of the node's (`NodeMirror`), one request
   per period for the whole node; a quiet watcher reads that copy (`LivenessReader`'s `mirror`).
@@ -27,8 +29,10 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ntp_ds.control.keys import EXITED_KEY, FENCE_KEY, NODE_MIRROR_KEY, log_count_key, node_key, watching_key
-from ntp_ds.envs import NODE_STORE_ENV
+from ntp_ds.control.keys import (EXITED_KEY, FENCE_KEY, NODE_MIRROR_KEY, WATCHERS, log_count_key, node_key,
+                                 watching_key)
+from ntp_ds.control.membership import NodeLocal
+from ntp_ds.envs import NODE_SIZE_ENV, NODE_STORE_ENV
 
 PERIOD_S = 0.5
 """How often a launcher publishes its node's key and copies the keys its workers' watchers poll, until its workers
@@ -60,10 +64,20 @@ def connect_node_store(env: Mapping[str, str] = os.environ):
         return None
 
 
-def list_watched(node_store, rank: int, nodes: Iterable[int], interval_s: float) -> None:
-    """Tell the launcher which nodes' keys worker `rank` polls (it copies them into the node's store) and how often
-    it beats (the launcher publishes and copies as often)."""
-    node_store.set(watching_key(rank), json.dumps({"nodes": sorted(set(nodes)), "interval_s": interval_s}))
+def node_local(env: Mapping[str, str] = os.environ) -> NodeLocal | None:
+    """The node's store (a client of its own) and the ranks per node, for barriers met through it (`BarrierWait`);
+    None without a node store or a node size (another launcher, a joiner)."""
+    size = env.get(NODE_SIZE_ENV)
+    if not size or not size.isdigit() or int(size) < 1:
+        return None
+    store = connect_node_store(env)
+    return NodeLocal(store, int(size)) if store is not None else None
+
+
+def list_watched(node_store, rank: int, nodes: Iterable[int], interval_s: float, watcher: str = "heartbeat") -> None:
+    """Tell the launcher which nodes' keys a reader (`keys.WATCHERS`) of worker `rank` polls (it copies them into
+    the node's store) and how often the worker beats (the launcher publishes and copies as often)."""
+    node_store.set(watching_key(rank, watcher), json.dumps({"nodes": sorted(set(nodes)), "interval_s": interval_s}))
 
 
 @dataclass(frozen=True)
@@ -100,10 +114,10 @@ class NodeMirror:
 
     def watched(self) -> set[int]:
         """The nodes this node's workers watch now (and `period_s` from what they listed)."""
-        keys = [watching_key(r) for r in self.ranks]
+        keys = [watching_key(r, w) for r in self.ranks for w in WATCHERS]
         if self.node_store.check(keys):
             raws = self.node_store.multi_get(keys)
-        else:  # a worker that has not listed its nodes yet
+        else:  # a reader that has not listed its nodes yet
             raws = [self.node_store.get(k) for k in keys if self.node_store.check([k])]
         listed = [json.loads(raw) for raw in raws]
         if listed:

@@ -12,9 +12,10 @@ import time
 from collections.abc import Callable, Iterable
 
 from ntp_ds.comm.groups import ring_neighbours
+from ntp_ds.control.heartbeat import WATCHES_PER_BEAT
 from ntp_ds.control.keys import barrier_key
 from ntp_ds.control.liveness import LivenessMonitor
-from ntp_ds.control.membership import BarrierTimeout, BarrierWait, MembershipChange
+from ntp_ds.control.membership import BarrierTimeout, BarrierWait, MembershipChange, NodeLocal
 
 
 def first_beat_timeout(heartbeat_timeout_s: float, collective_timeout_s: float) -> float:
@@ -40,8 +41,11 @@ class Detector:
 
     def __init__(self, reader, *, heartbeat_timeout_s: float, heartbeat_interval_s: float,
                  first_beat_timeout_s: float, collective_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 node: NodeLocal | None = None):
         self.reader = reader
+        self.node = node
+        """The node's own store, through which the new generation's members meet (`BarrierWait`); None: none."""
         self.heartbeat_timeout_s, self.heartbeat_interval_s = heartbeat_timeout_s, heartbeat_interval_s
         self.first_beat_timeout_s, self.collective_timeout_s = first_beat_timeout_s, collective_timeout_s
         self.clock, self.sleep = clock, sleep
@@ -53,11 +57,15 @@ class Detector:
         names it."""
         self.reasons: dict[int, str] = {}
         """The last detection's dead, each with its own reason (what its fence request files)."""
+        self.recorded: set[int] = set()
+        """Ranks the exit and fence logs name, as last read: their launchers know of them already."""
 
-    def poll_dead(self, among: Iterable[int]) -> tuple[frozenset[int], dict[int, str]]:
+    def poll_dead(self, among: Iterable[int], direct: bool = True) -> tuple[frozenset[int], dict[int, str]]:
         """One read of the store (the watched peers' beats, the exit and fence logs): which of `among` are dead,
-        and why. Beats are judged for the monitor's ranks only; an exit or a fence request counts for anyone."""
-        view = self.reader.read(self.monitor.ranks, fences=True)
+        and why. Beats are judged for the monitor's ranks only; an exit or a fence request counts for anyone. Not
+        `direct`: from the launcher's copy where it serves (`LivenessReader`)."""
+        view = self.reader.read(self.monitor.ranks, fences=True, direct=direct)
+        self.recorded = set(view.fences) | set(view.exited)
         self.monitor.observe(view.beats, view.exited)
         reasons = {r: f"rank {r} declared dead by a peer ({why})" for r, why in view.fences.items()}
         reasons.update((r, f"rank {r} exited ({why})") for r, why in view.exited.items())
@@ -75,8 +83,12 @@ class Detector:
         detection = Detection(self, membership, error)
         while (pause := detection.poll()) is not None:
             self.sleep(pause)
-        self.reasons = detection.reasons
         return detection.result
+
+    def to_fence(self) -> dict[int, str]:
+        """Of the last detection's dead, those to fence, with their reasons: not the ones the logs name already (a
+        fence request is a write to the rank's key, which every survivor would otherwise make)."""
+        return {r: why for r, why in self.reasons.items() if r not in self.recorded}
 
     def agree(self, membership, dead: frozenset[int], reason: str, silent: dict[int, float]) -> MembershipChange:
         """Report `dead` in the membership's generation, await the decision every survivor adopts, and confirm it
@@ -97,8 +109,16 @@ class Detector:
         """`arrive`, one poll at a time."""
         self.monitor = LivenessMonitor(ring_neighbours(list(members), rank), self.heartbeat_timeout_s, clock=self.clock,
                                        first_beat_timeout_s=self.first_beat_timeout_s)
-        wait = BarrierWait(store, barrier_key(generation, "arrive", members), rank, members, self.collective_timeout_s)
+        self.list_watched(rank)
+        wait = BarrierWait(store, barrier_key(generation, "arrive", members), rank, members, self.collective_timeout_s,
+                           node=self.node)
         return Watching(self, wait, set(members) - {rank}, f"generation {generation}'s rendezvous")
+
+    def list_watched(self, rank: int) -> None:
+        """Tell the launcher's copy (`LivenessReader.want`) whose keys this rank's recovery watches now."""
+        want = getattr(self.reader, "want", None)
+        if want is not None:
+            want(rank, self.monitor.ranks, self.heartbeat_interval_s, "recovery")
 
     def missed(self, timeout: BarrierTimeout) -> frozenset[int]:
         """The ranks that never reached a barrier within its bound, from now on declared dead (for the next
@@ -127,6 +147,7 @@ class Detection:
         self._pause = 0.05
         self._members = set(membership.members)  # after a failed confirm, the generation it adopted
         detector.monitor.retain(self._members - {membership.rank})
+        detector.list_watched(membership.rank)
         self._dead: frozenset[int] = frozenset()
         self._reasons: dict[int, str] = {}
         self.result: tuple[frozenset[int], str] | None = None
@@ -153,8 +174,8 @@ class Detection:
         if not self._dead:
             raise self.error
         d = self.detector
-        self.reasons = {r: d.declared.get(r) or self._reasons.get(r) or f"rank {r} reported dead by a peer"
-                        for r in sorted(self._dead)}
+        self.reasons = d.reasons = {r: d.declared.get(r) or self._reasons.get(r) or f"rank {r} reported dead by a peer"
+                                    for r in sorted(self._dead)}
         self.result = self._dead, "; ".join(self.reasons.values())
         return None
 
@@ -200,13 +221,18 @@ class Watching:
 
     def __init__(self, detector: Detector, wait, others: set[int], what: str):
         self.detector, self.wait, self.others, self.what = detector, wait, others, what
+        self._read_at = -float("inf")
 
     def poll(self) -> float | None:
         pause = self.wait.poll()
         if pause is None:
             return None
         d = self.detector
-        dead, reasons = d.poll_dead(self.others)
+        now = d.clock()
+        if now - self._read_at < d.heartbeat_interval_s / WATCHES_PER_BEAT:  # a heartbeat's fastest pace at most
+            return pause
+        self._read_at = now
+        dead, reasons = d.poll_dead(self.others, direct=False)  # (a barrier's watch: the copy, while it serves)
         if dead:
             d.declared.update(reasons)
             raise RuntimeError(f"rank(s) {sorted(dead)} died before {self.what}: "

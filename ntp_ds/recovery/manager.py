@@ -22,6 +22,7 @@ from ntp_ds.comm.groups import keepable, mark_communicators, prepare_backend, ro
 from ntp_ds.control.joins import JoinFailed, JoinPlan, read_join_plan
 from ntp_ds.control.liveness_store import LivenessReader, mark_exited, request_fence
 from ntp_ds.control.membership import BarrierTimeout, Membership, MembershipChange, barrier
+from ntp_ds.control.node_store import node_local
 from ntp_ds.control.store import forget_generation
 from ntp_ds.engine.copies import release_cached_host_memory
 from ntp_ds.engine.initialize import JobSpec, build_topology, join_world
@@ -62,7 +63,8 @@ class Recovery:
         """Who is where: the members (launch ranks, in global-rank order), their topology and places."""
         if settle_s is None:
             settle_s = decision_settle_s(heartbeat_timeout_s, heartbeat_interval_s)
-        self.membership = Membership(store, rank, self.members, self.generation.number, settle_s=settle_s)
+        node = node_local()  # (`ntp-ds launch`'s node store: the generation's barriers meet there first)
+        self.membership = Membership(store, rank, self.members, self.generation.number, settle_s=settle_s, node=node)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._kept_here: list[str] = []
         """Roles of the groups this rank kept in the recovery or grow under way (the event's `kept_here`)."""
@@ -72,9 +74,10 @@ class Recovery:
         self._candidates: list = []
         """Groups a recovery may keep (`keep.keep`), from its start to its first attempt's teardown."""
         first_beat_timeout_s = first_beat_timeout(heartbeat_timeout_s, self.job.ntp.timeout_s)
-        self.detector = Detector(LivenessReader.from_env(store), heartbeat_timeout_s=heartbeat_timeout_s,
-                                 heartbeat_interval_s=heartbeat_interval_s, first_beat_timeout_s=first_beat_timeout_s,
-                                 collective_timeout_s=self.job.ntp.timeout_s)
+        self.detector = Detector(LivenessReader.from_env(store, mirror=node and node.store),
+                                 heartbeat_timeout_s=heartbeat_timeout_s, heartbeat_interval_s=heartbeat_interval_s,
+                                 first_beat_timeout_s=first_beat_timeout_s, collective_timeout_s=self.job.ntp.timeout_s,
+                                 node=node)
         self.watch = Watch(store, rank, interval_s=heartbeat_interval_s, timeout_s=heartbeat_timeout_s,
                            hang_timeout_s=hang_timeout_s, first_beat_timeout_s=first_beat_timeout_s,
                            generation=lambda: self.membership.generation, members=lambda: self.members,
@@ -90,10 +93,11 @@ class Recovery:
         the new generation, "groups" as its communicators are about to be created (its members all met) and
         "transfer" as the lost units move: the fault-injection seams."""
 
-    def _report(self, dead: frozenset[int], wall: float, reason: str, silent: dict[int, float]) -> None:
+    def _report(self, dead: frozenset[int], wall: float, reason: str, silent: dict[int, float],
+                fenced: frozenset[int] = frozenset()) -> None:
         """The watch's early report of a verdict (`Watch.report`), in the membership's generation."""
         membership = self.membership
-        membership.report_failure(membership.generation, dead, wall, reason, silent)
+        membership.report_failure(membership.generation, dead, wall, reason, silent, fenced)
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -189,7 +193,7 @@ class Recovery:
         dead, reason = self.detector.detect(self.membership, error)
         candidates = close_hit(candidates, snapshot.topology, before.members, dead)
         # A hung rank is stopped by its launcher before it can come back (each with its own reason).
-        request_fence(self.store, dead, self.detector.reasons)
+        request_fence(self.store, (fence := self.detector.to_fence()), fence)
         change = self.detector.agree(self.membership, dead, reason, silent)
         t_agreed = time.monotonic()
 
@@ -246,7 +250,7 @@ class Recovery:
                                     traffic_before=traffic_before)
         self.watch.watch_engine(engine)
         barrier(self.store, barrier_key(change.after.number, "done", change.after.members), self.rank,
-                change.after.members, self.job.ntp.timeout_s)
+                change.after.members, self.job.ntp.timeout_s, node=self.membership.node)
         if change.after.members[0] == self.rank and change.after.number >= 2:
             forget_generation(self.store, change.after.number - 2)  # the store keeps the last two generations
         self.engine, self._held = engine, None

@@ -33,11 +33,13 @@ class Watch:
     def __init__(self, store, rank: int, *, interval_s: float, timeout_s: float, hang_timeout_s: float | None,
                  first_beat_timeout_s: float, generation: Callable[[], int], members: Callable[[], tuple[int, ...]],
                  engine: Callable[[], object], declared: dict[int, str],
-                 report: Callable[[frozenset[int], float, str, dict[int, float]], None] | None = None):
+                 report: Callable[[frozenset[int], float, str, dict[int, float], frozenset[int]], None] | None
+                 = None):
         self.rank, self.timeout_s = rank, timeout_s
         self.report = report
         """Called from the heartbeat's thread with a verdict (the dead, the wall time, why, how long each was
-        silent) while the engine trains and no other watched peer is suspect: the membership's report."""
+        silent, those known only from the fence log) while the engine trains and no other watched peer is suspect:
+        the membership's report."""
         self.members, self.engine, self.declared = members, engine, declared
         with wire.waiting():
             # Departures are asked from the training thread and, under NCCL, the abort thread: a client of their own.
@@ -99,13 +101,13 @@ class Watch:
         reason = "; ".join(reasons[r] for r in sorted(ranks))
         self.declared.update(reasons)
         log.warning("rank %d: %s", self.rank, reason)
-        try:
-            request_fence(self.heartbeat.store, ranks, reasons)
+        try:  # what this rank judged itself (a rank some peer declared dead is in the fence log already)
+            request_fence(self.heartbeat.store, [r for r in ranks if r in judged], reasons)
         finally:
             wire.peer_failed(reason, suspects=self.suspects(ranks), arrival_s=self.timeout_s)
-        self._report(ranks, wall, reason)
+        self._report(ranks, wall, reason, ranks - judged)
 
-    def _report(self, ranks: frozenset[int], wall: float, reason: str) -> None:
+    def _report(self, ranks: frozenset[int], wall: float, reason: str, fenced: frozenset[int]) -> None:
         """Report `ranks` dead to the membership now, unless no engine runs (a recovery reports from its own
         detection) or another watched peer is silent for half the timeout: a report acknowledges this rank's view as
         complete, and deaths at one moment (a node, a rack) belong in one decision (`Detector.detect` waits for such
@@ -117,7 +119,7 @@ class Watch:
             return
         silent = {r: monitor.silent_for(r) for r in ranks if r in monitor.ranks}
         try:
-            self.report(ranks, wall, reason, silent)
+            self.report(ranks, wall, reason, silent, fenced)
         except Exception as err:  # the training thread's own detection reports it then
             log.debug("rank %d: early report of %s failed: %s", self.rank, sorted(ranks), err)
 

@@ -50,7 +50,7 @@ from ntp_ds.control.liveness_store import (NODE_PUBLISH_S, JobLog, LivenessReade
                                            prepare_store, request_fence)
 from ntp_ds.control.keys import FENCE_KEY, barrier_key
 from ntp_ds.control.node_store import NodeMirror
-from ntp_ds.control.membership import BarrierWait, Membership
+from ntp_ds.control.membership import BarrierWait, Membership, NodeLocal
 from ntp_ds.control.store import connect_store, forget_generation
 from ntp_ds.recovery.watch import another_suspect
 from ntp_ds.testing.spawn import start_with_pipes
@@ -240,12 +240,13 @@ class _Share:
             hb.watch(sorted(watched_peers(topology, plan, buddies, rank)))
             hb._members = everyone
             self.heartbeats[rank] = hb
-            self.memberships[rank] = Membership(self.watch_store, rank, members, settle_s=settle_s)
-            self.detectors[rank] = Detector(LivenessReader(self.watch_store, spec.tp),
+            node = NodeLocal(local, spec.tp)  # (as `Recovery`: the generation's barriers meet in the node's store)
+            self.memberships[rank] = Membership(self.watch_store, rank, members, settle_s=settle_s, node=node)
+            self.detectors[rank] = Detector(LivenessReader(self.watch_store, spec.tp, mirror=local),
                                             heartbeat_timeout_s=spec.heartbeat_timeout_s,
                                             heartbeat_interval_s=spec.interval_s,
                                             first_beat_timeout_s=spec.heartbeat_timeout_s,
-                                            collective_timeout_s=spec.timeout_s / 4)
+                                            collective_timeout_s=spec.timeout_s / 4, node=node)
 
     # The verdict's way (`Watch.peers_dead`, `Watch._report`): fence, report while training, notice.
     def _dead(self, rank: int, ranks: frozenset[int], wall: float) -> None:
@@ -254,14 +255,15 @@ class _Share:
             return
         hb = self.heartbeats[rank]
         self.watch_store.tag = "verdict"
-        request_fence(self.watch_store, ranks, f"declared dead by rank {rank}")
+        judged = hb.monitor.dead() | hb.monitor.hung()  # (as `Watch.peers_dead`: the rest is fenced already)
+        request_fence(self.watch_store, [r for r in ranks if r in judged], f"declared dead by rank {rank}")
         self.detectors[rank].declared.update((r, f"rank {r} declared dead by a peer") for r in ranks)
         if path.phase == "train":
             monitor = hb.monitor
             if not another_suspect(monitor, ranks, self.detectors[rank].declared):
                 m = self.memberships[rank]
                 m.report_failure(m.generation, ranks, wall, "declared dead",
-                                 {r: monitor.silent_for(r) for r in ranks if r in monitor.ranks})
+                                 {r: monitor.silent_for(r) for r in ranks if r in monitor.ranks}, ranks - judged)
             path.noticed, path.phase = time.monotonic(), "notice"
         self.watch_store.tag = "watch"
 
@@ -395,7 +397,7 @@ class _Share:
                 if pause is not None:
                     return pause
                 dead, reason = path.poll.result
-                request_fence(self.watch_store, dead, path.poll.reasons)
+                request_fence(self.watch_store, (fence := d.to_fence()), fence)
                 silent = self.heartbeats[rank].silences()
                 path.phase, path.poll = "agree", Agreement(d, m, dead, reason, silent)
             if path.phase == "agree":
@@ -419,7 +421,7 @@ class _Share:
                 hb._members = frozenset(change.survivors)
                 path.phase = "regroup"
                 path.poll = BarrierWait(self.watch_store, barrier_key(change.generation, "done", change.survivors),
-                                        rank, change.survivors, self.spec.timeout_s)
+                                        rank, change.survivors, self.spec.timeout_s, node=m.node)
             if path.phase == "regroup":
                 pause = path.poll.poll()
                 if pause is not None:
@@ -481,8 +483,8 @@ def _process(spec: FailureSpec, address: str, nodes: list[int], conn) -> None:
     for s in shares:
         for hb in s.heartbeats.values():
             hb._stop.set()
-    conn.send({"warm": warm, "steady": steady, "total": total, "paths": paths, "errors": [e for s in shares for e in s.errors],
-               "alarm_threads": len(alarms)})
+    conn.send({"warm": warm, "steady": steady, "total": total, "paths": paths,
+               "errors": [e for s in shares for e in s.errors], "alarm_threads": len(alarms)})
     conn.close()
 
 

@@ -20,6 +20,7 @@ from ntp_ds.control.membership import (
     Membership,
     MembershipChange,
     MembershipTimeout,
+    NodeLocal,
     StaleGeneration,
     barrier,
     decide,
@@ -236,6 +237,31 @@ def test_a_death_every_survivor_sees_is_reported_once_and_acknowledged_by_all():
     assert b.report_failure(0, {2, 3}, 3.0, "z") and [sorted(r.ranks) for r in b.reports(0)] == [[3], [2]]
 
 
+def test_a_death_read_in_a_report_already_is_not_claimed_again():
+    # Rank 0 reports rank 3; ranks 1 and 2 have read that report (during their detection) before they report the
+    # same death: they only acknowledge, and rank 3's claim key has one writer, not one per survivor.
+    store = _Writers(dist.HashStore())
+    views = [Membership(store, r, range(4), settle_s=30.0) for r in range(3)]
+    store.rank = 0
+    assert views[0].report_failure(0, {3}, 1.0, "seen by 0")
+    for r in (1, 2):
+        store.rank = r
+        assert [sorted(x.ranks) for x in views[r].reports(0)] == [[3]]
+        assert views[r].report_failure(0, {3}, 2.0, f"seen by {r}")
+    assert store.writers["membership/0/dead/3"] == {0}
+    assert store.get("membership/0/acks/done") == b"1"  # every live member acknowledged, 3 by its claimant
+    assert views[2].await_decision(0, 5.0).dead == {3}
+    # A death known only from the fence log is acknowledged, not claimed (its fencer claims it).
+    store = _Writers(dist.HashStore())
+    a, b = (Membership(store, r, range(4), settle_s=30.0) for r in (0, 1))
+    store.rank = 1
+    assert b.report_failure(0, {3}, 1.0, "fenced by 0", fenced={3})
+    assert "membership/0/dead/3" not in store.writers and store.check(["membership/0/acks/1"])
+    store.rank = 0
+    assert a.report_failure(0, {3}, 1.0, "seen by 0")
+    assert store.writers["membership/0/dead/3"] == {0} and [sorted(x.ranks) for x in a.reports(0)] == [[3]]
+
+
 def test_one_rank_commits_and_the_others_read_its_decision():
     # 64 members, rank 63 dies, every survivor sees it: one claims it and files the report; the acknowledgements
     # complete the moment the last survivor acknowledges (its claimant acknowledged for the dead), and the decision
@@ -433,6 +459,69 @@ def test_a_barrier_that_runs_out_names_exactly_the_ranks_that_never_came():
     with pytest.raises(BarrierTimeout) as err:
         waits[0].poll()
     assert err.value.missing == {7, 64, 99}
+
+
+class _Requests:
+    """A store client that counts its requests."""
+
+    def __init__(self, store):
+        self._store, self.n = store, 0
+
+    def __getattr__(self, name):
+        method = getattr(self._store, name)
+
+        def counted(*args, **kwargs):
+            self.n += 1
+            return method(*args, **kwargs)
+        return counted
+
+
+@given(st.integers(2, 8), st.integers(3, 300), st.data())
+@settings(max_examples=25, deadline=None)
+def test_a_barrier_met_through_node_stores_ends_with_its_last_arrival_at_a_few_job_requests_per_node(size, n, data):
+    # Ranks on nodes of `size` (some dead: not in the barrier), each node with its own store; a joiner outside the
+    # node numbering arrives alone. The barrier ends exactly at the last arrival, every counter has at most 32
+    # writers, the job's store sees about two writes per node, and only one rank per node polls it.
+    ranks = sorted(data.draw(st.sets(st.integers(0, 2 * n), min_size=n, max_size=n)))
+    joiner = 10 * n + size * 100
+    everyone = ranks + [joiner]
+    order = data.draw(st.permutations(everyone))
+    job = _Writers(dist.HashStore())
+    counted = _Requests(job)
+    nodes = {r // size: NodeLocal(dist.HashStore(), size) for r in ranks}
+    waits = {}
+    for rank in order:
+        assert not waits or all(w.poll() is not None for w in waits.values())
+        job.rank = rank
+        waits[rank] = BarrierWait(counted, "b", rank, everyone, 60.0,
+                                  node=None if rank == joiner else nodes[rank // size])
+    for w in waits.values():  # a closer copies the end into its node's store as it sees it
+        w.poll()
+    assert all(w.poll() is None for w in waits.values())
+    assert max(len(w) for w in job.writers.values()) <= 32
+    writes = sum(len(w) for w in job.writers.values())
+    assert writes <= 4 * (len(nodes) + 1) + len(everyone) // 31 + 2
+    assert sum(w.closer for w in waits.values()) == len(nodes) + 1  # one per node, and the joiner
+
+
+def test_a_node_barrier_counts_a_repeated_arrival_once_and_names_only_the_missing_of_an_incomplete_node():
+    ranks = list(range(8))  # nodes of 4: ranks 0-3 and 4-7
+    job, clock = dist.HashStore(), FakeClock()
+    nodes = [NodeLocal(dist.HashStore(), 4) for _ in range(2)]
+    waits = [BarrierWait(job, "b", r, ranks, 10.0, clock=clock, node=nodes[r // 4]) for r in ranks if r != 6]
+    again = BarrierWait(job, "b", 5, ranks, 10.0, clock=clock, node=nodes[1])  # counted once
+    assert nodes[1].store.add("b/count", 0) == 3 and not again.closer
+    assert all(w.poll() is not None for w in waits)
+    clock.now += 5.0  # half the bound: the arrived ranks of the incomplete node mark themselves in the job's store
+    assert all(w.poll() is not None for w in waits)
+    clock.now += 5.0
+    with pytest.raises(BarrierTimeout) as err:
+        waits[0].poll()
+    assert err.value.missing == {6}  # not its whole node
+    # rank 6 comes late: its node completes, and the end reaches every rank
+    late = BarrierWait(job, "b", 6, ranks, 10.0, clock=clock, node=nodes[1])
+    assert late.closer and late.poll() is None
+    assert all(w.poll() is None for w in waits[4:])
 
 
 def test_await_decision_is_bounded_without_reports():

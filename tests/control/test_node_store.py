@@ -64,7 +64,7 @@ def test_a_quiet_read_takes_the_copy_and_costs_the_job_store_nothing():
     counted = Counting(job)
     reader = LivenessReader(counted, 2, mirror=locals_[0])
     reader.want(0, [2, 3, 4], 0.5)  # rank 0 watches nodes 1 and 2
-    assert json.loads(locals_[0].get(watching_key(0))) == {"nodes": [1, 2], "interval_s": 0.5}
+    assert json.loads(locals_[0].get(watching_key(0, "heartbeat"))) == {"nodes": [1, 2], "interval_s": 0.5}
     copy = NodeMirror(job, locals_[0], [0, 1]).refresh()
     assert sorted(copy.nodes) == [1, 2] and copy.seq == 1
     view = reader.read([2, 3, 4], direct=False)
@@ -150,7 +150,7 @@ def test_a_watching_heartbeat_lists_its_nodes_and_polls_the_copy_when_quiet():
     hb = Heartbeat(counted, 0, 0.5, monitor=monitor, on_dead=lambda *a: None,
                    reader=LivenessReader(counted, 2, mirror=locals_[0]), beats_to=locals_[0])
     hb.watch([2, 4])
-    assert json.loads(locals_[0].get(watching_key(0))) == {"nodes": [1, 2], "interval_s": 0.5}
+    assert json.loads(locals_[0].get(watching_key(0, "heartbeat"))) == {"nodes": [1, 2], "interval_s": 0.5}
     NodeMirror(job, locals_[0], [0, 1]).refresh()
     counted.calls.clear()
     hb.poll_peers(direct=False)
