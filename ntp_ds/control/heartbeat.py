@@ -150,6 +150,14 @@ class Heartbeat:
                 store.wait([key], timedelta(seconds=ALARM_WAIT_S))
                 if self._stop.is_set():
                     return
+                self._wake.set()  # poll at once (a bucket-mate's stop, found below, costs one poll)
+                hooks = list(self.on_alarm)
+                for hook in hooks:
+                    hook()
+                # Coalesce: the alarms raised within the next fast poll's pause (the deaths of a node or a rack,
+                # each fenced by its own watcher) are read by that poll, not woken for one by one by every rank.
+                if self._stop.wait(self.interval_s / WATCHES_PER_BEAT):
+                    return
                 epoch = alarm_epoch(store)
                 if epoch == self._alarm_epoch:
                     # A bucket-mate's stop, not an alarm: clear the key and wait again. A raise whose key write
@@ -159,11 +167,8 @@ class Heartbeat:
                     if epoch == self._alarm_epoch:
                         continue
                     store.set(key, "1")
-                self._alarm_epoch = epoch
-                self._wake.set()
-                for hook in list(self.on_alarm):
-                    hook()
                 self.alarms += 1  # (after the hooks: a count read elsewhere says they have run)
+                self._alarm_epoch = epoch
             except DistStoreError as err:
                 if "timeout" in str(err).lower():  # the wait ran out: renew it
                     continue

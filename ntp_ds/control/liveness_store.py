@@ -87,24 +87,41 @@ class JobLog:
     def catch_up(self, count: int) -> dict[int, str]:
         """Fetch the entries up to `count` (the counter as just read) not read yet, and return every entry read so
         far. An entry counted but not written yet is read at a later poll; the ones after it are read now."""
+        catch_up((self, count))
+        return self.entries
+
+    def _wanted(self, count: int) -> dict[str, int]:
+        """Count up to `count`; the keys of the entries not read yet, with their numbers."""
         if count > self._counted:
             self._unread.update(range(self._counted + 1, count + 1))
             self._counted = count
-        if self._unread:
-            keys = {n: log_entry_key(self.log, n) for n in sorted(self._unread)}
-            if self.store.check(list(keys.values())):  # the usual case: all written, two requests for all
-                found = dict(zip(keys, self.store.multi_get(list(keys.values()))))
-            else:
-                found = {n: self.store.get(k) for n, k in keys.items() if self.store.check([k])}
-            for n, raw in sorted(found.items()):
-                rank, _, reason = raw.decode().partition(" ")
-                self.entries.setdefault(int(rank), reason)
-                self._unread.discard(n)
-        return self.entries
+        return {log_entry_key(self.log, n): n for n in sorted(self._unread)}
+
+    def _take(self, n: int, raw: bytes) -> None:
+        rank, _, reason = raw.decode().partition(" ")
+        self.entries.setdefault(int(rank), reason)
+        self._unread.discard(n)
 
     def read(self) -> dict[int, str]:
         """One read of the counter, then the entries not read yet (see `catch_up`)."""
         return self.catch_up(int(self.store.add(self.count_key, 0)))
+
+
+def catch_up(*logs: tuple[JobLog, int]) -> None:
+    """Bring each (log, its counter as just read) up to date in two requests for all of them (one `check`, one
+    `multi_get`) in the usual case where every counted entry is written: a death now files an exit and a fence
+    entry together, which every reader then fetches at once."""
+    wanted = [(log, key, n) for log, count in logs for key, n in log._wanted(count).items()]
+    if not wanted:
+        return
+    store = logs[0][0].store
+    keys = [key for _, key, _ in wanted]
+    if store.check(keys):
+        found = zip(wanted, store.multi_get(keys))
+    else:  # an entry counted by a writer that has not written it yet: read the others one by one
+        found = [(w, store.get(w[1])) for w in wanted if store.check([w[1]])]
+    for (log, _, n), raw in found:
+        log._take(n, raw)
 
 
 def file_entry(store, log: str, rank: int, reason: str) -> None:
@@ -118,6 +135,15 @@ def mark_exited(store, rank: int, reason: str, alarm: bool = True) -> None:
     file_entry(store, EXITED_KEY, rank, reason)
     if alarm:
         raise_alarm(store)
+
+
+def record_exit(store, rank: int, reason: str, abnormal: bool = True) -> None:
+    """A launcher's record of its worker's exit: the exit, and for an abnormal one also a fence request, which wakes
+    the watchers (one alarm) and tells every member at once, as a peer's fence of the dead worker would a moment
+    later (each member reacts to the fence log, its watchers alone to the exits of the peers they watch)."""
+    mark_exited(store, rank, reason, alarm=False)
+    if abnormal:
+        request_fence(store, [rank], reason)
 
 
 def alarm_bucket(rank: int) -> int:
@@ -327,7 +353,8 @@ class LivenessReader:
     def _view(self, ranks: list[int], nodes: list[int], raws, exits: int, fences: int) -> LivenessView:
         now, wanted = self._clock(), set(ranks)
         beats: dict[int, Beat] = {}
-        exited = dict(self.exits.catch_up(exits))
+        catch_up((self.exits, exits), (self.fences, fences))
+        exited = dict(self.exits.entries)
         stale: list[int] = []
         for node, raw in zip(nodes, raws):
             liveness = NodeLiveness.decode(raw)
@@ -345,7 +372,7 @@ class LivenessReader:
                 exited.setdefault(rank, why)
         if stale:
             beats.update(read_beats(self.store, stale))
-        return LivenessView(beats, exited, dict(self.fences.catch_up(fences)))
+        return LivenessView(beats, exited, dict(self.fences.entries))
 
     def _per_rank(self, ranks: list[int], fences: bool) -> LivenessView:
         return LivenessView(read_beats(self.store, ranks), dict(self.exits.read()),

@@ -5,7 +5,8 @@ all), this launcher lets the other workers go on, so a job can train through the
 job's TCPStore in its own process (node 0's launcher), never in a training rank, so losing rank 0 does not lose the
 store; workers find it in `NTP_STORE=HOST:PORT`.
 
-Every exit is recorded in the store (`mark_exited`), so the survivors learn of a death at once. A worker stopped by
+Every exit is recorded in the store (`record_exit`: an abnormal one as a fence request too), so the survivors learn of
+a death at once. A worker stopped by
 SIGSTOP (a hang) never exits: once every other worker has, it is killed. As often as its workers beat, and at once
 after an exit, the launcher publishes its node's liveness (`node/{node}`: its workers' latest beats and exits), which
 the workers' watchers read instead of one key per peer. It hosts a small store of the node's own (`NTP_NODE_STORE`),
@@ -247,7 +248,7 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1, finish=None) -> int:
     `finish(store, codes)` returns (called once every worker has exited, while this process still holds the store)
     if it returns a status."""
     from ntp_ds.control.keys import FENCE_KEY
-    from ntp_ds.control.liveness_store import NODE_PUBLISH_S, JobLog, NodePublisher, mark_exited, prepare_store
+    from ntp_ds.control.liveness_store import NODE_PUBLISH_S, JobLog, NodePublisher, prepare_store, record_exit
     from ntp_ds.control.node_store import NodeMirror, host_node_store
 
     store, address, master = _rendezvous(spec)
@@ -293,7 +294,7 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1, finish=None) -> int:
                 exits[rank] = reason
                 published_at = -math.inf  # publish the exit now, not at the next period
                 try:
-                    mark_exited(store, rank, reason, alarm=proc.returncode != 0)
+                    record_exit(store, rank, reason, abnormal=proc.returncode != 0)
                 except Exception as e:  # the store is ours; a failed write must not take the survivors down
                     _say(f"could not record rank {rank}'s exit in the store: {e}")
             if not stop.signum:

@@ -46,8 +46,8 @@ import torch.distributed as dist
 
 from ntp_ds.control.heartbeat import WATCHES_PER_BEAT, Heartbeat, next_pause
 from ntp_ds.control.liveness import LivenessMonitor
-from ntp_ds.control.liveness_store import (NODE_PUBLISH_S, JobLog, LivenessReader, NodePublisher, mark_exited,
-                                           prepare_store, request_fence)
+from ntp_ds.control.liveness_store import (NODE_PUBLISH_S, JobLog, LivenessReader, NodePublisher, prepare_store,
+                                           record_exit, request_fence)
 from ntp_ds.control.keys import FENCE_KEY, barrier_key
 from ntp_ds.control.node_store import NodeMirror
 from ntp_ds.control.membership import BarrierWait, Membership, NodeLocal
@@ -351,7 +351,7 @@ class _Share:
                 self.fence_logs[who].catch_up(self.mirrors[who].refresh().fences)
                 push(due + self.mirrors[who].period_s, "mirror", who)
             elif kind == "exit":
-                mark_exited(self.beat_store, who, "exit code -9")
+                record_exit(self.beat_store, who, "exit code -9")
             elif kind == "wake":  # alarms heard since: their ranks poll now
                 with self._wake_lock:
                     woken, self.wake = self.wake, set()

@@ -117,9 +117,9 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, store: bool = 
                     if not store and p.exitcode != 0:
                         raise RuntimeError(f"rank {r} exited with code {p.exitcode}")
                     if p.exitcode != 0:
-                        from ntp_ds.control.liveness_store import mark_exited
+                        from ntp_ds.control.liveness_store import record_exit
 
-                        mark_exited(host, r, f"exit code {p.exitcode}")
+                        record_exit(host, r, f"exit code {p.exitcode}")
                         done.add(r)
                 if store:
                     _fence(host, procs, done)

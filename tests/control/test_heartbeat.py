@@ -394,7 +394,11 @@ def test_an_abnormal_exit_wakes_a_quiet_watcher_at_once_and_a_finished_worker_do
         mark_exited(store, 1, "exit code -9")
         assert dead.wait(2.0), "the alarm did not wake the watcher"
         assert time.monotonic() - t0 < 0.5
-        assert watcher.alarms == 1 and 1 in frozenset().union(*seen)  # (the finished rank 2 is read as gone too)
+        assert 1 in frozenset().union(*seen)  # (the finished rank 2 is read as gone too)
+        deadline = time.monotonic() + 3.0  # (counted once the alarms raised in a fast poll's pause are coalesced)
+        while watcher.alarms == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert watcher.alarms == 1
 
 
 def test_only_the_first_fence_request_of_a_rank_raises_the_alarm_and_is_logged():
@@ -553,3 +557,43 @@ def test_stopped_and_killed_workers_are_reported_dead_in_time():
         for p in procs:
             p.kill()
             p.wait(5.0)
+
+
+def test_alarms_raised_within_a_fast_poll_s_pause_wake_a_watcher_once():
+    # A rack lost at once: its ranks' fences raise an alarm each, within a moment. A watcher is woken by the first,
+    # and the others are read by its next poll: one wake (and its two requests), not one per death.
+    store, _ = host_store()
+    prepare_store(store)
+    dead = threading.Event()
+    watcher = Heartbeat(store.clone(), 0, interval_s=2.0, monitor=LivenessMonitor([], 60.0),
+                        on_dead=lambda ranks, wall: dead.set())
+    with watcher:
+        watcher.watch([1], members=range(10))
+        deadline = time.monotonic() + 5.0
+        while watcher._alarm_epoch is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for r in range(2, 10):
+            request_fence(store, [r], "rack lost")
+        assert dead.wait(2.0)
+        time.sleep(1.0)  # past the coalescing pause (0.5 s): the epoch read then covers all eight
+        assert watcher.alarms == 1 and watcher._alarm_epoch == 8
+        request_fence(store, [1], "later")
+        deadline = time.monotonic() + 3.0
+        while watcher.alarms == 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert watcher.alarms == 2 and watcher._alarm_epoch == 9
+
+
+def test_an_abnormal_exit_is_recorded_with_its_fence_and_one_alarm_a_clean_one_with_neither():
+    from ntp_ds.control.liveness_store import record_exit
+
+    store = dist.HashStore()
+    prepare_store(store)
+    register_alarm_watcher(store, 0)
+    record_exit(store, 3, "killed by SIGKILL")
+    assert read_exits(store) == {3: "killed by SIGKILL"} and read_fences(store) == {3: "killed by SIGKILL"}
+    assert alarm_epoch(store) == 1
+    request_fence(store, [3], "declared dead by rank 2")  # a watcher's verdict on it after: no entry, no alarm
+    assert read_fences(store) == {3: "killed by SIGKILL"} and alarm_epoch(store) == 1
+    record_exit(store, 4, "exited with code 0", abnormal=False)
+    assert 4 in read_exits(store) and 4 not in read_fences(store) and alarm_epoch(store) == 1
