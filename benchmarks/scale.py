@@ -201,7 +201,8 @@ def failure_case(world: int, scenario: str, timeout_s: float) -> dict:
             "steady_req_per_s": r.steady_req_per_s,
             "steady_bytes_per_s": r.steady_bytes_per_s, "largest_value": r.largest_value,
             "groups": r.bootstrapped_groups, "group_ranks": r.bootstrapped_members, "errors": r.errors[:5],
-            "calls": {k: round(v) for k, v in sorted(r.failure_calls.items(), key=lambda kv: -kv[1])[:8]}}
+            "calls": {k: round(v) for k, v in sorted(r.failure_calls.items(), key=lambda kv: -kv[1])[:8]},
+            "phases": {k: round(v) for k, v in sorted(r.failure_phases.items(), key=lambda kv: -kv[1])}}
 
 
 def gathered_bytes(world: int) -> dict:
@@ -338,6 +339,8 @@ def main(argv=None) -> int:
                   f"{fmt(c['done_s']):>7} {c['req']:>9.0f} {c['req'] / world:>8.1f} {c['bytes']:>11.0f} "
                   f"{c['busy_s']:>7.2f} {c['groups']:>6}/{c['group_ranks']:<7} {c['largest_value']:>8}  {mix}"
                   f"  ({time.monotonic() - started:.0f} s, {c['processes']} processes)", flush=True)
+            print(f"{'':<8} by phase (requests per rank): "
+                  + " ".join(f"{k}={v / world:.1f}" for k, v in c.get("phases", {}).items()), flush=True)
             for e in c["errors"]:
                 print(f"    error: {e}", flush=True)
         steady = [c for (w, _), c in cases.items() if w == world and "req" in c]

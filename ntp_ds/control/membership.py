@@ -245,9 +245,10 @@ class BarrierWait:
     there, and the one whose arrival completes the node's count arrives for all of them in the job's store (its node's
     mark, `name/node/{n}`, and one add per leaf counter its node's ranks fall in, of their number); it alone polls the
     job's store for the end and copies it into the node's store, where its node-mates poll. A barrier then costs the
-    job's store a few requests per node, not per rank. A rank whose node has not completed by half the bound marks its
-    own arrival in the job's store too, so that a timeout names the node's missing ranks, not all of them; a closer
-    that dies after arriving is a death its node-mates' watch sees (`Detector.watch`)."""
+    job's store a few requests per node, not per rank. A barrier that runs past half its bound is slow: every rank still
+    waiting marks its own arrival in the job's store then, so that a timeout (every rank's own, with or without a node
+    store) names the ranks that never came, not their nodes; a rank that comes later than that after the others may
+    be named with them. A closer that dies after arriving is a death its node-mates' watch sees (`Detector.watch`)."""
 
     def __init__(self, store, name: str, rank: int, ranks: Sequence[int], timeout_s: float, *, poll_s: float = 0.02,
                  max_poll_s: float | None = None, clock: Callable[[], float] = time.monotonic,
@@ -303,23 +304,17 @@ class BarrierWait:
         elif self.node.store.check([done]):
             return None
         now = self._clock()
-        if not self.closer and not self._marked and now - self.start >= self.timeout_s / 2:
-            self.store.add(f"{self.name}/{self.rank}", 1)  # my node has not completed: name me apart from it
+        if self.node is not None and not self._marked and now - self.start >= self.timeout_s / 2:
+            self.store.add(f"{self.name}/{self.rank}", 1)  # a slow barrier: mark my own arrival, to be told apart
             self._marked = True
         if now >= self.deadline:
             if self.store.check([done]):  # (a closer that died after arriving: nobody copied the end)
                 return None
-            raise BarrierTimeout(self.name, self._missing(), self.timeout_s)
+            missing = frozenset(r for r in self.ranks if not self.store.check([f"{self.name}/{r}"]))
+            raise BarrierTimeout(self.name, missing, self.timeout_s)
         pause = min(self._pause, self.deadline - now)
         self._pause = min(2 * self._pause, self._max_poll_s)
         return pause
-
-    def _missing(self) -> frozenset[int]:
-        arrived = lambda key: self.store.check([key])  # noqa: E731
-        if self.node is None:
-            return frozenset(r for r in self.ranks if not arrived(f"{self.name}/{r}"))
-        nodes = {n: arrived(f"{self.name}/node/{n}") for n in {r // self.node.size for r in self.ranks}}
-        return frozenset(r for r in self.ranks if not nodes[r // self.node.size] and not arrived(f"{self.name}/{r}"))
 
 
 def count_arrival(store, name: str, index: int, n: int, fanout: int = BARRIER_FANOUT, amount: int = 1) -> bool:

@@ -508,20 +508,24 @@ def test_a_node_barrier_counts_a_repeated_arrival_once_and_names_only_the_missin
     ranks = list(range(8))  # nodes of 4: ranks 0-3 and 4-7
     job, clock = dist.HashStore(), FakeClock()
     nodes = [NodeLocal(dist.HashStore(), 4) for _ in range(2)]
-    waits = [BarrierWait(job, "b", r, ranks, 10.0, clock=clock, node=nodes[r // 4]) for r in ranks if r != 6]
+    ranks = list(range(8)) + [20]  # and a joiner, without a node store
+    waits = [BarrierWait(job, "b", r, ranks, 10.0, clock=clock, node=nodes[r // 4] if r < 8 else None)
+             for r in ranks if r != 6]
     again = BarrierWait(job, "b", 5, ranks, 10.0, clock=clock, node=nodes[1])  # counted once
     assert nodes[1].store.add("b/count", 0) == 3 and not again.closer
     assert all(w.poll() is not None for w in waits)
-    clock.now += 5.0  # half the bound: the arrived ranks of the incomplete node mark themselves in the job's store
+    clock.now += 5.0  # half the bound, a slow barrier: the waiting ranks mark themselves in the job's store
     assert all(w.poll() is not None for w in waits)
     clock.now += 5.0
-    with pytest.raises(BarrierTimeout) as err:
-        waits[0].poll()
-    assert err.value.missing == {6}  # not its whole node
+    for w in (waits[0], waits[-1]):  # a node's rank, and the joiner, who knows nothing of nodes
+        with pytest.raises(BarrierTimeout) as err:
+            w.poll()
+        assert err.value.missing == {6}  # not its whole node
     # rank 6 comes late: its node completes, and the end reaches every rank
     late = BarrierWait(job, "b", 6, ranks, 10.0, clock=clock, node=nodes[1])
     assert late.closer and late.poll() is None
     assert all(w.poll() is None for w in waits[4:])
+    assert all(w.poll() is None for w in waits)
 
 
 def test_await_decision_is_bounded_without_reports():
