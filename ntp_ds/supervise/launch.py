@@ -6,11 +6,11 @@ job's TCPStore in its own process (node 0's launcher), never in a training rank,
 store; workers find it in `NTP_STORE=HOST:PORT`.
 
 Every exit is recorded in the store (`record_exit`: an abnormal one as a fence request too), so the survivors learn of
-a death at once. A worker stopped by
-SIGSTOP (a hang) never exits: once every other worker has, it is killed. As often as its workers beat, and at once
-after an exit, the launcher publishes its node's liveness (`node/{node}`: its workers' latest beats and exits), which
-the workers' watchers read instead of one key per peer. It hosts a small store of the node's own (`NTP_NODE_STORE`),
-where its workers beat and where, as often, it copies the keys their watchers poll from the job's store
+a death at once. A worker stopped by SIGSTOP (a hang) never exits: once every other worker has, it is killed. As
+often as its workers beat, and at once after an exit, the launcher publishes its node's liveness (`node/{node}`: its
+workers' latest beats and exits), which the workers' watchers read instead of one key per peer. It hosts a small
+store of the node's own (`NTP_NODE_STORE`), where its workers beat, where the recovery's barriers over the whole
+generation meet first, and where, as often, it copies the keys their watchers poll from the job's store
 (`ntp_ds.control.node_store`): between failures a node costs the job's store two requests a period, not a few per
 worker; the copy's fence counter also tells it which of its workers to stop.
 
