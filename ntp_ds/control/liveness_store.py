@@ -255,6 +255,9 @@ class NodePublisher:
         else:
             beats = read_beats(self.beats_from, self.ranks)
             self._all_beating = len(beats) == len(self.ranks)
+            if self.beats_from is not self.store and not self._all_beating:
+                # A worker that beats to the job's store (a heartbeat built without the node's store): from there.
+                beats.update(read_beats(self.store, [r for r in self.ranks if r not in beats]))
         self.seq += 1
         liveness = NodeLiveness(self.seq, beats, dict(exited or {}))
         self.store.set(node_key(self.node), liveness.encode())

@@ -314,9 +314,10 @@ def test_launched_workers_read_their_peers_per_node(tmp_path):
     assert after[1] >= 1.5 - 0.2
     counts = dict(part.split("=") for part in rest.split("] ", 1)[1].split())
     # Only the two event stamps were read by `get`: no per-rank key; one multi_get per poll brought the node keys
-    # and the logs' counters, and one more the exit log's one new entry (rank 2's), once.
+    # and the logs' counters, and one or two more the new entries of rank 2's exit (its exit and, abnormal, its
+    # fence: together, or a poll apart if a poll fell between their two writes), once.
     assert counts["get"] == "2"
-    assert int(counts["multi_get"]) == int(counts["polls"]) + 1
+    assert int(counts["multi_get"]) - int(counts["polls"]) in (1, 2)
 
 
 def test_a_data_parallel_group_of_any_size_has_each_member_watched_by_two_ring_neighbours():

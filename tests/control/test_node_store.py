@@ -59,6 +59,15 @@ def test_a_node_key_is_published_from_the_beats_in_the_nodes_own_store():
     assert json.loads(job.get(node_key(0)))["beats"]["1"][0] == 7
 
 
+def test_a_worker_that_beats_to_the_job_store_is_published_from_there():
+    # A heartbeat built without the node's store (a user's own, or a worker started before it): its launcher reads
+    # its beats where they are.
+    job, locals_, publishers = _job()
+    job.set(heartbeat_key(6), Beat(9, 102.0).encode())
+    publisher = NodePublisher(job, 3, [6, 7], beats_from=dist.HashStore())
+    assert publisher.publish().beats == {6: Beat(9, 102.0)}
+
+
 def test_a_quiet_read_takes_the_copy_and_costs_the_job_store_nothing():
     job, locals_, publishers = _job()
     counted = Counting(job)
