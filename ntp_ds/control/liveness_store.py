@@ -34,6 +34,7 @@ from ntp_ds.control.keys import (ALARM_BUCKETS_KEY, ALARM_EPOCH_KEY, EXITED_KEY,
                                  alarm_key, alarm_watchers_key, fence_count_key, heartbeat_key, log_count_key,
                                  log_entry_key, node_key)
 from ntp_ds.control.liveness import Beat, LivenessMonitor
+from ntp_ds.control.node_local import NodeLocal
 from ntp_ds.control.node_store import PERIOD_S, MirrorView, list_watched
 from ntp_ds.envs import NODE_SIZE_ENV
 
@@ -47,6 +48,9 @@ cheaper (W / ALARM_BUCKET keys) and each stop wake more bucket-mates."""
 NODE_PUBLISH_S = PERIOD_S
 """How often a launcher publishes its node's liveness key before its workers have said how often they beat
 (`node_store.NodeMirror.period_s`)."""
+SHARED_AGE_S = 0.05
+"""Oldest copy a read that wants the news (a fast poll, an alarm's, a recovery's) takes from a node-mate's read of
+the same keys (`NodeLocal.read`) instead of reading the job's store itself."""
 NODE_STALE_S = 1.0
 """A node key unchanged for this long (its launcher is gone or hung) is bypassed: its ranks are read per rank."""
 
@@ -107,17 +111,20 @@ class JobLog:
         return self.catch_up(int(self.store.add(self.count_key, 0)))
 
 
-def catch_up(*logs: tuple[JobLog, int]) -> None:
+def catch_up(*logs: tuple[JobLog, int], node: NodeLocal | None = None) -> None:
     """Bring each (log, its counter as just read) up to date in two requests for all of them (one `check`, one
     `multi_get`) in the usual case where every counted entry is written: a death now files an exit and a fence
-    entry together, which every reader then fetches at once."""
+    entry together, which every reader then fetches at once. With `node`, once for the node's ranks (`NodeLocal.read`:
+    entries never change once written)."""
     wanted = [(log, key, n) for log, count in logs for key, n in log._wanted(count).items()]
     if not wanted:
         return
     store = logs[0][0].store
     keys = [key for _, key, _ in wanted]
-    if store.check(keys):
-        found = zip(wanted, store.multi_get(keys))
+    values = (node.read(store, keys, SHARED_AGE_S, fixed=True, check=True) if node is not None
+              else store.multi_get(keys) if store.check(keys) else None)
+    if values is not None:
+        found = zip(wanted, values)
     else:  # an entry counted by a writer that has not written it yet: read the others one by one
         found = [(w, store.get(w[1])) for w in wanted if store.check([w[1]])]
     for (log, _, n), raw in found:
@@ -318,32 +325,50 @@ class LivenessReader:
 
     def read(self, ranks: Iterable[int], fences: bool = True, direct: bool = True) -> LivenessView:
         """Read the beats of `ranks`, every exit and (with `fences`; always when read per node) every fence request.
-        Not `direct`: from the launcher's copy where it serves (see `mirror`)."""
+        Not `direct`: from the launcher's copy where it serves (see `mirror`). `direct`: from the job's store, in
+        one read for the node's ranks that want the news within `SHARED_AGE_S` of each other (an alarm wakes them
+        together): the nodes the launcher's copy lists (every node its ranks watch) and this reader's own."""
         ranks = sorted(set(ranks))
         if self.node_size is None:
             return self._per_rank(ranks, fences)
         nodes = sorted({r // self.node_size for r in ranks})
-        if not direct and self.mirror is not None and (view := self._mirrored(nodes, ranks)) is not None:
+        copy = self._copy() if self.mirror is not None else None
+        if not direct and copy is not None and (view := self._mirrored(copy, nodes, ranks)) is not None:
             return view
-        keys = [node_key(n) for n in nodes] + [self.exits.count_key, self.fences.count_key]
+        counts = [self.exits.count_key, self.fences.count_key]
+        keys = [node_key(n) for n in nodes] + counts
+        if copy is not None:  # what the launcher copied exists (node keys are never deleted)
+            self._present.update([node_key(n) for n in copy.nodes] + counts)
         if not set(keys) <= self._present:
             if not self.store.check(keys):  # a launcher has not published yet: read per rank meanwhile
                 return self._per_rank(ranks, fences)
             self._present.update(keys)
+        if copy is not None and self.mirror is not None:  # the node's union: copied nodes exist (never deleted)
+            union = sorted(copy.nodes.keys() | set(nodes))
+            values = self._shared().read(self.store, [node_key(n) for n in union] + counts, SHARED_AGE_S)
+            raw = dict(zip(union, values))
+            return self._view(ranks, nodes, [raw[n] for n in nodes], int(values[-2]), int(values[-1]))
         values = self.store.multi_get(keys)
         return self._view(ranks, nodes, values[:-2], int(values[-2]), int(values[-1]))
 
-    def _mirrored(self, nodes: list[int], ranks: list[int]) -> LivenessView | None:
-        """A read of the launcher's copy, or None where it does not serve: absent, not moving for `stale_s`, or
-        short of a node wanted (the launcher copies it from its next period on)."""
+    def _shared(self) -> NodeLocal:
+        """The node's store, through which this node's ranks share their reads of the job's store."""
+        return NodeLocal(self.mirror, self.node_size, clock=self._clock)
+
+    def _copy(self) -> MirrorView | None:
+        """The launcher's copy in the node's store, or None: none yet, or the node's store failed (then the job's
+        store serves from now on)."""
         try:
-            if self._mirror_seq is None and not self.mirror.check([NODE_MIRROR_KEY]):
-                return None
-            copy = MirrorView.decode(self.mirror.get(NODE_MIRROR_KEY))
-        except Exception as err:  # the node's store is gone: the job's store serves
+            raw = self.mirror.compare_set(NODE_MIRROR_KEY, "\0", "\0")  # (one request: the value, or "\0")
+            return None if raw == b"\0" else MirrorView.decode(raw)
+        except Exception as err:
             log.warning("reading peers from the job's store: the node's store failed (%s)", err)
             self.mirror = None
             return None
+
+    def _mirrored(self, copy: MirrorView, nodes: list[int], ranks: list[int]) -> LivenessView | None:
+        """A read of the launcher's copy, or None where it does not serve: not moving for `stale_s`, or short of a
+        node wanted (the launcher copies it from its next period on)."""
         now = self._clock()
         if self._mirror_seq is None or copy.seq != self._mirror_seq[0]:
             self._mirror_seq = (copy.seq, now)
@@ -356,7 +381,8 @@ class LivenessReader:
     def _view(self, ranks: list[int], nodes: list[int], raws, exits: int, fences: int) -> LivenessView:
         now, wanted = self._clock(), set(ranks)
         beats: dict[int, Beat] = {}
-        catch_up((self.exits, exits), (self.fences, fences))
+        catch_up((self.exits, exits), (self.fences, fences),
+                 node=self._shared() if self.mirror is not None else None)
         exited = dict(self.exits.entries)
         stale: list[int] = []
         for node, raw in zip(nodes, raws):

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 from ntp_ds.control.keys import decision_key, membership_key
+from ntp_ds.control.node_local import NodeLocal
 
 
 class StaleGeneration(ValueError):
@@ -184,6 +185,9 @@ def decide(generation: int, members: Sequence[int], reports: Sequence[FailureRep
 
 
 
+SHARED_DECISION_AGE_S = 0.05
+"""Oldest look of a node-mate at the decision key (`NodeLocal.read`) a report takes instead of its own: a report made
+after the decision is ignored by it, and its rank reports again in the next generation."""
 POLL_RATE_PER_S = 20_000
 """Polls per second the waiters of one barrier (or decision) send the store in all, once backed off."""
 MIN_POLL_S = 0.01
@@ -214,20 +218,6 @@ def barrier(store, name: str, rank: int, ranks: Sequence[int], timeout_s: float,
 BARRIER_FANOUT = 32
 """Most ranks that write one counter of a barrier (`BarrierWait`): arrivals are counted in a tree of counters of at
 most this many writers each, not on one key that every member writes."""
-
-
-@dataclass(frozen=True)
-class NodeLocal:
-    """A node's own store (`control.node_store`: `ntp-ds launch` hosts one per node) and the ranks per node (rank r
-    lives on node r // size): a barrier counts the node's arrivals there and reaches the job's store once per node."""
-
-    store: object
-    size: int
-
-    def span(self, ranks: Sequence[int], rank: int) -> tuple[int, int]:
-        """The positions [lo, hi) in sorted `ranks` of the ranks on `rank`'s node (by bisection: O(log W))."""
-        first = rank // self.size * self.size
-        return bisect.bisect_left(ranks, first), bisect.bisect_left(ranks, first + self.size)
 
 
 class BarrierWait:
@@ -399,7 +389,7 @@ class Membership:
             return False
         self._check_generation(generation)
         ranks = frozenset(r for r in ranks if self.is_member(r))
-        if not ranks or self.store.check([self._decision_key(generation)]):
+        if not ranks or self.decision(generation, SHARED_DECISION_AGE_S) is not None:
             return False
         # A death in a report read already is claimed: only the others are (a claim is a write to the dead rank's
         # key, which every survivor that learns of the death would otherwise make).
@@ -435,34 +425,51 @@ class Membership:
         """Return whether some rank has reported a failure in the current generation (one store round trip)."""
         return self.store.check([f"{self._reports_key(self.generation)}/count"])
 
-    def reports(self, generation: int) -> list[FailureReport]:
+    def reports(self, generation: int, max_age_s: float = 0.0) -> list[FailureReport]:
         """Return the reports of `generation` visible in the store now. Only entries this rank has not read yet are
-        fetched (two requests when there are none): an entry counted but not written yet is read on a later call."""
+        fetched (two requests when there are none): an entry counted but not written yet is read on a later call.
+        `max_age_s` > 0: as seen by a read of the node's ranks at most that old (`NodeLocal.read`), not by one of
+        this rank's own (a commit reads its own: it must hold every report filed before the acknowledgements
+        ended)."""
         with self._reading:  # (the watch's early report reads them too, from the heartbeat's thread)
-            return self._reports(generation)
+            return self._reports(generation, self.node if max_age_s > 0 else None, max_age_s)
 
-    def _reports(self, generation: int) -> list[FailureReport]:
+    def _reports(self, generation: int, node: NodeLocal | None, max_age_s: float) -> list[FailureReport]:
         key = self._reports_key(generation)
         read = self._read.setdefault(generation, [])
-        if not self.store.check([f"{key}/count"]):
-            return list(read)
-        filed = self.store.add(f"{key}/count", 0)
-        keys = [f"{key}/{entry}" for entry in range(len(read) + 1, filed + 1)]
-        if keys and self.store.check(keys):  # the usual case: every counted entry written, two requests for all
-            read += [FailureReport.decode(raw) for raw in self.store.multi_get(keys)]
+        if node is not None:
+            count = node.read(self.store, [f"{key}/count"], max_age_s, check=True)
+            if count is None:
+                return list(read)
+            filed = int(count[0])
         else:
+            if not self.store.check([f"{key}/count"]):
+                return list(read)
+            filed = self.store.add(f"{key}/count", 0)
+        keys = [f"{key}/{entry}" for entry in range(len(read) + 1, filed + 1)]
+        raws = None
+        if keys:  # the usual case: every counted entry written, two requests for all
+            raws = (node.read(self.store, keys, max_age_s, fixed=True, check=True) if node is not None
+                    else self.store.multi_get(keys) if self.store.check(keys) else None)
+        if raws is not None:
+            read += [FailureReport.decode(raw) for raw in raws]
+        elif keys:
             for k in keys:
                 if not self.store.check([k]):
                     break  # its reporter has counted it and not written it yet
                 read.append(FailureReport.decode(self.store.get(k)))
         return list(read)
 
-    def decision(self, generation: int) -> MembershipChange | None:
-        """Return the change committed for `generation`, or None if none is committed yet (never waits)."""
+    def decision(self, generation: int, max_age_s: float = 0.0) -> MembershipChange | None:
+        """Return the change committed for `generation`, or None if none is committed yet (never waits).
+        `max_age_s` > 0: a node-mate's look at most that old, if it found none (`NodeLocal.read`)."""
         self._check_generation(generation)
         if generation in self._decided:
             return self._decided[generation]
         key = self._decision_key(generation)
+        if max_age_s > 0 and self.node is not None:
+            raw = self.node.read(self.store, [key], max_age_s, fixed=True, check=True)
+            return None if raw is None else self._adopt_decision(generation, raw[0])
         return self._adopt_decision(generation, self.store.get(key)) if self.store.check([key]) else None
 
     def _adopt_decision(self, generation: int, raw: bytes | str, proposed: MembershipChange | None = None,
@@ -570,8 +577,9 @@ class DecisionWait:
         self._first_seen: float | None = None
         self._seen, self._everyone, self._reports, self._pause = 0, False, [], membership.poll_s
         self._counters = [membership._events_key(generation), f"{membership._acks_key(generation)}/done"]
-        for key in self._counters:  # both exist from here on, so one read fetches the two
-            membership.store.add(key, 0)
+        if membership.node is None:  # (through the node: the node's first read creates them)
+            for key in self._counters:  # both exist from here on, so one read fetches the two
+                membership.store.add(key, 0)
 
     def poll(self) -> MembershipChange | float:
         """Poll once: return the committed change, or the seconds to pause before the next poll.
@@ -579,13 +587,18 @@ class DecisionWait:
         Raise MembershipTimeout if no report has appeared by the deadline.
         """
         m, g = self.membership, self.generation
-        events, everyone = (int(v) for v in m.store.multi_get(self._counters))  # one request while nothing happens
+        # One request while nothing happens; with a node store, one per node (a read at most a pause old, see
+        # `NodeLocal.read`): every rank of every node waits here at once.
+        age = max(self._pause, MIN_POLL_S)
+        values = (m.store.multi_get(self._counters) if m.node is None
+                  else m.node.read(m.store, self._counters, age, create=True))
+        events, everyone = (int(v) for v in values)
         if events != self._seen:
             self._seen, self._pause = events, m.poll_s
-            change = m.decision(g)
+            change = m.decision(g, age)
             if change is not None:
                 return change
-            self._reports = m.reports(g)
+            self._reports = m.reports(g, age)
         now = m._clock()
         if everyone and not self._everyone:  # the decision is due now: look again soon
             self._everyone, self._pause = True, m.poll_s
@@ -594,10 +607,10 @@ class DecisionWait:
             waited = now - self._first_seen
             if g in m._reported:  # (when every member has acknowledged, the last of them commits: `report_failure`)
                 if waited >= m.settle_s or now >= self.deadline:
-                    return m._commit(g, self._reports)
+                    return m._commit(g, m.reports(g))  # (every report in the store now: read by this rank itself)
                 wake = min(self.deadline, self._first_seen + m.settle_s)
             elif waited >= 2 * m.settle_s or now >= self.deadline:  # its reporters are gone: commit in their place
-                return m._commit(g, self._reports)
+                return m._commit(g, m.reports(g))
             else:
                 wake = min(self.deadline, self._first_seen + 2 * m.settle_s)
         elif now >= self.deadline:

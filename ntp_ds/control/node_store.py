@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from ntp_ds.control.keys import (EXITED_KEY, FENCE_KEY, NODE_MIRROR_KEY, WATCHERS, log_count_key, node_key,
                                  watching_key)
-from ntp_ds.control.membership import NodeLocal
+from ntp_ds.control.node_local import NodeLocal
 from ntp_ds.envs import NODE_SIZE_ENV, NODE_STORE_ENV
 
 PERIOD_S = 0.5

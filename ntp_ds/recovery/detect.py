@@ -15,7 +15,8 @@ from ntp_ds.comm.groups import ring_neighbours
 from ntp_ds.control.heartbeat import WATCHES_PER_BEAT
 from ntp_ds.control.keys import barrier_key
 from ntp_ds.control.liveness import LivenessMonitor
-from ntp_ds.control.membership import BarrierTimeout, BarrierWait, MembershipChange, NodeLocal
+from ntp_ds.control.membership import BarrierTimeout, BarrierWait, MembershipChange
+from ntp_ds.control.node_local import NodeLocal
 
 
 def first_beat_timeout(heartbeat_timeout_s: float, collective_timeout_s: float) -> float:
@@ -160,7 +161,8 @@ class Detection:
             return self._end()
         seen = d.monitor
         dead, self._reasons = d.poll_dead(members)
-        reported = {r for rep in membership.reports(membership.generation) for r in rep.ranks}
+        # (the node's ranks read the reports together: a read at most a pause old, `NodeLocal.read`)
+        reported = {r for rep in membership.reports(membership.generation, self._pause) for r in rep.ranks}
         self._dead = dead | ((reported | set(d.declared)) & members)
         suspects = [r for r in seen.ranks if r not in self._dead and seen.silent_for(r) > d.heartbeat_timeout_s / 2]
         if self._dead and not suspects:

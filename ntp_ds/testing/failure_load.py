@@ -50,7 +50,8 @@ from ntp_ds.control.liveness_store import (NODE_PUBLISH_S, JobLog, LivenessReade
                                            record_exit, request_fence)
 from ntp_ds.control.keys import FENCE_KEY, barrier_key
 from ntp_ds.control.node_store import NodeMirror
-from ntp_ds.control.membership import BarrierWait, Membership, NodeLocal
+from ntp_ds.control.membership import BarrierWait, Membership
+from ntp_ds.control.node_local import NodeLocal
 from ntp_ds.control.store import connect_store, forget_generation
 from ntp_ds.recovery.watch import another_suspect
 from ntp_ds.testing.spawn import start_with_pipes

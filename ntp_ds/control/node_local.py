@@ -1,0 +1,128 @@
+"""A node's ranks share their reads of the job's store: one of them reads, the others take its copy.
+
+In a recovery every rank of a node reads the same things from the job's store at about the same moment: the exit and
+fence logs' new entries after an alarm, the reports, the decision's counters while it is awaited, the decision once
+it is there. `NodeLocal.read` makes that one read per node: the first rank of the node to want a set of keys that its
+node's store holds no fresh enough copy of claims the read (a counter of the node's store), reads the job's store and
+leaves the values there with the time it began to read them; its node-mates wait for that copy, on their own machine.
+
+What a copy may be, and what it may not: a copy of keys that change (a counter) is taken only while it is at most
+`max_age_s` old, the pause a poller would have slept anyway, so a poll through the node sees what a poll of its own
+would have seen a moment earlier, never a value older than its own previous poll. A copy of keys that never change
+once written (a log entry, a report, a decision) is taken for good once it holds them. A claimer that dies before it
+leaves its copy costs its node-mates `CLAIM_WAIT_S`, after which each reads the job's store itself; a node store that
+fails makes every read a direct one. A read that must see a write made just before it by another rank of another
+node (the rank that ends the acknowledgements commits their union) does not go through here.
+
+Without a node store (another launcher, a joiner) there is no `NodeLocal`: every rank reads the job's store.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+log = logging.getLogger("ntp_ds.control.heartbeat")
+
+CLAIM_WAIT_S = 0.5
+"""Longest wait of a rank for the copy a node-mate claimed (one read of the job's store on the same node's behalf):
+past it, the rank reads the job's store itself."""
+COPY_POLL_S = 0.002
+"""Pause between two looks at the node's store for a claimed copy (the node's store is on the machine)."""
+_ABSENT = "\x00"
+
+
+@dataclass(frozen=True)
+class NodeLocal:
+    """A node's own store (`control.node_store`: `ntp-ds launch` hosts one per node) and the ranks per node (rank r
+    lives on node r // size): a barrier counts the node's arrivals there and reaches the job's store once per node
+    (`membership.BarrierWait`), and the node's ranks share their reads of the job's store through it (`read`)."""
+
+    store: object
+    size: int
+    clock: object = field(default=time.monotonic, compare=False)
+    """A clock every process of the node shares (CLOCK_MONOTONIC is the machine's)."""
+    sleep: object = field(default=time.sleep, compare=False)
+
+    def span(self, ranks: Sequence[int], rank: int) -> tuple[int, int]:
+        """The positions [lo, hi) in sorted `ranks` of the ranks on `rank`'s node (by bisection: O(log W))."""
+        first = rank // self.size * self.size
+        return bisect.bisect_left(ranks, first), bisect.bisect_left(ranks, first + self.size)
+
+    def read(self, job_store, keys: Sequence[str], max_age_s: float, *, fixed: bool = False,
+             check: bool = False, create: bool = False) -> list[bytes] | None:
+        """The values of `keys` in the job's store, read there once per node (see the module's docstring): a copy at
+        most `max_age_s` old (finite: it bounds how long an absence is believed), or, with `fixed` (keys never
+        rewritten once set), any copy that holds them.
+
+        With `check`: None while some key is absent (a claimer checks before it reads, and its copy says so);
+        with `create` (counters): absent ones are created at 0 first; with neither, every key must exist (a
+        `multi_get` would wait for a missing one). Keys a copy has held are not checked again (none is deleted while
+        its readers read it: a generation's keys go two generations later)."""
+        keys = list(keys)
+        if not keys:
+            return []
+        name = "share/" + hashlib.blake2b("\n".join(keys).encode(), digest_size=12).hexdigest()
+        try:
+            return self._read(job_store, keys, name, max_age_s, fixed, check, create)
+        except Exception as err:  # the node's store is gone: the job's store serves
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
+            log.warning("a read of the job's store went direct: the node's store failed (%s)", err)
+            return _direct(job_store, keys, check, create)
+
+    def _read(self, job_store, keys, name, max_age_s, fixed, check, create):
+        local, now = self.store, self.clock()
+        copy = _decode(local.compare_set(name, _ABSENT, _ABSENT))
+        if _fresh(copy, now, max_age_s, fixed):
+            return copy[1]
+        slot = math.floor(now / max_age_s) if max_age_s > 0 and math.isfinite(max_age_s) else 0
+        claim = f"{name}/claim/{slot}"
+        if int(local.add(claim, 1)) == 1:
+            began = self.clock()
+            seen = copy is not None and copy[1] is not None  # (keys once there stay: no need to check again)
+            values = _direct(job_store, keys, check and not seen, create and not seen)
+            local.set(name, json.dumps([began, None if values is None else [v.decode("latin-1") for v in values]]))
+            if slot >= 2:  # (a claim is kept for its slot, so that a late node-mate of the slot does not read again)
+                local.delete_key(f"{name}/claim/{slot - 2}")
+            return values
+        deadline = now + CLAIM_WAIT_S
+        for _ in range(math.ceil(CLAIM_WAIT_S / COPY_POLL_S) + 1):  # a node-mate reads: wait for its copy here
+            if self.clock() >= deadline:
+                break
+            self.sleep(COPY_POLL_S)
+            copy = _decode(local.compare_set(name, _ABSENT, _ABSENT))
+            if copy is not None and (copy[0] >= now - max_age_s or _fresh(copy, now, max_age_s, fixed)):
+                return copy[1]
+        return _direct(job_store, keys, check, create)
+
+
+def _direct(job_store, keys: list[str], check: bool, create: bool = False) -> list[bytes] | None:
+    if (check or create) and not job_store.check(keys):
+        if not create:
+            return None
+        for key in keys:
+            job_store.add(key, 0)
+    return [v if isinstance(v, bytes) else bytes(v) for v in job_store.multi_get(keys)]
+
+
+def _decode(raw: bytes) -> tuple[float, list[bytes] | None] | None:
+    """A copy as (the time its read began, its values or None where some key was absent); None: no copy yet."""
+    if raw == _ABSENT.encode():
+        return None
+    began, values = json.loads(raw)
+    return began, None if values is None else [v.encode("latin-1") for v in values]
+
+
+def _fresh(copy, now: float, max_age_s: float, fixed: bool) -> bool:
+    if copy is None:
+        return False
+    if fixed and copy[1] is not None:
+        return True
+    return now - copy[0] <= max_age_s
