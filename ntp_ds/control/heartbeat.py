@@ -24,7 +24,8 @@ from torch.distributed import DistStoreError
 
 from ntp_ds.control.keys import alarm_key, heartbeat_key
 from ntp_ds.control.liveness import Beat, LivenessMonitor
-from ntp_ds.control.liveness_store import LivenessReader, alarm_bucket, alarm_epoch, register_alarm_watcher
+from ntp_ds.control.liveness_store import (SHARED_AGE_S, LivenessReader, alarm_bucket, alarm_epoch,
+                                           register_alarm_watcher)
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,10 @@ class Heartbeat:
                 # each fenced by its own watcher) are read by that poll, not woken for one by one by every rank.
                 if self._stop.wait(self.interval_s / WATCHES_PER_BEAT):
                     return
-                epoch = alarm_epoch(store)
+                # Read once for the node's ranks, woken with this one: a node-mate's read within SHARED_AGE_S (less
+                # than the pause just slept) was made after the raise that woke them.
+                shared = self.interval_s / WATCHES_PER_BEAT > SHARED_AGE_S
+                epoch = alarm_epoch(store, self.reader.shared() if shared else None)
                 if epoch == self._alarm_epoch:
                     # A bucket-mate's stop, not an alarm: clear the key and wait again. A raise whose key write
                     # the delete undid has moved the epoch by the second read: write the key again for the mates.

@@ -158,8 +158,11 @@ def alarm_bucket(rank: int) -> int:
     return rank // ALARM_BUCKET
 
 
-def alarm_epoch(store) -> int:
-    """How many alarms the job has raised so far."""
+def alarm_epoch(store, node: NodeLocal | None = None) -> int:
+    """How many alarms the job has raised so far; with `node`, as read by a node-mate at most `SHARED_AGE_S` ago
+    (`NodeLocal.read`: the node's ranks, woken together, read it once)."""
+    if node is not None:
+        return int(node.read(store, [ALARM_EPOCH_KEY], SHARED_AGE_S, create=True)[0])
     return int(store.add(ALARM_EPOCH_KEY, 0))
 
 
@@ -354,6 +357,10 @@ class LivenessReader:
     def _shared(self) -> NodeLocal:
         """The node's store, through which this node's ranks share their reads of the job's store."""
         return NodeLocal(self.mirror, self.node_size, clock=self._clock)
+
+    def shared(self) -> NodeLocal | None:
+        """The node's store, for the reads of the job's store its ranks make together; None: none (or it failed)."""
+        return self._shared() if self.mirror is not None else None
 
     def _copy(self) -> MirrorView | None:
         """The launcher's copy in the node's store, or None: none yet, or the node's store failed (then the job's
