@@ -22,18 +22,15 @@ from datetime import timedelta
 
 from torch.distributed import DistStoreError
 
-from ntp_ds.control.keys import alarm_key, heartbeat_key
+from ntp_ds.control.keys import RELAYED_EPOCH_KEY, alarm_key, heartbeat_key, relayed_alarm_key
 from ntp_ds.control.liveness import Beat, LivenessMonitor
-from ntp_ds.control.liveness_store import (SHARED_AGE_S, LivenessReader, alarm_bucket, alarm_epoch,
+from ntp_ds.control.liveness_store import (ALARM_WAIT_S, SHARED_AGE_S, LivenessReader, alarm_bucket, alarm_epoch,
                                            register_alarm_watcher)
 
 log = logging.getLogger(__name__)
 
 WATCHES_PER_BEAT = 4
 """How often per beat interval a heartbeat thread that watches peers polls them."""
-ALARM_WAIT_S = 3600.0
-"""How long one wait for an alarm lasts before it is renewed. Long: the store client logs each wait that runs out
-(a stopping heartbeat sets its own key to end the wait)."""
 
 
 def next_pause(pause: float, news: bool, fastest: float, slowest: float) -> float:
@@ -62,7 +59,7 @@ class Heartbeat:
                  monitor: LivenessMonitor | None = None,
                  on_dead: Callable[[frozenset[int], float], None] | None = None,
                  reader: LivenessReader | None = None, progress: Callable[[], object] | None = None,
-                 beats_to=None):
+                 beats_to=None, alarms_from=None):
         if not interval_s > 0:
             raise ValueError(f"interval_s={interval_s} must be positive")
         if (monitor is None) != (on_dead is None):
@@ -71,6 +68,10 @@ class Heartbeat:
         self.beats_to = beats_to
         """The node's own store (`node_store`), where the launcher reads this rank's beats; None: the job's store.
         A beat it fails goes to the job's store (its launcher is gone, and its watchers then read there)."""
+        self.alarms_from = alarms_from
+        """A client of the node's store of the alarm thread's own, where the launcher relays the job's alarms
+        (`AlarmRelay`); None, or no relay there: the thread waits in the job's store."""
+        self._relayed = False  # whether the alarm thread waits on the relay now
         if monitor is not None:  # it looks once a beat when all is quiet: a gap of two beats is not yet blindness
             monitor.blind_gap_s = max(monitor.blind_gap_s, 2 * interval_s)
         self.monitor, self.on_dead = monitor, on_dead
@@ -137,7 +138,12 @@ class Heartbeat:
 
     def _await_alarms(self, store) -> None:
         """Register, then wait for alarm after alarm on this rank's bucket key of the next epoch (each wait renewed
-        every ALARM_WAIT_S) and wake the polling thread, which reads what the alarm announced."""
+        every ALARM_WAIT_S) and wake the polling thread, which reads what the alarm announced. Where the launcher
+        relays the alarms (`alarms_from`), wait on its node's key instead, and in the job's store only if the relay
+        is gone."""
+        if self.alarms_from is not None and self._await_relayed(self.alarms_from):
+            return
+        self._relayed = False
         bucket = alarm_bucket(self.rank)
         try:
             register_alarm_watcher(store, self.rank)
@@ -181,6 +187,54 @@ class Heartbeat:
             except Exception as err:
                 log.debug("rank %d stops waiting for alarms: %s", self.rank, err)
                 return
+
+    def _await_relayed(self, node) -> bool:
+        """Wait for the alarms the launcher relays into the node's store (`AlarmRelay`), as `_await_alarms` waits in
+        the job's store: the node's ranks cost the job's store nothing per alarm. Return True once stopped, False
+        where there is no relay or it is gone (then the job's store serves)."""
+        def relayed_epoch() -> int:
+            raw = node.compare_set(RELAYED_EPOCH_KEY, "\0", "\0")  # (its value, or "\0" where there is none)
+            return -1 if raw == b"\0" else int(raw)
+
+        try:
+            if (epoch := relayed_epoch()) < 0:
+                return False
+        except Exception as err:
+            log.debug("rank %d waits for alarms in the job's store: %s", self.rank, err)
+            return False
+        self._alarm_epoch, self._relayed = epoch, True
+        while not self._stop.is_set():  # (as `_await_alarms`: the stop is checked after `_alarm_epoch` is written)
+            key = relayed_alarm_key(self._alarm_epoch + 1)
+            try:
+                node.wait([key], timedelta(seconds=ALARM_WAIT_S))
+                if self._stop.is_set():
+                    return True
+                self._wake.set()
+                for hook in list(self.on_alarm):
+                    hook()
+                if self._stop.wait(self.interval_s / WATCHES_PER_BEAT):  # (the relay coalesces too)
+                    return True
+                epoch = relayed_epoch()
+                if epoch == self._alarm_epoch:  # a node-mate's stop: clear the key (set it again if the relay came)
+                    node.delete_key(key)
+                    epoch = relayed_epoch()
+                    if epoch == self._alarm_epoch:
+                        continue
+                    node.set(key, "1")
+                if epoch < 0:
+                    break
+                self.alarms += 1
+                self._alarm_epoch = epoch
+            except DistStoreError as err:
+                if "timeout" in str(err).lower():
+                    continue
+                break
+            except Exception:
+                break
+        if self._stop.is_set():
+            return True
+        log.warning("rank %d waits for alarms in the job's store: its launcher's relay is gone", self.rank)
+        return False
 
     def _run(self) -> None:
         # A watching thread looks at its peers WATCHES_PER_BEAT times per beat while something is news, so a silent
@@ -297,7 +351,10 @@ class Heartbeat:
         if self._alarm_thread is not None and self._alarm_thread.is_alive() and not self._thread.is_alive():
             epoch = self._alarm_epoch  # read after `_stop` is set: a thread that moves on later sees the stop
             try:  # wake our own waiting thread (this client is free now that the beating thread has ended)
-                if epoch is not None:
+                if epoch is not None and self._relayed:
+                    free = self.beats_to if self.beats_to is not None else self.alarms_from
+                    free.set(relayed_alarm_key(epoch + 1), "stop")
+                elif epoch is not None:
                     self.store.set(alarm_key(alarm_bucket(self.rank), epoch + 1), "stop")
                 self._alarm_thread.join(timeout_s)
             except Exception as err:  # the store is gone: so is the wait

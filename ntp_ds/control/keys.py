@@ -72,6 +72,15 @@ def alarm_key(bucket: int, epoch: int) -> str:
     return f"alarm/{bucket}/{epoch}"
 
 
+RELAYED_EPOCH_KEY = "relay/epoch"
+"""Key of a node's own store: the job's alarm epoch as its launcher last relayed it (`liveness_store.AlarmRelay`)."""
+
+
+def relayed_alarm_key(epoch: int) -> str:
+    """Key of a node's own store whose setting wakes the node's watchers waiting for alarm `epoch`."""
+    return f"relay/{epoch}"
+
+
 def alarm_watchers_key(bucket: int) -> str:
     return f"alarm/watchers/{bucket}"
 

@@ -26,13 +26,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
+from datetime import timedelta
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from ntp_ds.control.keys import (ALARM_BUCKETS_KEY, ALARM_EPOCH_KEY, EXITED_KEY, FENCE_KEY, NODE_MIRROR_KEY,
-                                 alarm_key, alarm_watchers_key, fence_count_key, heartbeat_key, log_count_key,
-                                 log_entry_key, node_key)
+                                 RELAYED_EPOCH_KEY, alarm_key, alarm_watchers_key, fence_count_key, heartbeat_key,
+                                 log_count_key, log_entry_key, node_key, relayed_alarm_key)
 from ntp_ds.control.liveness import Beat, LivenessMonitor
 from ntp_ds.control.node_local import NodeLocal
 from ntp_ds.control.node_store import PERIOD_S, MirrorView, list_watched
@@ -184,6 +186,90 @@ def raise_alarm(store) -> None:
     buckets = sorted({int(b) for b in store.get(ALARM_BUCKETS_KEY).decode().split()})
     if buckets:
         store.multi_set([alarm_key(b, epoch) for b in buckets], ["1"] * len(buckets))
+
+
+ALARM_WAIT_S = 3600.0
+"""How long one wait for an alarm lasts before it is renewed. Long: the store client logs each wait that runs out
+(a stopping waiter sets its own key to end the wait)."""
+
+
+class AlarmRelay:
+    """A launcher's relay of the job's alarms to its node: one waiter per node in the job's store, not one per rank.
+
+    The relay registers its bucket (that of the node's first rank) and waits there for each next epoch, as a watcher
+    would. On an alarm it reads the epoch, writes it into the node's store (`RELAYED_EPOCH_KEY`) and then sets the
+    node's key of every epoch it had not relayed (`relayed_alarm_key`), on which its workers' alarm threads wait
+    (`Heartbeat`'s `alarms_from`); then it pauses `pause_s()` (a fast poll's pause of its workers), so that the
+    alarms of a node's or a rack's fences, raised one by one, cost it one wait and one read each few, not each. A
+    node's ranks then cost the job's store one wait and one read per alarm in all, where each rank cost both, and
+    an alarm's raise sets one key per bucket of the relays' (not the workers') buckets.
+
+    Workers started by another launcher register and wait themselves (`Heartbeat`)."""
+
+    def __init__(self, store, node_store, rank: int, pause_s=lambda: 0.0):
+        self.store, self.node_store, self.rank, self.pause_s = store, node_store, rank, pause_s
+        self.epoch: int | None = None
+        self.relayed = 0
+        """How many times the relay has woken its node (alarms coalesced in its pause count once)."""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> AlarmRelay:
+        """Register and write the epoch into the node's store (so a worker started next finds the relay), then
+        relay in a daemon thread."""
+        register_alarm_watcher(self.store, self.rank)
+        self.epoch = alarm_epoch(self.store)
+        self.node_store.set(RELAYED_EPOCH_KEY, str(self.epoch))
+        clone = getattr(self.store, "clone", None)
+        self._waiter = clone() if clone is not None else self.store  # (a blocked wait holds its client)
+        self._thread = threading.Thread(target=self._run, name=f"ntp-alarm-relay-{self.rank}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        bucket = alarm_bucket(self.rank)
+        while not self._stop.is_set():
+            key = alarm_key(bucket, self.epoch + 1)
+            try:
+                store = self._waiter
+                store.wait([key], timedelta(seconds=ALARM_WAIT_S))
+                if self._stop.is_set():
+                    return
+                epoch = alarm_epoch(store)
+                if epoch == self.epoch:  # a bucket-mate's stop: clear the key, and set it again if a raise came
+                    store.delete_key(key)
+                    epoch = alarm_epoch(store)
+                    if epoch == self.epoch:
+                        continue
+                    store.set(key, "1")
+                self.node_store.set(RELAYED_EPOCH_KEY, str(epoch))  # first: a woken worker finds it moved
+                fresh = range(self.epoch + 1, epoch + 1)
+                self.node_store.multi_set([relayed_alarm_key(e) for e in fresh], ["1"] * len(fresh))
+                self.epoch = epoch
+                self.relayed += 1
+                if self._stop.wait(self.pause_s()):
+                    return
+            except Exception as err:
+                if "timeout" in str(err).lower():  # the wait ran out: renew it
+                    continue
+                log.warning("the launcher stops relaying alarms (its workers wait in the job's store): %s", err)
+                try:  # the workers' alarm threads, woken on a relayed epoch that will not move, fall back
+                    self.node_store.set(RELAYED_EPOCH_KEY, "-1")
+                    self.node_store.set(relayed_alarm_key(self.epoch + 1), "gone")
+                except Exception:
+                    pass
+                return
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """End the relay: wake its own wait (its bucket-mates wake too, find no alarm and wait again)."""
+        self._stop.set()
+        if self._thread is None or not self._thread.is_alive():
+            return
+        try:
+            self.store.set(alarm_key(alarm_bucket(self.rank), self.epoch + 1), "stop")
+        except Exception as err:
+            log.debug("the alarm relay could not end its wait: %s", err)
+        self._thread.join(timeout_s)
 
 
 def read_exits(store) -> dict[int, str]:

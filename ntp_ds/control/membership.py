@@ -350,6 +350,10 @@ class Membership:
         self._reading = threading.Lock()
         self._reported: set[int] = set()
         """Generations in which this rank filed a report: its reporters commit the decision (`DecisionWait`)."""
+        self._claims: dict[int, set[int]] = {}
+        """Generation -> the deaths this rank claimed (its acknowledgements through the node count them)."""
+        self._closed: dict[int, set[int]] = {}
+        """Generation -> the nodes this rank has seen acknowledged, or acknowledged (`_close_nodes`)."""
 
     def is_member(self, rank: int) -> bool:
         """Whether `rank` is a member of this rank's current generation (by bisection: members are W long)."""
@@ -406,10 +410,77 @@ class Membership:
             self._reported.add(generation)
         # After its report, so that an acknowledgement counts a complete view: the dead it claimed first (they
         # cannot acknowledge), then itself.
-        last = [self._acknowledge(generation, rank) for rank in (*sorted(claimed), self.rank)]
-        if any(last):  # every report is in: commit now, whoever waits (a reporter may be busy in its step)
+        if self._acknowledge_all(generation, claimed):
+            # every report is in: commit now, whoever waits (a reporter may be busy in its step)
             self._commit(generation, self.reports(generation))
         return True
+
+    def _acknowledge_all(self, generation: int, claimed: frozenset[int]) -> bool:
+        """Acknowledge the dead this rank claimed and itself; return whether that ended the acknowledgements.
+
+        Through the node (a `node` that knows the launch's numbering): this rank's acknowledgement is counted in its
+        node's store, and a node is acknowledged in the job's store once, for all its members (`_close_nodes`). A
+        generation with a joiner acknowledges rank by rank (`_acks_by_node`)."""
+        node = self.node
+        if not self._acks_by_node():
+            return any([self._acknowledge(generation, rank) for rank in (*sorted(claimed), self.rank)])
+        acks = self._acks_key(generation)
+        if int(node.store.add(f"{acks}/{self.rank}", 1)) == 1:
+            node.store.add(f"{acks}/count", 1)
+        self._claims.setdefault(generation, set()).update(claimed)
+        return self._close_nodes(generation)
+
+    def _acks_by_node(self) -> bool:
+        """Whether this generation's acknowledgements go through the nodes: every member was started on a node of
+        the launch's numbering (a generation with a joiner acknowledges rank by rank, on every rank alike: a joiner
+        knows no nodes, and a node's acknowledgement and a rank's own must never both count one member)."""
+        node = self.node
+        return (node is not None and node.launched is not None and node.on_node(self.members[0])
+                and node.on_node(self.members[-1]))
+
+    def _close_nodes(self, generation: int) -> bool:
+        """Acknowledge in the job's store each node whose every member is accounted for, as this rank sees it: its
+        own node once each member has acknowledged in the node's store or is dead in a report read (or claimed by
+        this rank); and, for a rank that filed a report, a node all of whose members are dead so. Each node is
+        acknowledged once (its mark, `acks/node/{n}`), for all its members at once (one add per leaf counter), so
+        the acknowledgements cost the job's store a few requests per node, not two per rank. A member reported dead
+        but alive, which also acknowledges, is counted once, with its node, as its claimant's acknowledgement would
+        have counted it without a node. Return whether this ended the acknowledgements."""
+        node = self.node
+        if not self._acks_by_node():
+            return False
+        acks, closed = self._acks_key(generation), self._closed.setdefault(generation, set())
+        known = {r for report in self._read.get(generation, ()) for r in report.ranks} | self._claims.get(generation,
+                                                                                                        set())
+        own = self.rank // node.size
+        nodes = {own}
+        if generation in self._reported:
+            nodes |= {r // node.size for r in known if node.on_node(r)}
+        last = False
+        for n in sorted(nodes - closed):
+            lo, hi = node.span(self.members, n * node.size)
+            dead = [r for r in self.members[lo:hi] if r in known]
+            if n == own:
+                if node.store.check([f"{acks}/closed"]):
+                    closed.add(n)
+                    continue
+                acked = int(node.store.add(f"{acks}/count", 0))
+                both = sum(1 for r in dead if node.store.check([f"{acks}/{r}"]))
+                if acked + len(dead) - both < hi - lo:
+                    continue
+            elif len(dead) < hi - lo:
+                continue
+            closed.add(n)
+            if int(self.store.add(f"{acks}/node/{n}", 1)) != 1:  # acknowledged already (by a node-mate or a reporter)
+                if n == own:
+                    node.store.set(f"{acks}/closed", "1")
+                continue
+            if n == own:
+                node.store.set(f"{acks}/closed", "1")
+            for leaf in range(lo // BARRIER_FANOUT, (hi - 1) // BARRIER_FANOUT + 1):
+                first, end = max(lo, leaf * BARRIER_FANOUT), min(hi, (leaf + 1) * BARRIER_FANOUT)
+                last |= count_arrival(self.store, acks, first, len(self.members), BARRIER_FANOUT, end - first)
+        return last
 
     def _acknowledge(self, generation: int, rank: int) -> bool:
         """Count `rank` (once) in the acknowledgements of `generation`: a barrier over its members, whose end
@@ -423,26 +494,28 @@ class Membership:
 
     def pending(self) -> bool:
         """Return whether some rank has reported a failure in the current generation (one store round trip)."""
-        return self.store.check([f"{self._reports_key(self.generation)}/count"])
+        key = f"{self._reports_key(self.generation)}/count"  # (a waiter for the decision creates it at 0)
+        return self.store.check([key]) and int(self.store.get(key)) > 0
 
-    def reports(self, generation: int, max_age_s: float = 0.0) -> list[FailureReport]:
+    def reports(self, generation: int, max_age_s: float = 0.0, filed: int | None = None) -> list[FailureReport]:
         """Return the reports of `generation` visible in the store now. Only entries this rank has not read yet are
         fetched (two requests when there are none): an entry counted but not written yet is read on a later call.
         `max_age_s` > 0: as seen by a read of the node's ranks at most that old (`NodeLocal.read`), not by one of
         this rank's own (a commit reads its own: it must hold every report filed before the acknowledgements
-        ended)."""
+        ended). `filed`: their count, read already (with the counter that said a report came)."""
         with self._reading:  # (the watch's early report reads them too, from the heartbeat's thread)
-            return self._reports(generation, self.node if max_age_s > 0 else None, max_age_s)
+            return self._reports(generation, self.node if max_age_s > 0 else None, max_age_s, filed)
 
-    def _reports(self, generation: int, node: NodeLocal | None, max_age_s: float) -> list[FailureReport]:
+    def _reports(self, generation: int, node: NodeLocal | None, max_age_s: float,
+                 filed: int | None = None) -> list[FailureReport]:
         key = self._reports_key(generation)
         read = self._read.setdefault(generation, [])
-        if node is not None:
+        if filed is None and node is not None:
             count = node.read(self.store, [f"{key}/count"], max_age_s, check=True)
             if count is None:
                 return list(read)
             filed = int(count[0])
-        else:
+        elif filed is None:
             if not self.store.check([f"{key}/count"]):
                 return list(read)
             filed = self.store.add(f"{key}/count", 0)
@@ -525,10 +598,13 @@ class Membership:
         """Move to `change`'s generation and members, and forget what was read of the generations before the last
         (a call naming one raises StaleGeneration): a rank keeps two generations' decisions, W long each, not all."""
         self.generation, self.members = change.generation, change.survivors
-        for old in [g for g in (*self._read, *self._decided, *self._reported) if g < change.generation - 1]:
+        for old in [g for g in (*self._read, *self._decided, *self._reported, *self._claims, *self._closed)
+                    if g < change.generation - 1]:
             self._read.pop(old, None)
             self._decided.pop(old, None)
             self._reported.discard(old)
+            self._claims.pop(old, None)
+            self._closed.pop(old, None)
 
     def confirm(self, change: MembershipChange, timeout_s: float) -> bool:
         """Adopt `change`, then wait (bounded) until every survivor has; return False for a stale change.
@@ -576,7 +652,10 @@ class DecisionWait:
         self.deadline = membership._clock() + timeout_s
         self._first_seen: float | None = None
         self._seen, self._everyone, self._reports, self._pause = 0, False, [], membership.poll_s
-        self._counters = [membership._events_key(generation), f"{membership._acks_key(generation)}/done"]
+        # The reports' count is read with the events (one request): the reports read when the events move are then
+        # at least those the events announced, whoever's read of the node's ranks it was.
+        self._counters = [membership._events_key(generation), f"{membership._acks_key(generation)}/done",
+                          f"{membership._reports_key(generation)}/count"]
         if membership.node is None:  # (through the node: the node's first read creates them)
             for key in self._counters:  # both exist from here on, so one read fetches the two
                 membership.store.add(key, 0)
@@ -592,13 +671,15 @@ class DecisionWait:
         age = max(self._pause, MIN_POLL_S)
         values = (m.store.multi_get(self._counters) if m.node is None
                   else m.node.read(m.store, self._counters, age, create=True))
-        events, everyone = (int(v) for v in values)
+        events, everyone, filed = (int(v) for v in values)
         if events != self._seen:
             self._seen, self._pause = events, m.poll_s
             change = m.decision(g, age)
             if change is not None:
                 return change
-            self._reports = m.reports(g, age)
+            self._reports = m.reports(g, age, filed)
+            if not everyone and m._close_nodes(g):  # a report read makes a node's acknowledgement complete
+                return m._commit(g, m.reports(g))
         now = m._clock()
         if everyone and not self._everyone:  # the decision is due now: look again soon
             self._everyone, self._pause = True, m.poll_s

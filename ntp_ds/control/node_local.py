@@ -46,6 +46,9 @@ class NodeLocal:
 
     store: object
     size: int
+    launched: int | None = None
+    """The launch's world size: ranks below it were started on nodes of `size` (rank r on node r // size), those
+    from it on (joiners) on no node. None: unknown (the membership's acknowledgements then go rank by rank)."""
     clock: object = field(default=time.monotonic, compare=False)
     """A clock every process of the node shares (CLOCK_MONOTONIC is the machine's)."""
     sleep: object = field(default=time.sleep, compare=False)
@@ -54,6 +57,10 @@ class NodeLocal:
         """The positions [lo, hi) in sorted `ranks` of the ranks on `rank`'s node (by bisection: O(log W))."""
         first = rank // self.size * self.size
         return bisect.bisect_left(ranks, first), bisect.bisect_left(ranks, first + self.size)
+
+    def on_node(self, rank: int) -> bool:
+        """Whether `rank` was started on a node of this numbering (a joiner was not)."""
+        return self.launched is not None and 0 <= rank < self.launched
 
     def read(self, job_store, keys: Sequence[str], max_age_s: float, *, fixed: bool = False,
              check: bool = False, create: bool = False) -> list[bytes] | None:

@@ -10,7 +10,13 @@ million requests a second while nothing happens. `ntp-ds launch` therefore hosts
   its end) are met there first, and reach the job's store once per node (`membership.BarrierWait`'s `node`);
 - each watcher lists there the nodes whose keys it polls (`watching_key`), and the launcher copies those node keys
   and the exit and fence logs' counters from the job's store into one key of the node's (`NodeMirror`), one request
-  per period for the whole node; a quiet watcher reads that copy (`LivenessReader`'s `mirror`).
+  per period for the whole node; a quiet watcher reads that copy (`LivenessReader`'s `mirror`);
+- the launcher relays the job's alarms into it (`liveness_store.AlarmRelay`): one wait in the job's store per node,
+  and the node's workers wait on the node's key (`Heartbeat`'s `alarms_from`).
+
+And at a failure, the node's ranks share their reads of the job's store through it (`node_local.NodeLocal.read`):
+the logs' new entries, the reports, the decision and its counters, the fast polls' node keys are read by one rank of
+the node and taken from its copy by the others.
 
 What the copy may hide, and what it does not: it is at most a period old, so a watcher reads the job's store itself
 whenever something is news (an alarm, a peer silent for half the timeout, a new exit or fence), which is also when
@@ -65,13 +71,18 @@ def connect_node_store(env: Mapping[str, str] = os.environ):
 
 
 def node_local(env: Mapping[str, str] = os.environ) -> NodeLocal | None:
-    """The node's store (a client of its own) and the ranks per node, for barriers met through it (`BarrierWait`);
-    None without a node store or a node size (another launcher, a joiner)."""
-    size = env.get(NODE_SIZE_ENV)
-    if not size or not size.isdigit() or int(size) < 1:
+    """The node's store (a client of its own), the ranks per node and the launch's world size, for the barriers and
+    acknowledgements met through it (`membership`); None without a node store or a node size (another launcher, a
+    joiner). A node store named but out of reach is an error: the node's other workers count this one's
+    acknowledgement there (`Membership`), so it cannot count it elsewhere."""
+    size, world = env.get(NODE_SIZE_ENV), env.get("WORLD_SIZE", "")
+    if not size or not size.isdigit() or int(size) < 1 or not env.get(NODE_STORE_ENV):
         return None
     store = connect_node_store(env)
-    return NodeLocal(store, int(size)) if store is not None else None
+    if store is None:
+        raise ConnectionError(f"{NODE_STORE_ENV}={env[NODE_STORE_ENV]}: this worker cannot reach its node's store "
+                              f"(hosted by its launcher on this machine)")
+    return NodeLocal(store, int(size), int(world) if world.isdigit() else None)
 
 
 def list_watched(node_store, rank: int, nodes: Iterable[int], interval_s: float, watcher: str = "heartbeat") -> None:

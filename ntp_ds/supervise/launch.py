@@ -248,13 +248,15 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1, finish=None) -> int:
     `finish(store, codes)` returns (called once every worker has exited, while this process still holds the store)
     if it returns a status."""
     from ntp_ds.control.keys import FENCE_KEY
-    from ntp_ds.control.liveness_store import NODE_PUBLISH_S, JobLog, NodePublisher, prepare_store, record_exit
+    from ntp_ds.control.heartbeat import WATCHES_PER_BEAT
+    from ntp_ds.control.liveness_store import (NODE_PUBLISH_S, AlarmRelay, JobLog, NodePublisher, prepare_store,
+                                               record_exit)
     from ntp_ds.control.node_store import NodeMirror, host_node_store
 
     store, address, master = _rendezvous(spec)
     fence_log = JobLog(store, FENCE_KEY)
     published_at, mirrored_at, compacted_at, exits = -math.inf, -math.inf, time.monotonic(), {}
-    node_store = mirror = node_address = None
+    node_store = mirror = node_address = relay = None
     stop = _StopRequests()
     previous = {s: signal.signal(s, stop.receive) for s in SIGNALS}
     repairs = _Repairs(store, spec.repairs)
@@ -274,6 +276,10 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1, finish=None) -> int:
             node_store, node_address = host_node_store()
             publisher = NodePublisher(store, spec.node_rank, ranks, beats_from=node_store)
             mirror = NodeMirror(store, node_store, ranks)
+            # The job's alarms reach the node's workers through the node's store: one wait in the job's store per
+            # node, not per worker (started before them: a worker waits on the relay it finds when it starts).
+            relay = AlarmRelay(store, node_store, first,
+                               pause_s=lambda: mirror.period_s / WATCHES_PER_BEAT).start()
             _say(f"store at {address} (NTP_STORE); starting ranks {first}-{first + spec.nproc_per_node - 1} of "
                  f"{spec.world_size}: {' '.join(spec.command[1:])}")
             procs = {first + i: _start(spec, worker_env(spec, i, address, master, node_store=node_address))
@@ -334,6 +340,8 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1, finish=None) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if relay is not None:
+            relay.stop()
     if stop.signum:
         clean = sorted(r for r, c in codes.items() if c == 0 or stop.expected(c))
         _say(f"stopped by {signal.Signals(stop.signum).name}: {len(clean)} of {len(codes)} workers stopped cleanly")

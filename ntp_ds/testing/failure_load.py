@@ -46,8 +46,8 @@ import torch.distributed as dist
 
 from ntp_ds.control.heartbeat import WATCHES_PER_BEAT, Heartbeat, next_pause
 from ntp_ds.control.liveness import LivenessMonitor
-from ntp_ds.control.liveness_store import (NODE_PUBLISH_S, JobLog, LivenessReader, NodePublisher, prepare_store,
-                                           record_exit, request_fence)
+from ntp_ds.control.liveness_store import (NODE_PUBLISH_S, AlarmRelay, JobLog, LivenessReader, NodePublisher,
+                                           prepare_store, record_exit, request_fence)
 from ntp_ds.control.keys import FENCE_KEY, barrier_key
 from ntp_ds.control.node_store import NodeMirror
 from ntp_ds.control.membership import BarrierWait, Membership
@@ -227,6 +227,7 @@ class _Share:
         self.paths = {r: RankPath() for r in self.ranks if r not in self.victims}
         self.errors: list[str] = []
         self.alarm_clients: list[MeteredClient] = []
+        self.relays: dict[int, AlarmRelay] = {}
         self.wake: set[int] = set()
         self._wake_lock = threading.Lock()
         from ntp_ds.recovery.detect import Detector
@@ -237,11 +238,11 @@ class _Share:
             reader = LivenessReader(self.watch_store, spec.tp, mirror=local)
             monitor = LivenessMonitor((), spec.heartbeat_timeout_s)
             hb = Heartbeat(self.watch_store, rank, spec.interval_s, monitor=monitor, reader=reader,
-                           on_dead=lambda ranks, wall, r=rank: self._dead(r, ranks, wall))
+                           on_dead=lambda ranks, wall, r=rank: self._dead(r, ranks, wall), alarms_from=local)
             hb.watch(sorted(watched_peers(topology, plan, buddies, rank)))
             hb._members = everyone
             self.heartbeats[rank] = hb
-            node = NodeLocal(local, spec.tp)  # (as `Recovery`: the generation's barriers meet in the node's store)
+            node = NodeLocal(local, spec.tp, spec.world)  # (as `Recovery`: barriers and acks meet in the node store)
             self.memberships[rank] = Membership(self.watch_store, rank, members, settle_s=settle_s, node=node)
             self.detectors[rank] = Detector(LivenessReader(self.watch_store, spec.tp, mirror=local),
                                             heartbeat_timeout_s=spec.heartbeat_timeout_s,
@@ -285,8 +286,16 @@ class _Share:
 
         with ThreadPoolExecutor(32) as pool:
             clients = list(pool.map(lambda _: MeteredClient(connect_store(address, 60.0)), self.heartbeats))
-        for client in clients:
+            relay_clients = list(pool.map(lambda _: MeteredClient(connect_store(address, 60.0)), self.nodes))
+        for client in clients + relay_clients:
             client.tag = "alarm"
+        # Each node's launcher relays the alarms into its node's store (`AlarmRelay`), where its ranks wait.
+        fastest = self.spec.interval_s / WATCHES_PER_BEAT
+        for n, client in zip(self.nodes, relay_clients):
+            relay = AlarmRelay(client, self.node_stores[n], n * self.spec.tp, pause_s=lambda: fastest).start()
+            self.relays[n] = relay
+            self.alarm_clients += [client, relay._waiter]
+            relay._waiter.tag = "alarm"
         threads = []
         for (rank, hb), client in zip(self.heartbeats.items(), clients):
             self.alarm_clients.append(client)
@@ -348,6 +357,7 @@ class _Share:
                 push(due + self.mirrors[who].period_s, "publish", who)  # (as often as its workers beat)
             elif kind == "mirror":  # the launcher's copy, and the fence requests it reads with it
                 if failed and who in dead_nodes:
+                    self.relays[who]._stop.set()  # (its relay is gone with it: it relays no alarm from now on)
                     continue
                 self.fence_logs[who].catch_up(self.mirrors[who].refresh().fences)
                 push(due + self.mirrors[who].period_s, "mirror", who)

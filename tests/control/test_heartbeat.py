@@ -597,3 +597,64 @@ def test_an_abnormal_exit_is_recorded_with_its_fence_and_one_alarm_a_clean_one_w
     assert read_fences(store) == {3: "killed by SIGKILL"} and alarm_epoch(store) == 1
     record_exit(store, 4, "exited with code 0", abnormal=False)
     assert 4 in read_exits(store) and 4 not in read_fences(store) and alarm_epoch(store) == 1
+
+
+def test_a_launcher_relays_alarms_to_its_node_whose_workers_neither_register_nor_wait_in_the_job_store():
+    # Two workers of a node wait on the node's store, where their launcher's relay sets a key per alarm: the job's
+    # store holds the relay's registration alone, a raise wakes both workers, and a worker's stop ends its own wait
+    # while its node-mate keeps waiting.
+    from ntp_ds.control.keys import alarm_watchers_key
+    from ntp_ds.control.liveness_store import AlarmRelay, request_fence
+
+    store, _ = host_store()
+    node, node_address = host_store(0, "127.0.0.1", 10.0)
+    prepare_store(store)
+    relay = AlarmRelay(store.clone(), node.clone(), 32, pause_s=lambda: 0.05).start()
+    woken = [threading.Event(), threading.Event()]
+    watchers = [Heartbeat(store.clone(), r, interval_s=0.4, monitor=LivenessMonitor([], 60.0),
+                          on_dead=lambda ranks, wall: None, beats_to=node.clone(), alarms_from=node.clone())
+                for r in (0, 1)]
+    for hb, event in zip(watchers, woken):
+        hb.on_alarm.append(event.set)
+        hb.start()
+    try:
+        deadline = time.monotonic() + 5.0
+        while not all(hb._relayed for hb in watchers) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(hb._relayed for hb in watchers)
+        assert store.get(ALARM_BUCKETS_KEY).decode().split() == [str(alarm_bucket(32))]
+        assert not store.check([alarm_watchers_key(alarm_bucket(0))])  # (the workers' bucket: never registered)
+        request_fence(store, [7], "no heartbeat")
+        assert all(event.wait(2.0) for event in woken), "a relayed alarm did not wake every worker of the node"
+        deadline = time.monotonic() + 2.0
+        while any(hb.alarms < 1 for hb in watchers) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [hb.alarms for hb in watchers] == [1, 1] and relay.relayed == 1 and relay.epoch == 1
+        assert watchers[1].stop(5.0) and not watchers[1]._alarm_thread.is_alive()
+        time.sleep(0.3)
+        assert watchers[0].alarms == 1 and watchers[0]._alarm_thread.is_alive()
+        woken[0].clear()
+        request_fence(store, [8], "no heartbeat")
+        assert woken[0].wait(2.0), "the node-mate of a stopped worker no longer hears the relay"
+    finally:
+        for hb in watchers:
+            hb.stop(5.0)
+        relay.stop(5.0)
+    assert not relay._thread.is_alive()
+
+
+def test_a_worker_whose_launcher_relays_nothing_waits_in_the_job_store():
+    store, _ = host_store()
+    node = dist.HashStore()  # a node's store without a relay's epoch in it
+    prepare_store(store)
+    dead = threading.Event()
+    watcher = Heartbeat(store.clone(), 0, interval_s=0.4, monitor=LivenessMonitor([], 60.0),
+                        on_dead=lambda ranks, wall: dead.set(), alarms_from=node)
+    with watcher:
+        watcher.watch([1], members=range(4))
+        deadline = time.monotonic() + 5.0
+        while not watcher.hears_alarms and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert watcher.hears_alarms and not watcher._relayed
+        request_fence(store, [1], "gone")
+        assert dead.wait(2.0)

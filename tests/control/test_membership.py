@@ -607,3 +607,54 @@ def test_a_store_hosted_on_an_ipv4_address_listens_on_ipv4_and_serves_its_client
     clients[0].set("k", "v")
     assert [c.get("k") for c in clients] == [b"v"] * 3
     assert clients[2].add("n", 2) == 2 and store.add("n", 0) == 2
+
+
+@given(st.integers(2, 4), st.integers(2, 6), st.integers(0, 3), st.data())
+@settings(max_examples=300, deadline=None)
+def test_acknowledgements_through_node_stores_end_exactly_when_every_member_is_accounted_for(size, nodes, joiners,
+                                                                                            data):
+    # Launch ranks on `nodes` nodes of `size` (each with its own store), and joiners on none. Some die (whole nodes
+    # among them, joiners too), each claimed by a live rank; one live rank is also falsely claimed and acknowledges
+    # itself as well. Every live rank reports (the dead it knows of, claimed or already fenced) in a random order,
+    # and every rank reads the reports filed so far: the acknowledgements end exactly at the call that completes
+    # them (every claim made, every live rank not claimed acknowledged), no counter of their tree is ever counted
+    # past its size, and with nodes alone no rank's own acknowledgement reaches the job's store.
+    from ntp_ds.control.node_local import NodeLocal
+
+    world = size * nodes
+    members = list(range(world)) + list(range(world, world + joiners))
+    dead = sorted(data.draw(st.sets(st.sampled_from(members), min_size=1, max_size=len(members) - 1)))
+    live = [r for r in members if r not in dead]
+    falsely = data.draw(st.sampled_from([None] + live)) if len(live) > 1 else None
+    claimed = dead + ([falsely] if falsely is not None else [])
+    claimant = {d: data.draw(st.sampled_from([r for r in live if r != d])) for d in claimed}
+    job = _Writers(dist.HashStore())
+    locals_ = {n: dist.HashStore() for n in range(nodes)}
+    views = {r: Membership(job, r, members, settle_s=60.0,
+                           node=NodeLocal(locals_[r // size], size, world) if r < world else None) for r in live}
+    order = data.draw(st.permutations(live))
+    acks = "membership/0/acks"
+    for i, rank in enumerate(order):
+        job.rank = rank
+        mine = {d for d, c in claimant.items() if c == rank}
+        views[rank].report_failure(0, mine or set(claimed), 1.0, "x", fenced=set() if mine else set(claimed))
+        # every view reads the reports filed so far (as its decision wait would) and closes what it can
+        for r in order[:i + 1]:
+            job.rank = r
+            views[r].reports(0)
+            if views[r]._close_nodes(0):  # (as its decision wait does: the last acknowledgement commits)
+                views[r]._commit(0, views[r].reports(0))
+        done = job._store.check([f"{acks}/done"])
+        called = set(order[:i + 1])  # (a falsely claimed rank is acknowledged by its claimant: its own is not due)
+        due = all(r in called for r in live if r != falsely) and all(claimant[d] in called for d in claimed)
+        assert done == due, f"acknowledgements ended={done} after {i + 1} of {len(order)} calls"
+    leaves = [k for k in job.writers if k.startswith(f"{acks}/c/0/")]
+    for k in leaves:
+        index = int(k.rsplit("/", 1)[1])
+        assert int(job._store.add(k, 0)) <= min(32, len(members) - 32 * index)
+    by_node = joiners == 0
+    assert any(k.startswith(f"{acks}/node/") for k in job.writers) == by_node  # (a joiner: rank by rank)
+    if by_node:  # no rank's own acknowledgement reached the job's store
+        assert not any(k.startswith(f"{acks}/") and k.rsplit("/", 1)[1].isdigit() and "/c/" not in k
+                       and "/node/" not in k for k in job.writers)
+    assert views[order[0]].decision(0).dead == frozenset(claimed)  # (committed by the last acknowledgement)
