@@ -137,6 +137,7 @@ def test_tp1_matches_hf(references):
         torch.testing.assert_close(shard(ref["ids"]), ref["logits"])
 
 
+@pytest.mark.long  # (about 10 s: .ci/run's long stage; the README suite stays under 10 min)
 def test_sharded_matches_hf(references):
     refs = [{k: v for k, v in ref.items() if k != "model"} for ref in references]
     results = run_ranks(_parity_worker, 3, refs, timeout=180)

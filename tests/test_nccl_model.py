@@ -455,6 +455,7 @@ def collectives(rank, world):
     return out
 
 
+@pytest.mark.long  # (about 10 s: .ci/run's long stage; the README suite stays under 10 min)
 def test_create_a_communicator_is_created_at_the_first_op_by_all_members_blocking_the_post():
     _fails(first_op_while_a_member_is_away, r"Deadlock: .*group rank 0 has waited 3 s in the creation of its "
            r"communicator at its first op \(allreduce\) for group rank\(s\) \[1\]", rule="create")
@@ -480,6 +481,7 @@ def test_sync_a_sync_of_the_whole_device_waits_for_a_kernel_running_on_a_communi
     _fails(whole_device_sync_beside_a_pending_receive, r"the sync waited 1\.\d s for the receive", rule="sync")
 
 
+@pytest.mark.long  # (about 10 s: .ci/run's long stage; the README suite stays under 10 min)
 def test_watchdog_a_post_after_an_op_timed_out_waits_for_the_watchdogs_sleep():
     _fails(post_after_an_op_timed_out, r"the post took 1\.\d s", rule="watchdog")
 

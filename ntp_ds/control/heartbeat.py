@@ -70,7 +70,8 @@ class Heartbeat:
         A beat it fails goes to the job's store (its launcher is gone, and its watchers then read there)."""
         self.alarms_from = alarms_from
         """A client of the node's store of the alarm thread's own, where the launcher relays the job's alarms
-        (`AlarmRelay`); None, or no relay there: the thread waits in the job's store."""
+        (`AlarmRelay`); None, or no relay there: the thread waits in the job's store. `stop` ends that wait through
+        `beats_to`, the node's other client."""
         self._relayed = False  # whether the alarm thread waits on the relay now
         if monitor is not None:  # it looks once a beat when all is quiet: a gap of two beats is not yet blindness
             monitor.blind_gap_s = max(monitor.blind_gap_s, 2 * interval_s)
@@ -352,8 +353,8 @@ class Heartbeat:
             epoch = self._alarm_epoch  # read after `_stop` is set: a thread that moves on later sees the stop
             try:  # wake our own waiting thread (this client is free now that the beating thread has ended)
                 if epoch is not None and self._relayed:
-                    free = self.beats_to if self.beats_to is not None else self.alarms_from
-                    free.set(relayed_alarm_key(epoch + 1), "stop")
+                    if self.beats_to is not None:  # (not `alarms_from`: its client is held by the wait)
+                        self.beats_to.set(relayed_alarm_key(epoch + 1), "stop")
                 elif epoch is not None:
                     self.store.set(alarm_key(alarm_bucket(self.rank), epoch + 1), "stop")
                 self._alarm_thread.join(timeout_s)

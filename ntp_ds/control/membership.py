@@ -8,6 +8,10 @@ Protocol (keys in the launcher's store; ranks are launch ranks, stable across ge
    the members (`membership/{g}/acks`, `BarrierWait`'s tree of counters), which ends once every member not reported
    dead has acknowledged. So a failure seen by every survivor costs each of them a few counter updates, on counters
    of at most `BARRIER_FANOUT` writers, and the reports every rank reads number the deaths, not the survivors.
+   With a node store (`NodeLocal`, under `ntp-ds launch`), a rank acknowledges in its node's store, and each node
+   is acknowledged in the job's store once, for all its members (`Membership._close_nodes`): by a rank of it once
+   every member has acknowledged there or is dead in a report read, or, for a node whose every member is dead, by
+   a reporter that knows it. A generation with a joiner (on no node) acknowledges rank by rank.
 2. Every rank that learns of a failure (its own report, or `pending()`) calls `await_decision(g)`. A rank that filed
    a report proposes the union of all reports with `compare_set` on `decision/{g}` once the acknowledgements have
    ended or reports have been visible to it for `settle_s`; a rank that filed none proposes only if no decision has
@@ -17,6 +21,9 @@ Protocol (keys in the launcher's store; ranks are launch ranks, stable across ge
    survivors, so nobody waits on a dead rank.
 A report or decision of an older generation is ignored; every wait is bounded and raises a TimeoutError subclass
 naming what it waited for.
+
+With a node store, the node's ranks also share their reads of the job's store while they wait (the counters, the
+reports, the decision: `NodeLocal.read`), so that a poll costs the job's store one request per node.
 
 Waiting ranks watch, they do not re-read: every report and every commit bumps one counter,
 `membership/{g}/events`, and a waiter reads the decision and the reports it has not read yet only when that counter

@@ -44,6 +44,9 @@ PERIOD_S = 0.5
 """How often a launcher publishes its node's key and copies the keys its workers' watchers poll, until its workers
 have said how often they beat (then: at their shortest beat interval, `NodeMirror.period_s`). Faster costs the
 job's store more (two requests per node per period); slower delays what a watcher sees of a beat by more."""
+NODE_CONNECT_TIMEOUT_S = 60.0
+"""Bound on connecting to the node's store for the membership's barriers and acknowledgements (`node_local`): a
+worker that cannot count its acknowledgement there cannot take part (its node-mates count it there)."""
 NODE_STORE_TIMEOUT_S = 2.0
 """Bound on a call to the node's store: it lives on this machine, so a call that takes longer means its launcher
 is gone or stuck (a worker then beats to the job's store)."""
@@ -78,10 +81,16 @@ def node_local(env: Mapping[str, str] = os.environ) -> NodeLocal | None:
     size, world = env.get(NODE_SIZE_ENV), env.get("WORLD_SIZE", "")
     if not size or not size.isdigit() or int(size) < 1 or not env.get(NODE_STORE_ENV):
         return None
-    store = connect_node_store(env)
-    if store is None:
+    from datetime import timedelta
+
+    from ntp_ds.control.store import connect_store
+
+    try:  # (a loaded machine may take seconds to answer a connection: the bound on its calls comes after)
+        store = connect_store(env[NODE_STORE_ENV], NODE_CONNECT_TIMEOUT_S)
+    except (ConnectionError, ValueError) as err:
         raise ConnectionError(f"{NODE_STORE_ENV}={env[NODE_STORE_ENV]}: this worker cannot reach its node's store "
-                              f"(hosted by its launcher on this machine)")
+                              f"(hosted by its launcher on this machine) within {NODE_CONNECT_TIMEOUT_S:g} s") from err
+    store.set_timeout(timedelta(seconds=NODE_STORE_TIMEOUT_S))
     return NodeLocal(store, int(size), int(world) if world.isdigit() else None)
 
 

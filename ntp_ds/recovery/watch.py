@@ -54,7 +54,7 @@ class Watch:
                                        on_dead=self.peers_dead,
                                        reader=LivenessReader.from_env(beat_store, mirror=node_store),
                                        progress=wire.progress, beats_to=node_store,
-                                       alarms_from=connect_node_store())  # (its alarm thread's own client)
+                                       alarms_from=node_store and connect_node_store())  # (its alarm thread's)
 
     def start(self) -> None:
         """Watch the engine's peers, if it runs, and start beating (connecting to the store's server is waiting,

@@ -9,9 +9,11 @@ thread per rank blocked in the store for alarms, each with store clients of its 
   neighbours, its buddies and the ranks it owns copies of, and its neighbours on the ring that interleaves the racks:
   the peers `NTPEngine.watched_peers` names in that topology), each node's launcher publishes its node key
   (`NodePublisher`) and copies the keys its watchers poll into its node's store (`NodeMirror`, with the fence
-  requests its launcher reads), and each rank's alarm thread (`Heartbeat._await_alarms`) waits for alarms. A node's
-  own store (`control.node_store`: the beats, the copy) is a store in the harness process, as it is a store on the
-  node: its requests are not the job store's and are not counted;
+  requests its launcher reads), each launcher relays the job's alarms into its node's store (`AlarmRelay`), and each
+  rank's alarm thread (`Heartbeat._await_alarms`) waits for them there. A node's own store (`control.node_store`:
+  the beats, the copy, the relayed alarms, the shared reads and the node's side of barriers and acknowledgements)
+  is a store in the harness process, as it is a store on the node: its requests are not the job store's and are
+  not counted;
 - the failure (scenario `gpu`: one rank killed, its launcher marks the exit; `node`: a node's ranks and its launcher
   gone; `rack`: a rack's): the victims stop beating, and the watchers' verdicts go the way `Watch.peers_dead` sends
   them (a fence request, the early report to the membership);
