@@ -69,7 +69,7 @@ class FakeMembership:
         self.members, self.rank, self.generation = tuple(members), rank, generation
         self._reports, self.calls = list(reports), []
 
-    def reports(self, generation):
+    def reports(self, generation, max_age_s=0.0):  # (as `Membership.reports`: the age of a shared read)
         return self._reports
 
     def report_failure(self, generation, dead, wall, reason, silent):

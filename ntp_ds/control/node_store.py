@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from ntp_ds.control.keys import (EXITED_KEY, FENCE_KEY, NODE_MIRROR_KEY, WATCHERS, log_count_key, node_key,
                                  watching_key)
 from ntp_ds.control.node_local import NodeLocal
-from ntp_ds.envs import NODE_SIZE_ENV, NODE_STORE_ENV
+from ntp_ds.envs import NODE_SIZE_ENV, NODE_STORE_ENV, WORLD_SIZE
 
 PERIOD_S = 0.5
 """How often a launcher publishes its node's key and copies the keys its workers' watchers poll, until its workers
@@ -78,7 +78,7 @@ def node_local(env: Mapping[str, str] = os.environ) -> NodeLocal | None:
     acknowledgements met through it (`membership`); None without a node store or a node size (another launcher, a
     joiner). A node store named but out of reach is an error: the node's other workers count this one's
     acknowledgement there (`Membership`), so it cannot count it elsewhere."""
-    size, world = env.get(NODE_SIZE_ENV), env.get("WORLD_SIZE", "")
+    size, world = env.get(NODE_SIZE_ENV), env.get(WORLD_SIZE, "")
     if not size or not size.isdigit() or int(size) < 1 or not env.get(NODE_STORE_ENV):
         return None
     from datetime import timedelta
