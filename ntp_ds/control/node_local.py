@@ -78,10 +78,8 @@ class NodeLocal:
         name = "share/" + hashlib.blake2b("\n".join(keys).encode(), digest_size=12).hexdigest()
         try:
             return self._read(job_store, keys, name, max_age_s, fixed, check, create)
-        except Exception as err:  # the node's store is gone: the job's store serves
-            if isinstance(err, (KeyboardInterrupt, SystemExit)):
-                raise
-            log.warning("a read of the job's store went direct: the node's store failed (%s)", err)
+        except Exception as err:  # the node's store is gone (or the job's failed this read): read the job's store
+            log.warning("a shared read of the job's store failed (%s): read directly", err)
             return _direct(job_store, keys, check, create)
 
     def _read(self, job_store, keys, name, max_age_s, fixed, check, create):
