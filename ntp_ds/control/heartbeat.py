@@ -24,8 +24,9 @@ from torch.distributed import DistStoreError
 
 from ntp_ds.control.keys import RELAYED_EPOCH_KEY, alarm_key, heartbeat_key, relayed_alarm_key
 from ntp_ds.control.liveness import Beat, LivenessMonitor
-from ntp_ds.control.liveness_store import (ALARM_WAIT_S, SHARED_AGE_S, LivenessReader, alarm_bucket, alarm_epoch,
-                                           register_alarm_watcher)
+from ntp_ds.control.liveness_store import (ALARM_WAIT_S, LivenessReader, alarm_bucket, alarm_epoch,
+                                           register_alarm_watcher, woken_epoch)
+from ntp_ds.control.node_local import SHARED_AGE_S
 
 log = logging.getLogger(__name__)
 
@@ -169,15 +170,11 @@ class Heartbeat:
                 # Read once for the node's ranks, woken with this one: a node-mate's read within SHARED_AGE_S (less
                 # than the pause just slept) was made after the raise that woke them.
                 shared = self.interval_s / WATCHES_PER_BEAT > SHARED_AGE_S
-                epoch = alarm_epoch(store, self.reader.shared() if shared else None)
-                if epoch == self._alarm_epoch:
-                    # A bucket-mate's stop, not an alarm: clear the key and wait again. A raise whose key write
-                    # the delete undid has moved the epoch by the second read: write the key again for the mates.
-                    store.delete_key(key)
-                    epoch = alarm_epoch(store)
-                    if epoch == self._alarm_epoch:
-                        continue
-                    store.set(key, "1")
+                epoch = woken_epoch(store, key, self._alarm_epoch,
+                                    alarm_epoch(store, self.reader.shared() if shared else None),
+                                    lambda: alarm_epoch(store))
+                if epoch is None:  # a bucket-mate's stop, not an alarm: wait again
+                    continue
                 self.alarms += 1  # (after the hooks: a count read elsewhere says they have run)
                 self._alarm_epoch = epoch
             except DistStoreError as err:
@@ -215,13 +212,9 @@ class Heartbeat:
                     hook()
                 if self._stop.wait(self.interval_s / WATCHES_PER_BEAT):  # (the relay coalesces too)
                     return True
-                epoch = relayed_epoch()
-                if epoch == self._alarm_epoch:  # a node-mate's stop: clear the key (set it again if the relay came)
-                    node.delete_key(key)
-                    epoch = relayed_epoch()
-                    if epoch == self._alarm_epoch:
-                        continue
-                    node.set(key, "1")
+                epoch = woken_epoch(node, key, self._alarm_epoch, relayed_epoch(), relayed_epoch)
+                if epoch is None:  # a node-mate's stop
+                    continue
                 if epoch < 0:
                     break
                 self.alarms += 1

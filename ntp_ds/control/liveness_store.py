@@ -28,15 +28,15 @@ import logging
 import os
 import threading
 import time
-from datetime import timedelta
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 from ntp_ds.control.keys import (ALARM_BUCKETS_KEY, ALARM_EPOCH_KEY, EXITED_KEY, FENCE_KEY, NODE_MIRROR_KEY,
                                  RELAYED_EPOCH_KEY, alarm_key, alarm_watchers_key, fence_count_key, heartbeat_key,
                                  log_count_key, log_entry_key, node_key, relayed_alarm_key)
 from ntp_ds.control.liveness import Beat, LivenessMonitor
-from ntp_ds.control.node_local import NodeLocal
+from ntp_ds.control.node_local import SHARED_AGE_S, NodeLocal
 from ntp_ds.control.node_store import PERIOD_S, MirrorView, list_watched
 from ntp_ds.envs import NODE_SIZE_ENV
 
@@ -50,9 +50,6 @@ cheaper (W / ALARM_BUCKET keys) and each stop wake more bucket-mates."""
 NODE_PUBLISH_S = PERIOD_S
 """How often a launcher publishes its node's liveness key before its workers have said how often they beat
 (`node_store.NodeMirror.period_s`)."""
-SHARED_AGE_S = 0.05
-"""Oldest copy a read that wants the news (a fast poll, an alarm's, a recovery's) takes from a node-mate's read of
-the same keys (`NodeLocal.read`) instead of reading the job's store itself."""
 NODE_STALE_S = 1.0
 """A node key unchanged for this long (its launcher is gone or hung) is bypassed: its ranks are read per rank."""
 
@@ -176,6 +173,20 @@ def register_alarm_watcher(store, rank: int) -> None:
         store.append(ALARM_BUCKETS_KEY, f"{bucket} ")
 
 
+def woken_epoch(store, key: str, seen: int, epoch: int, read: Callable[[], int]) -> int | None:
+    """After a wait on alarm key `key` ended, with `epoch` read since: the epoch now, or None where it has not moved
+    past `seen` (a waiter's stop set the key, not a raise: the key is cleared to wait again). A raise whose key write
+    the delete undid has moved the epoch by the second `read`: the key is then written again for the other waiters."""
+    if epoch != seen:
+        return epoch
+    store.delete_key(key)
+    epoch = read()
+    if epoch == seen:
+        return None
+    store.set(key, "1")
+    return epoch
+
+
 def raise_alarm(store) -> None:
     """Wake every watching heartbeat now: it polls its peers at once instead of at its backed-off pace. Call after
     the record that is news (an exit, a fence request), so a woken watcher reads it. The epoch moves first, so a
@@ -235,13 +246,9 @@ class AlarmRelay:
                 store.wait([key], timedelta(seconds=ALARM_WAIT_S))
                 if self._stop.is_set():
                     return
-                epoch = alarm_epoch(store)
-                if epoch == self.epoch:  # a bucket-mate's stop: clear the key, and set it again if a raise came
-                    store.delete_key(key)
-                    epoch = alarm_epoch(store)
-                    if epoch == self.epoch:
-                        continue
-                    store.set(key, "1")
+                epoch = woken_epoch(store, key, self.epoch, alarm_epoch(store), lambda: alarm_epoch(store))
+                if epoch is None:  # a bucket-mate's stop
+                    continue
                 self.node_store.set(RELAYED_EPOCH_KEY, str(epoch))  # first: a woken worker finds it moved
                 fresh = range(self.epoch + 1, epoch + 1)
                 self.node_store.multi_set([relayed_alarm_key(e) for e in fresh], ["1"] * len(fresh))
@@ -432,21 +439,17 @@ class LivenessReader:
             if not self.store.check(keys):  # a launcher has not published yet: read per rank meanwhile
                 return self._per_rank(ranks, fences)
             self._present.update(keys)
-        if copy is not None and self.mirror is not None:  # the node's union: copied nodes exist (never deleted)
+        if copy is not None:  # the node's union: copied nodes exist (never deleted)
             union = sorted(copy.nodes.keys() | set(nodes))
-            values = self._shared().read(self.store, [node_key(n) for n in union] + counts, SHARED_AGE_S)
+            values = self.shared().read(self.store, [node_key(n) for n in union] + counts, SHARED_AGE_S)
             raw = dict(zip(union, values))
             return self._view(ranks, nodes, [raw[n] for n in nodes], int(values[-2]), int(values[-1]))
         values = self.store.multi_get(keys)
         return self._view(ranks, nodes, values[:-2], int(values[-2]), int(values[-1]))
 
-    def _shared(self) -> NodeLocal:
-        """The node's store, through which this node's ranks share their reads of the job's store."""
-        return NodeLocal(self.mirror, self.node_size, clock=self._clock)
-
     def shared(self) -> NodeLocal | None:
         """The node's store, for the reads of the job's store its ranks make together; None: none (or it failed)."""
-        return self._shared() if self.mirror is not None else None
+        return NodeLocal(self.mirror, self.node_size, clock=self._clock) if self.mirror is not None else None
 
     def _copy(self) -> MirrorView | None:
         """The launcher's copy in the node's store, or None: none yet, or the node's store failed (then the job's
@@ -474,8 +477,7 @@ class LivenessReader:
     def _view(self, ranks: list[int], nodes: list[int], raws, exits: int, fences: int) -> LivenessView:
         now, wanted = self._clock(), set(ranks)
         beats: dict[int, Beat] = {}
-        catch_up((self.exits, exits), (self.fences, fences),
-                 node=self._shared() if self.mirror is not None else None)
+        catch_up((self.exits, exits), (self.fences, fences), node=self.shared())
         exited = dict(self.exits.entries)
         stale: list[int] = []
         for node, raw in zip(nodes, raws):

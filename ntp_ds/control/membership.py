@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 from ntp_ds.control.keys import decision_key, membership_key
-from ntp_ds.control.node_local import NodeLocal
+from ntp_ds.control.node_local import SHARED_AGE_S, NodeLocal
 
 
 class StaleGeneration(ValueError):
@@ -192,9 +192,6 @@ def decide(generation: int, members: Sequence[int], reports: Sequence[FailureRep
 
 
 
-SHARED_DECISION_AGE_S = 0.05
-"""Oldest look of a node-mate at the decision key (`NodeLocal.read`) a report takes instead of its own: a report made
-after the decision is ignored by it, and its rank reports again in the next generation."""
 POLL_RATE_PER_S = 20_000
 """Polls per second the waiters of one barrier (or decision) send the store in all, once backed off."""
 MIN_POLL_S = 0.01
@@ -281,10 +278,7 @@ class BarrierWait:
         if int(local.add(f"{name}/count", 1)) < hi - lo:
             return False
         if self.store.add(f"{name}/node/{self.rank // self.node.size}", 1) == 1:
-            n = len(self.ranks)
-            for leaf in range(lo // fanout, (hi - 1) // fanout + 1):  # a node's ranks span one leaf or two
-                first, last = max(lo, leaf * fanout), min(hi, (leaf + 1) * fanout)
-                count_arrival(self.store, name, first, n, fanout, last - first)
+            count_span(self.store, name, lo, hi, len(self.ranks), fanout)
         return True
 
     def poll(self) -> float | None:
@@ -312,6 +306,16 @@ class BarrierWait:
         pause = min(self._pause, self.deadline - now)
         self._pause = min(2 * self._pause, self._max_poll_s)
         return pause
+
+
+def count_span(store, name: str, lo: int, hi: int, n: int, fanout: int = BARRIER_FANOUT) -> bool:
+    """Count the arrival of the [lo, hi)-th of the `n` (sorted) ranks of barrier `name` at once (a node's: they span
+    one leaf counter or two), one add per leaf; return whether this ended the barrier."""
+    last = False
+    for leaf in range(lo // fanout, (hi - 1) // fanout + 1):
+        first, end = max(lo, leaf * fanout), min(hi, (leaf + 1) * fanout)
+        last |= count_arrival(store, name, first, n, fanout, end - first)
+    return last
 
 
 def count_arrival(store, name: str, index: int, n: int, fanout: int = BARRIER_FANOUT, amount: int = 1) -> bool:
@@ -400,7 +404,8 @@ class Membership:
             return False
         self._check_generation(generation)
         ranks = frozenset(r for r in ranks if self.is_member(r))
-        if not ranks or self.decision(generation, SHARED_DECISION_AGE_S) is not None:
+        # (a node-mate's look at the decision will do: a report made after it is ignored, and made again next time)
+        if not ranks or self.decision(generation, SHARED_AGE_S) is not None:
             return False
         # A death in a report read already is claimed: only the others are (a claim is a write to the dead rank's
         # key, which every survivor that learns of the death would otherwise make).
@@ -478,15 +483,11 @@ class Membership:
             elif len(dead) < hi - lo:
                 continue
             closed.add(n)
-            if int(self.store.add(f"{acks}/node/{n}", 1)) != 1:  # acknowledged already (by a node-mate or a reporter)
-                if n == own:
-                    node.store.set(f"{acks}/closed", "1")
-                continue
+            first = int(self.store.add(f"{acks}/node/{n}", 1)) == 1  # (else a node-mate or a reporter did)
             if n == own:
                 node.store.set(f"{acks}/closed", "1")
-            for leaf in range(lo // BARRIER_FANOUT, (hi - 1) // BARRIER_FANOUT + 1):
-                first, end = max(lo, leaf * BARRIER_FANOUT), min(hi, (leaf + 1) * BARRIER_FANOUT)
-                last |= count_arrival(self.store, acks, first, len(self.members), BARRIER_FANOUT, end - first)
+            if first:
+                last |= count_span(self.store, acks, lo, hi, len(self.members))
         return last
 
     def _acknowledge(self, generation: int, rank: int) -> bool:

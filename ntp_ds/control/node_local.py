@@ -30,6 +30,9 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger("ntp_ds.control.heartbeat")
 
+SHARED_AGE_S = 0.05
+"""Oldest copy a read that wants the news (a fast poll, an alarm's, a recovery's, a report's look at the decision)
+takes from a node-mate's read of the same keys instead of reading the job's store itself."""
 CLAIM_WAIT_S = 0.5
 """Longest wait of a rank for the copy a node-mate claimed (one read of the job's store on the same node's behalf):
 past it, the rank reads the job's store itself."""
