@@ -22,6 +22,9 @@ recovery planning, the per-step control bytes.
 
 The figures at 100,000 ranks are extrapolated from the two largest sizes at which every survivor got through, per
 failure as a + b W (the formula is printed; n/a with fewer than two); the steady state's rate per rank times 100,000.
+At every size the launchers keep the period a 100,000-rank job's launchers keep (`node_store.launcher_period_s`: the
+job's store's budget between failures makes it longer than the workers' beat there), so that the steady state and
+the launchers' share of a failure's requests are the big job's.
 
     python benchmarks/scale.py [--sizes 1024,4096] [--scenarios gpu,node,rack] [--plan-sizes 4096,32768,100000]
                                [--quick] [--timeout-s 300]
@@ -46,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ntp_ds.comm import wire  # noqa: E402
 from ntp_ds.layout import Topology, plan_buddies, plan_gradient_sync  # noqa: E402
+from ntp_ds.control.node_store import launcher_period_s  # noqa: E402
 from ntp_ds.layout.generation import replica_membership  # noqa: E402
 from ntp_ds.testing.shapes import llama_70b, shape_specs, zero_order  # noqa: E402
 
@@ -193,13 +197,15 @@ def failure_case(world: int, scenario: str, timeout_s: float) -> dict:
     from ntp_ds.testing.failure_load import FailureSpec, run_failure
 
     processes = max(2, min(8, world // 512))
-    r = run_failure(FailureSpec(world, scenario, processes=processes, timeout_s=timeout_s))
+    # The launchers keep the period of the job the figures are extrapolated to (longer than this size's own).
+    r = run_failure(FailureSpec(world, scenario, processes=processes, timeout_s=timeout_s, period_nodes=BIG // TP))
     return {"world": world, "scenario": scenario, "processes": processes, "survivors": r.survivors,
             "through": r.through, "decision_s": r.decision_s, "done_s": r.done_s, "req": r.failure_req,
             "bytes": r.failure_bytes, "busy_s": r.server_busy_s, "window_s": r.window_s,
             "steady_busy_s_per_s": r.steady_busy_s_per_s, "attempts": r.attempts,
             "steady_req_per_s": r.steady_req_per_s,
-            "steady_bytes_per_s": r.steady_bytes_per_s, "largest_value": r.largest_value,
+            "steady_bytes_per_s": r.steady_bytes_per_s, "steady_phases": r.steady_phases,
+            "largest_value": r.largest_value,
             "groups": r.bootstrapped_groups, "group_ranks": r.bootstrapped_members, "errors": r.errors[:5],
             "calls": {k: round(v) for k, v in sorted(r.failure_calls.items(), key=lambda kv: -kv[1])[:8]},
             "phases": {k: round(v) for k, v in sorted(r.failure_phases.items(), key=lambda kv: -kv[1])}}
@@ -321,7 +327,8 @@ def main(argv=None) -> int:
     cases: dict[tuple[int, str], dict] = {}
     for world in sizes:
         job_topology(world)  # a bad size fails here, before any case runs
-        print(f"\n== W={world} ({world // TP} replicas x TP {TP}, racks of 4 nodes): every rank runs ==", flush=True)
+        print(f"\n== W={world} ({world // TP} replicas x TP {TP}, racks of 4 nodes): every rank runs; the launchers "
+              f"publish every {launcher_period_s(BIG // TP):g} s, as at {BIG:,} ranks ==", flush=True)
         print(f"{'scenario':<8} {'through':>11} {'tries':>5} {'decision_s':>10} {'done_s':>7} {'req':>9} "
               f"{'req/rank':>8} {'bytes':>11} {'busy_s':>7} {'boot grp/ranks':>14} {'value_B':>8}  heaviest calls "
               f"(from the failure to the last rank through: beats and polls included)", flush=True)
@@ -348,7 +355,9 @@ def main(argv=None) -> int:
             rate = max(c["steady_req_per_s"] for c in steady)
             print(f"steady state: {rate:.0f} requests/s ({rate / world:.2f} per rank), "
                   f"{max(c['steady_bytes_per_s'] for c in steady):.0f} B/s, the store server busy "
-                  f"{max(c['steady_busy_s_per_s'] for c in steady):.2f} s/s", flush=True)
+                  f"{max(c['steady_busy_s_per_s'] for c in steady):.2f} s/s; by whom (requests/s, the busiest case): "
+                  + " ".join(f"{k}={v}" for k, v in max(steady, key=lambda c: c["steady_req_per_s"])
+                             ["steady_phases"].items()), flush=True)
         g = gathered_bytes(world)
         print(f"gathers every rank receives in a recovery: hand-off {g['hand_off']} B, re-slice {g['reslice']} B "
               f"(pickled)", flush=True)

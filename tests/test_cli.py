@@ -50,6 +50,8 @@ def test_unknown_command_and_missing_module(capsys, monkeypatch):
     (["fault=one_crash", "parallel.replicas=1"], None, "fault.faults[0].rank=3"),
     (["parallel.heartbeat_interval_s=5"], None, "parallel.heartbeat_interval_s=5.0 must be smaller"),
     (["parallel.timeout_s=0"], None, "parallel.timeout_s=0.0 must be positive"),
+    (["parallel.heartbeat_timeout_s=1.5"], {"NTP_NODE_SIZE": "8", "WORLD_SIZE": "200000"},
+     "parallel.heartbeat_timeout_s=1.5 must be longer than two of the launchers' periods"),
     (["parallel.control_fanout=1"], None, "parallel.control_fanout=1 must be at least 2"),
     (["train.precision=bf16", "parallel.zero_stage=0"], None, "parallel.zero_stage=0 with train.precision=bf16"),
 ])

@@ -142,3 +142,16 @@ def test_fault_tolerance_settings_are_checked_before_any_process_group(monkeypat
             ntp_ds.initialize(model=full_model(tiny_config()), config=deepspeed_config("sgd", 1, 12, 2),
                               ntp={"tp": 2, "fault_tolerance": settings})
     assert not dist.is_initialized()
+
+
+def test_a_timeout_too_short_for_a_big_jobs_launchers_is_named_before_any_process_group():
+    from ntp_ds.engine.config import FaultToleranceConfig, check_launcher_period
+
+    big = {"NTP_NODE_SIZE": "8", "WORLD_SIZE": "100000"}  # 12,500 nodes: the launchers publish every 1 s
+    with pytest.raises(ConfigError, match=r"ntp.fault_tolerance.heartbeat_timeout_s=2.0 must be longer than two of "
+                                          r"the launchers' periods: 12500 nodes publish their liveness every 1 s"):
+        check_launcher_period(FaultToleranceConfig(heartbeat_timeout_s=2.0), env=big)
+    check_launcher_period(FaultToleranceConfig(), env=big)  # the default 3 s outlasts two periods
+    # A small job's launchers keep the workers' beat: only the interval's own rule applies there.
+    check_launcher_period(FaultToleranceConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=0.9),
+                          env={"NTP_NODE_SIZE": "8", "WORLD_SIZE": "1024"})

@@ -34,6 +34,11 @@ WATCHES_PER_BEAT = 4
 """How often per beat interval a heartbeat thread that watches peers polls them."""
 
 
+SUSPECT_PERIODS = 2.5
+"""A peer silent for half the timeout, or for this many of its launcher's periods where that is longer, is suspect
+(its watcher polls fast)."""
+
+
 def next_pause(pause: float, news: bool, fastest: float, slowest: float) -> float:
     """Back off between two polls: back to `fastest` on news, else twice the last pause, at most `slowest`."""
     return fastest if news else min(2 * pause, slowest)
@@ -297,7 +302,9 @@ class Heartbeat:
                 new |= (set(view.fences) & self._members) - self._reported
             self._reported |= new
             news = (frozenset(view.exited), frozenset(view.fences))
-            half = self.monitor.heartbeat_timeout_s / 2
+            # (A node key moves once per launcher period, and a copy of it may show the same value twice: a silence
+            # of two periods is no news.)
+            half = max(self.monitor.heartbeat_timeout_s / 2, SUSPECT_PERIODS * self.reader.period_s)
             half_hang = (self.monitor.hang_timeout_s or float("inf")) / 2
             suspect = any(self.monitor.silent_for(r) > half or self.monitor.stalled_for(r) > half_hang
                           for r in self.monitor.ranks)

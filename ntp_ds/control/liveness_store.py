@@ -37,7 +37,7 @@ from ntp_ds.control.keys import (ALARM_BUCKETS_KEY, ALARM_EPOCH_KEY, EXITED_KEY,
                                  log_count_key, log_entry_key, node_key, relayed_alarm_key)
 from ntp_ds.control.liveness import Beat, LivenessMonitor
 from ntp_ds.control.node_local import SHARED_AGE_S, NodeLocal
-from ntp_ds.control.node_store import PERIOD_S, MirrorView, list_watched
+from ntp_ds.control.node_store import PERIOD_S, MirrorView, launch_nodes, launcher_period_s, list_watched
 from ntp_ds.envs import NODE_SIZE_ENV
 
 log = logging.getLogger("ntp_ds.control.heartbeat")  # liveness logs under one name, whichever of its modules logs
@@ -51,7 +51,14 @@ NODE_PUBLISH_S = PERIOD_S
 """How often a launcher publishes its node's liveness key before its workers have said how often they beat
 (`node_store.NodeMirror.period_s`)."""
 NODE_STALE_S = 1.0
-"""A node key unchanged for this long (its launcher is gone or hung) is bypassed: its ranks are read per rank."""
+"""A node key unchanged for this long (its launcher is gone or hung) is bypassed: its ranks are read per rank. Two
+launcher periods where the period is longer (`stale_after_s`)."""
+
+
+def stale_after_s(nodes: int | None) -> float:
+    """How long a node key (or the launcher's copy) of a job of `nodes` nodes may stand still before it is
+    bypassed: two of its launchers' periods at the least."""
+    return NODE_STALE_S if nodes is None else max(NODE_STALE_S, 2 * launcher_period_s(nodes))
 
 
 def read_beats(store, ranks: Iterable[int]) -> dict[int, Beat]:
@@ -390,6 +397,8 @@ class LivenessReader:
         if node_size is not None and node_size < 1:
             raise ValueError(f"node_size={node_size} must be a positive number of ranks per node (or None)")
         self.store, self.node_size, self.stale_s, self._clock = store, node_size, stale_s, clock
+        self.period_s = stale_s / 2 if node_size is not None else 0.0
+        """How often a node key moves at the least (its launcher's period): read per rank, as often as each beats."""
         self.mirror = mirror if node_size is not None else None
         """A client of the node's store, whose copy of the node keys (`node_store.NodeMirror`) a read that is not
         `direct` takes instead of the job's store while the copy moves and holds every node wanted; None: none."""
@@ -406,6 +415,7 @@ class LivenessReader:
         size = env.get(NODE_SIZE_ENV)
         if size is not None and (not size.isdigit() or int(size) < 1):
             raise ValueError(f"{NODE_SIZE_ENV}={size!r} must be a positive integer (ranks per node)")
+        kwargs.setdefault("stale_s", stale_after_s(launch_nodes(env)))
         return cls(store, int(size) if size else None, **kwargs)
 
     def want(self, rank: int, ranks: Iterable[int], interval_s: float, watcher: str = "heartbeat") -> None:

@@ -44,12 +44,31 @@ PERIOD_S = 0.5
 """How often a launcher publishes its node's key and copies the keys its workers' watchers poll, until its workers
 have said how often they beat (then: at their shortest beat interval, `NodeMirror.period_s`). Faster costs the
 job's store more (two requests per node per period); slower delays what a watcher sees of a beat by more."""
+STEADY_REQUESTS_PER_S = 25_000
+"""What all the launchers together may ask of the job's store between failures. Each publishes its node's key and
+copies its watchers' keys (two requests) once per period: past STEADY_REQUESTS_PER_S * PERIOD_S / 2 nodes (6,250,
+50,000 GPUs of 8 per node) the period grows with the nodes, so the job's store's load between failures stays flat
+and a beat takes longer to be seen (1 s at 100,000 GPUs; `launcher_period_s`)."""
 NODE_CONNECT_TIMEOUT_S = 60.0
 """Bound on connecting to the node's store for the membership's barriers and acknowledgements (`node_local`): a
 worker that cannot count its acknowledgement there cannot take part (its node-mates count it there)."""
 NODE_STORE_TIMEOUT_S = 2.0
 """Bound on a call to the node's store: it lives on this machine, so a call that takes longer means its launcher
 is gone or stuck (a worker then beats to the job's store)."""
+
+
+def launcher_period_s(nodes: int, interval_s: float = PERIOD_S) -> float:
+    """How often each launcher of a job of `nodes` nodes publishes and copies, its workers beating every
+    `interval_s`: as often as they beat, but no launcher more often than the job's store's budget allows."""
+    return max(interval_s, 2 * nodes / STEADY_REQUESTS_PER_S)
+
+
+def launch_nodes(env: Mapping[str, str] = os.environ) -> int | None:
+    """The launch's number of nodes (`WORLD_SIZE` / `NTP_NODE_SIZE`), or None where a launcher did not say."""
+    size, world = env.get(NODE_SIZE_ENV, ""), env.get(WORLD_SIZE, "")
+    if not (size.isdigit() and world.isdigit()) or int(size) < 1:
+        return None
+    return -(-int(world) // int(size))
 
 
 def host_node_store():
@@ -125,11 +144,14 @@ class NodeMirror:
     those nodes' keys and the two log counters from the job's store in one request, and writes them as one key of
     the node's store (`NODE_MIRROR_KEY`)."""
 
-    def __init__(self, job_store, node_store, ranks: Iterable[int]):
+    def __init__(self, job_store, node_store, ranks: Iterable[int], nodes: int = 1):
         self.job_store, self.node_store, self.ranks = job_store, node_store, tuple(ranks)
+        self.nodes = nodes
+        """The job's nodes: their number bounds the period from below (`launcher_period_s`)."""
         self.seq = 0
-        self.period_s = PERIOD_S
-        """How often to publish and copy: the shortest beat interval of the node's workers, as they listed it."""
+        self.period_s = launcher_period_s(nodes)
+        """How often to publish and copy: the shortest beat interval of the node's workers, as they listed it, or
+        the job's store's budget's period where that is longer."""
         self._present: set[str] = set()  # job-store keys seen to exist (node keys are never deleted)
 
     def watched(self) -> set[int]:
@@ -141,7 +163,7 @@ class NodeMirror:
             raws = [self.node_store.get(k) for k in keys if self.node_store.check([k])]
         listed = [json.loads(raw) for raw in raws]
         if listed:
-            self.period_s = min(entry["interval_s"] for entry in listed)
+            self.period_s = launcher_period_s(self.nodes, min(entry["interval_s"] for entry in listed))
         return {n for entry in listed for n in entry["nodes"]}
 
     def refresh(self) -> MirrorView:

@@ -199,6 +199,7 @@ class NTPConfig(ReplicaConfig):
             raise ConfigError(f"ntp.control_fanout={self.control_fanout} must be at least 2")
         self.straggler.validate()
         self.fault_tolerance.validate()
+        check_launcher_period(self.fault_tolerance)
         degrees = self.replica_degrees
         if len(degrees) != self.replicas:
             raise ConfigError(f"ntp.degrees={list(degrees)} lists {len(degrees)} replicas but "
@@ -209,6 +210,23 @@ class NTPConfig(ReplicaConfig):
         if world_size is not None and world_size != sum(degrees):
             raise ConfigError(f"world size {world_size} does not match the topology: degrees {list(degrees)} "
                               f"need {sum(degrees)} processes")
+
+
+def check_launcher_period(liveness: LivenessConfig, where: str = "ntp.fault_tolerance",
+                          env: Mapping[str, str] = os.environ) -> None:
+    """In a job so large that its launchers publish less often than its workers beat (`launcher_period_s`), a
+    timeout must outlast two of their periods: a live node's key moves only once a period."""
+    from ntp_ds.control.node_store import launch_nodes, launcher_period_s
+
+    nodes = launch_nodes(env)
+    if nodes is None:
+        return
+    period = launcher_period_s(nodes, liveness.heartbeat_interval_s)
+    if period > liveness.heartbeat_interval_s and liveness.heartbeat_timeout_s <= 2 * period:
+        raise ConfigError(f"{where}.heartbeat_timeout_s={liveness.heartbeat_timeout_s} must be longer "
+                          f"than two of the launchers' periods: {nodes} nodes publish their liveness every "
+                          f"{period:g} s (the job's store's budget between failures), so set it above "
+                          f"{2 * period:g} s")
 
 
 def load_deepspeed_config(config) -> dict:

@@ -20,7 +20,7 @@ from typing import Any
 from ntp_ds.batch import POLICIES
 from ntp_ds.control.faults import FaultSchedule
 from ntp_ds.engine.config import (ConfigError, FaultToleranceConfig, LivenessConfig, NTPConfig, ReplicaConfig,
-                                  check_batch, load_deepspeed_config)
+                                  check_batch, check_launcher_period, load_deepspeed_config)
 from ntp_ds.layout import LayoutError, Topology
 from ntp_ds.models import LlamaConfig
 from ntp_ds.schema import SchemaError, build, register
@@ -373,6 +373,7 @@ class RunConfig:
             raise ConfigError(f"parallel.heartbeat_interval_s={p.heartbeat_interval_s} must be smaller than "
                               f"parallel.heartbeat_timeout_s={p.heartbeat_timeout_s} (a live worker beats several "
                               f"times per timeout)")
+        check_launcher_period(p, "parallel")
         ntp = p.ntp()
         try:
             ntp.validate(None)

@@ -275,7 +275,7 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1, finish=None) -> int:
             ranks = range(first, first + spec.nproc_per_node)
             node_store, node_address = host_node_store()
             publisher = NodePublisher(store, spec.node_rank, ranks, beats_from=node_store)
-            mirror = NodeMirror(store, node_store, ranks)
+            mirror = NodeMirror(store, node_store, ranks, nodes=spec.nnodes)
             # The job's alarms reach the node's workers through the node's store: one wait in the job's store per
             # node, not per worker (started before them: a worker waits on the relay it finds when it starts).
             relay = AlarmRelay(store, node_store, first,

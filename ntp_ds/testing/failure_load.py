@@ -44,18 +44,17 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch.distributed as dist
-
 from ntp_ds.control.heartbeat import WATCHES_PER_BEAT, Heartbeat, next_pause
 from ntp_ds.control.liveness import LivenessMonitor
 from ntp_ds.control.liveness_store import (NODE_PUBLISH_S, AlarmRelay, JobLog, LivenessReader, NodePublisher,
-                                           prepare_store, record_exit, request_fence)
+                                           prepare_store, record_exit, request_fence, stale_after_s)
 from ntp_ds.control.keys import FENCE_KEY, barrier_key
-from ntp_ds.control.node_store import NodeMirror
+from ntp_ds.control.node_store import NodeMirror, launcher_period_s
 from ntp_ds.control.membership import BarrierWait, Membership
 from ntp_ds.control.node_local import NodeLocal
 from ntp_ds.control.store import connect_store, forget_generation
 from ntp_ds.recovery.watch import another_suspect
+from ntp_ds.testing.local_store import LocalStore
 from ntp_ds.testing.spawn import start_with_pipes
 
 SCENARIOS = ("gpu", "node", "rack")
@@ -76,18 +75,27 @@ class FailureSpec:
     """Event-loop pairs per process."""
     interval_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
-    steady_s: float = 4.0
-    """Steady state before the failure: its rates are measured over the part after `warm_s`."""
+    steady_s: float = 4.5
+    """Steady state before the failure: its rates are measured over the part after `warm_s`, a whole number of the
+    launchers' periods (each launcher's requests come once a period: a window of 2.5 periods would count 2 or 3)."""
     warm_s: float = 1.5
     """The start of the steady state left out of its rates: every watcher's first polls (fast, to the job's store,
     and each reader's one-time existence checks) are the job's start, not its steady state."""
     timeout_s: float = 120.0
     seed: int = 0
+    period_nodes: int | None = None
+    """The launchers publish and copy at the period of a job of this many nodes (`node_store.launcher_period_s`),
+    and watchers bypass a node key as its readers would (`stale_after_s`): None, this job's own. `scale.py` plays
+    the period a 100,000-rank job keeps, whose figures it extrapolates."""
 
     def __post_init__(self):
         if self.scenario not in SCENARIOS:
             raise ValueError(f"scenario={self.scenario!r} must be one of {', '.join(SCENARIOS)}")
         nodes = self.world // self.tp
+        periods = (self.steady_s - self.warm_s) / self.launcher_period_s
+        if abs(periods - round(periods)) > 1e-6 or round(periods) < 1:
+            raise ValueError(f"steady_s={self.steady_s} - warm_s={self.warm_s} must be a whole number of the "
+                             f"launchers' periods ({self.launcher_period_s:g} s)")
         if self.world % self.tp or nodes < 3 * self.rack_nodes:
             raise ValueError(f"world={self.world} must be a multiple of tp={self.tp} with at least three racks of "
                              f"{self.rack_nodes} nodes")
@@ -95,6 +103,10 @@ class FailureSpec:
     @property
     def nodes(self) -> int:
         return self.world // self.tp
+
+    @property
+    def launcher_period_s(self) -> float:
+        return launcher_period_s(self.period_nodes or self.nodes, self.interval_s)
 
     def victims(self) -> tuple[int, ...]:
         """The ranks the failure takes: rank 3 of the middle node, that node, or its rack."""
@@ -216,11 +228,14 @@ class _Share:
         self.beat_store.tag = "launcher"  # (the beats go to the node's store: this client is its launchers')
         self.ranks = [n * spec.tp + i for n in nodes for i in range(spec.tp)]
         # Each node's own store (`ntp-ds launch` hosts it on the node): its requests never reach the job's store.
-        self.node_stores = {n: dist.HashStore() for n in nodes}
+        # (`LocalStore`: HashStore's answers, without its wake of every waiter at every write.)
+        self.node_stores = {n: LocalStore() for n in nodes}
         self.publishers = {n: NodePublisher(self.beat_store, n, range(n * spec.tp, (n + 1) * spec.tp),
                                             beats_from=self.node_stores[n]) for n in nodes}
-        self.mirrors = {n: NodeMirror(self.beat_store, self.node_stores[n], range(n * spec.tp, (n + 1) * spec.tp))
-                        for n in nodes}
+        period_nodes = spec.period_nodes or spec.nodes
+        self.mirrors = {n: NodeMirror(self.beat_store, self.node_stores[n], range(n * spec.tp, (n + 1) * spec.tp),
+                                      nodes=period_nodes) for n in nodes}
+        stale_s = stale_after_s(period_nodes)
         self.fence_logs = {n: JobLog(self.beat_store, FENCE_KEY) for n in nodes}
         settle_s = spec.heartbeat_timeout_s / 2 + spec.interval_s
         members = tuple(range(spec.world))  # one tuple and one set for every rank (a rank's own copies, W long each,
@@ -237,7 +252,7 @@ class _Share:
         for rank in self.ranks:
             local = self.node_stores[rank // spec.tp]
             self.beaters[rank] = Heartbeat(self.beat_store, rank, spec.interval_s, beats_to=local)
-            reader = LivenessReader(self.watch_store, spec.tp, mirror=local)
+            reader = LivenessReader(self.watch_store, spec.tp, mirror=local, stale_s=stale_s)
             monitor = LivenessMonitor((), spec.heartbeat_timeout_s)
             hb = Heartbeat(self.watch_store, rank, spec.interval_s, monitor=monitor, reader=reader,
                            on_dead=lambda ranks, wall, r=rank: self._dead(r, ranks, wall), alarms_from=local)
@@ -246,7 +261,7 @@ class _Share:
             self.heartbeats[rank] = hb
             node = NodeLocal(local, spec.tp, spec.world)  # (as `Recovery`: barriers and acks meet in the node store)
             self.memberships[rank] = Membership(self.watch_store, rank, members, settle_s=settle_s, node=node)
-            self.detectors[rank] = Detector(LivenessReader(self.watch_store, spec.tp, mirror=local),
+            self.detectors[rank] = Detector(LivenessReader(self.watch_store, spec.tp, mirror=local, stale_s=stale_s),
                                             heartbeat_timeout_s=spec.heartbeat_timeout_s,
                                             heartbeat_interval_s=spec.interval_s,
                                             first_beat_timeout_s=spec.heartbeat_timeout_s,
@@ -537,6 +552,8 @@ class FailureResult:
     errors: list = field(default_factory=list)
     largest_value: int = 0
     attempts: int = 1
+    steady_phases: dict = field(default_factory=dict)
+    """The steady state's requests per second by who made them (the tags of `failure_phases`)."""
     """The most attempts any survivor's recovery took."""
     bootstrapped_groups: int = 0
     bootstrapped_members: int = 0
@@ -594,8 +611,10 @@ def _result(spec, outs, start, fail_at, cpu_start, cpu_fail, cpu_end) -> Failure
     decided = [p[1] for p in paths.values() if p[1] is not None]
     last = max(done) if done else max(o["total"]["at"] for o in outs)
     window = last - fail_at
-    calls, tags = Counter(), Counter()
+    calls, tags, steady_tags = Counter(), Counter(), Counter()
     for o in outs:
+        steady_tags.update(o["steady"]["tags"])
+        steady_tags.subtract(o["warm"]["tags"])
         calls.update(o["total"]["calls"])
         calls.subtract(o["steady"]["calls"])
         tags.update(o["total"]["tags"])
@@ -617,7 +636,8 @@ def _result(spec, outs, start, fail_at, cpu_start, cpu_fail, cpu_end) -> Failure
                                                                         paths.items() if p[3]],
                          largest_value=max(o["total"]["largest"] for o in outs),
                          attempts=max((p[4] for p in paths.values()), default=1),
-                         bootstrapped_groups=groups, bootstrapped_members=members)
+                         bootstrapped_groups=groups, bootstrapped_members=members,
+                         steady_phases={k: round(v / steady_s, 1) for k, v in steady_tags.items() if v})
 
 
 def bootstraps(spec: FailureSpec) -> tuple[int, int]:

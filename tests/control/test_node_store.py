@@ -193,3 +193,29 @@ def test_node_store_over_tcp_and_its_absence():
         time.sleep(0.01)
     assert mirror.refresh().nodes == {1: '{"seq":1,"beats":{},"exited":{}}'}
     assert mirror.period_s == 0.2  # the node's shortest beat interval
+
+
+def test_past_the_job_stores_budget_the_launchers_publish_less_often_and_readers_wait_longer():
+    from ntp_ds.control.liveness_store import NODE_STALE_S
+    from ntp_ds.control.node_store import STEADY_REQUESTS_PER_S, launcher_period_s
+
+    # Up to the budget the launchers keep their workers' beat; past it, two requests per node per period fill it.
+    assert launcher_period_s(6_250, 0.5) == 0.5 and launcher_period_s(128, 0.2) == 0.2
+    assert launcher_period_s(12_500, 0.5) == 1.0 and launcher_period_s(25_000, 0.5) == 2.0
+    for nodes in (10_000, 12_500, 40_000):
+        assert 2 * nodes / launcher_period_s(nodes, 0.5) <= STEADY_REQUESTS_PER_S * (1 + 1e-9)
+    job, local = dist.HashStore(), dist.HashStore()
+    prepare_store(job)
+    big = NodeMirror(job, local, range(8), nodes=12_500)
+    assert big.period_s == 1.0
+    local.set(watching_key(0, "heartbeat"), json.dumps({"nodes": [1], "interval_s": 0.25}))
+    big.watched()
+    assert big.period_s == 1.0  # a faster beat does not make the launchers exceed the budget
+    small = NodeMirror(job, local, range(8), nodes=4)
+    assert small.period_s == 0.5  # (before its workers list their beat: PERIOD_S)
+    small.watched()
+    assert small.period_s == 0.25
+    # A reader started by a launcher of a big job bypasses a node key only after two of its launchers' periods.
+    env = {"NTP_NODE_SIZE": "8", "WORLD_SIZE": "100000"}
+    assert LivenessReader.from_env(job, env).stale_s == 2.0
+    assert LivenessReader.from_env(job, {"NTP_NODE_SIZE": "8", "WORLD_SIZE": "1024"}).stale_s == NODE_STALE_S
