@@ -660,6 +660,7 @@ class DecisionWait:
         self.deadline = membership._clock() + timeout_s
         self._first_seen: float | None = None
         self._seen, self._everyone, self._reports, self._pause = 0, False, [], membership.poll_s
+        self._look_again: float | None = None
         # The reports' count is read with the events (one request): the reports read when the events move are then
         # at least those the events announced, whoever's read of the node's ranks it was.
         self._counters = [membership._events_key(generation), f"{membership._acks_key(generation)}/done",
@@ -682,12 +683,19 @@ class DecisionWait:
         events, everyone, filed = (int(v) for v in values)
         if events != self._seen:
             self._seen, self._pause = events, m.poll_s
+            # A node-mate's look at the decision may have begun before the commit these events announce: once no
+            # look from before this read can serve (an age later), look again.
+            self._look_again = m._clock() + age if m.node is not None else None
             change = m.decision(g, age)
             if change is not None:
                 return change
             self._reports = m.reports(g, age, filed)
             if not everyone and m._close_nodes(g):  # a report read makes a node's acknowledgement complete
                 return m._commit(g, m.reports(g))
+        elif self._look_again is not None and m._clock() > self._look_again:
+            self._look_again = None
+            if (change := m.decision(g, age)) is not None:
+                return change
         now = m._clock()
         if everyone and not self._everyone:  # the decision is due now: look again soon
             self._everyone, self._pause = True, m.poll_s
@@ -706,6 +714,8 @@ class DecisionWait:
             raise MembershipTimeout(f"no failure was reported in generation {g} within {self.timeout_s}s")
         else:
             wake = self.deadline
+        if self._look_again is not None:
+            wake = min(wake, self._look_again + MIN_POLL_S)
         pause = max(0.0, min(self._pause, wake - now))
         self._pause = min(2 * self._pause, m.max_poll_s)
         return pause

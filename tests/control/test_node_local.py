@@ -140,3 +140,30 @@ def test_a_decision_awaited_through_the_node_costs_the_job_store_about_one_poll_
             break
         clock.now += 0.05
     assert all(o.dead == {15} for o in outcomes)
+
+
+def test_a_decision_committed_just_after_a_node_mates_look_reaches_the_node_within_the_age_not_the_settle_window():
+    # Rank 1 looks at the decision (none yet) on its node's behalf; rank 9, elsewhere, commits it and moves the
+    # events; rank 0 sees the events move and takes rank 1's look, which began before the commit. It must look
+    # again once that look is too old to serve, not wait for the settle window (2.0 s here).
+    job, clock, local = dist.HashStore(), Clock(), dist.HashStore()
+    node = NodeLocal(local, 8, clock=clock, sleep=clock.sleep)
+    members = range(16)
+    waiter, looker = (Membership(job, r, members, settle_s=1.0, clock=clock, sleep=clock.sleep, node=node)
+                      for r in (0, 1))
+    other = Membership(job, 9, members, settle_s=1.0, clock=clock, sleep=clock.sleep)
+    wait = waiter.decision_wait(0, 30.0)
+    assert isinstance(wait.poll(), float)
+    other.report_failure(0, {15}, time.time(), "gone")  # the report moves the events
+    clock.now += 0.05
+    age = 0.02
+    assert looker.decision(0, age) is None  # a look on the node's behalf, before the commit
+    other._commit(0, other.reports(0))  # the commit moves the events again
+    started = clock.now
+    for _ in range(200):
+        outcome = wait.poll()
+        if not isinstance(outcome, float):
+            break
+        clock.now += max(outcome, 0.001)
+    assert not isinstance(outcome, float) and outcome.dead == {15}
+    assert clock.now - started < 0.5, clock.now - started  # an age or so, not the settle window
