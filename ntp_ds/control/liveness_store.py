@@ -23,6 +23,7 @@ Ranks here are launch ranks (the RANK a worker started with): they name a worker
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -374,6 +375,18 @@ class NodePublisher:
         return liveness
 
 
+# A copy and a node's key move once per launcher period, and a quiet watcher polls twice as often: what was decoded
+# is decoded once per value (a copy holds every node its node's ranks watch, kilobytes of JSON). Read-only once made.
+@functools.lru_cache(maxsize=4096)
+def _decoded_node(raw: bytes | str) -> NodeLiveness:
+    return NodeLiveness.decode(raw)
+
+
+@functools.lru_cache(maxsize=64)
+def _decoded_copy(raw: bytes) -> MirrorView:
+    return MirrorView.decode(raw)
+
+
 @dataclass(frozen=True)
 class LivenessView:
     """One read of the store for a watcher: beats of the watched ranks, exits and fence requests."""
@@ -466,7 +479,7 @@ class LivenessReader:
         store serves from now on)."""
         try:
             raw = self.mirror.compare_set(NODE_MIRROR_KEY, "\0", "\0")  # (one request: the value, or "\0")
-            return None if raw == b"\0" else MirrorView.decode(raw)
+            return None if raw == b"\0" else _decoded_copy(raw)
         except Exception as err:
             log.warning("reading peers from the job's store: the node's store failed (%s)", err)
             self.mirror = None
@@ -491,7 +504,7 @@ class LivenessReader:
         exited = dict(self.exits.entries)
         stale: list[int] = []
         for node, raw in zip(nodes, raws):
-            liveness = NodeLiveness.decode(raw)
+            liveness = _decoded_node(raw)
             latest = self._latest.get(node)
             if latest is not None and liveness.seq < latest.seq:  # a copy older than a key read before
                 liveness = latest

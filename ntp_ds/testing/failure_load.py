@@ -351,9 +351,10 @@ class _Share:
                     push(fail_at + 0.05, "exit", r)
         else:
             for r in self.paths:
-                push(start + rng.uniform(0, spec.interval_s), "watch", r)
+                push(start + rng.uniform(0, spec.interval_s), "watch", (r, 0))
             push(start, "wake", -1)
         pause = {r: fastest for r in self.ranks}
+        chain = dict.fromkeys(self.ranks, 0)  # each rank's current chain of polls: an alarm starts a new one
         while queue:
             due, _, kind, who = heapq.heappop(queue)
             if due >= end or self._finished(loop, fail_at):
@@ -384,17 +385,19 @@ class _Share:
                 with self._wake_lock:
                     woken, self.wake = self.wake, set()
                 for r in woken:
-                    if r in self.paths:
+                    if r in self.paths:  # its next poll comes now, in place of the one due (one watching thread)
                         pause[r] = fastest
-                        push(time.monotonic(), "watch", r)
+                        chain[r] += 1
+                        push(time.monotonic(), "watch", (r, chain[r]))
                 push(time.monotonic() + 0.01, "wake", -1)
             elif kind == "watch":
+                who, link = who
                 path = self.paths[who]
-                if path.phase == "done" or path.error:
+                if path.phase == "done" or path.error or link != chain[who]:  # (a poll an alarm brought forward)
                     continue
                 news = self.heartbeats[who].poll_peers(direct=pause[who] == fastest)  # (as `Heartbeat._run`)
                 pause[who] = next_pause(pause[who], news, fastest, spec.interval_s)
-                push(time.monotonic() + pause[who], "watch", who)
+                push(time.monotonic() + pause[who], "watch", (who, link))
                 if path.phase == "notice":
                     path.phase = "detect"
                     push(time.monotonic(), "path", who)
