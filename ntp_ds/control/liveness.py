@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 log = logging.getLogger("ntp_ds.control.heartbeat")  # liveness logs under one name, whichever of its modules logs
@@ -177,7 +177,8 @@ class LivenessMonitor:
 
     def retain(self, ranks: Iterable[int]) -> None:
         """Watch only `ranks` from now on (the survivors after a membership change)."""
-        keep = ranks if isinstance(ranks, (set, frozenset)) else set(ranks)  # (the survivors: W long, not copied)
+        # (the survivors: W long, not copied; a container that answers `in` without a set, as `detect.Among`)
+        keep = ranks if isinstance(ranks, Container) and not isinstance(ranks, Sequence) else set(ranks)
         for table in (self._changed_at, self._counter, self._exited, self._progress):
             for rank in [r for r in table if r not in keep]:
                 del table[rank]

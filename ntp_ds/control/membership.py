@@ -38,6 +38,7 @@ flood the store.
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import operator
 import threading
@@ -109,6 +110,12 @@ class MembershipChange:
         survivors = tuple(chain.from_iterable(range(first, last + 1) for first, last in d["survivor_runs"]))
         return cls(d["generation"], frozenset(d["dead"]), survivors, d["detection_s"], d["reason"],
                    tuple((int(r), float(t)) for r, t in d["detected_at"]))
+
+
+@functools.lru_cache(maxsize=4)
+def _decoded_change(raw: str) -> MembershipChange:
+    """A decision, decoded once per process (immutable: the ranks of a process that read it share it)."""
+    return MembershipChange.decode(raw)
 
 
 def _contains(ranks: Sequence[int], rank: int) -> bool:
@@ -560,7 +567,7 @@ class Membership:
         if generation not in self._decided:
             raw = raw.decode() if isinstance(raw, bytes) else raw
             won = proposed is not None and raw == sent
-            self._decided[generation] = proposed if won else MembershipChange.decode(raw)
+            self._decided[generation] = proposed if won else _decoded_change(raw)
         return self._decided[generation]
 
     def _propose(self, generation: int, change: MembershipChange) -> MembershipChange:

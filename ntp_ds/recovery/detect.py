@@ -8,6 +8,7 @@ attempt to the next.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, Iterable
 
@@ -137,6 +138,17 @@ class Detector:
             self.sleep(pause)
 
 
+class Among:
+    """Sorted member ranks (W long), asked whether they hold a rank (by bisection), without `but`."""
+
+    def __init__(self, members: tuple[int, ...], but: int | None = None):
+        self.members, self.but = members, but
+
+    def __contains__(self, rank) -> bool:
+        i = bisect.bisect_left(self.members, rank)
+        return rank != self.but and i < len(self.members) and self.members[i] == rank
+
+
 class Detection:
     """`Detector.detect`, one poll at a time: `poll` returns the seconds to pause before the next, or None once
     `result` (the dead and why) is known; it raises the rank's own `error` when nobody is found dead in time. (The
@@ -146,8 +158,9 @@ class Detection:
         self.detector, self.membership, self.error = detector, membership, error
         self.deadline = detector.clock() + 2 * detector.heartbeat_timeout_s + detector.collective_timeout_s
         self._pause = 0.05
-        self._members = set(membership.members)  # after a failed confirm, the generation it adopted
-        detector.monitor.retain(self._members - {membership.rank})
+        # (after a failed confirm, the generation it adopted; asked about a few ranks at a time: not copied)
+        self._members = Among(membership.members)
+        detector.monitor.retain(Among(membership.members, but=membership.rank))
         detector.list_watched(membership.rank)
         self._dead: frozenset[int] = frozenset()
         self._reasons: dict[int, str] = {}
@@ -163,7 +176,7 @@ class Detection:
         dead, self._reasons = d.poll_dead(members)
         # (the node's ranks read the reports together: a read at most a pause old, `NodeLocal.read`)
         reported = {r for rep in membership.reports(membership.generation, self._pause) for r in rep.ranks}
-        self._dead = dead | ((reported | set(d.declared)) & members)
+        self._dead = dead | {r for r in reported | d.declared.keys() if r in members}
         suspects = [r for r in seen.ranks if r not in self._dead and seen.silent_for(r) > d.heartbeat_timeout_s / 2]
         if self._dead and not suspects:
             return self._end()
