@@ -205,6 +205,7 @@ def failure_case(world: int, scenario: str, timeout_s: float) -> dict:
             "steady_busy_s_per_s": r.steady_busy_s_per_s, "attempts": r.attempts,
             "steady_req_per_s": r.steady_req_per_s,
             "steady_bytes_per_s": r.steady_bytes_per_s, "steady_phases": r.steady_phases,
+            "retries": sorted(r.retries, key=lambda e: int(e.split("attempt ")[1].split()[0]))[-3:],
             "largest_value": r.largest_value,
             "groups": r.bootstrapped_groups, "group_ranks": r.bootstrapped_members, "errors": r.errors[:5],
             "calls": {k: round(v) for k, v in sorted(r.failure_calls.items(), key=lambda kv: -kv[1])[:8]},
@@ -350,6 +351,8 @@ def main(argv=None) -> int:
                   + " ".join(f"{k}={v / world:.1f}" for k, v in c.get("phases", {}).items()), flush=True)
             for e in c["errors"]:
                 print(f"    error: {e}", flush=True)
+            for e in c.get("retries", ()):
+                print(f"    tried again: {e}", flush=True)
         steady = [c for (w, _), c in cases.items() if w == world and "req" in c]
         if steady:
             rate = max(c["steady_req_per_s"] for c in steady)

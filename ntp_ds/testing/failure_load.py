@@ -243,6 +243,9 @@ class _Share:
         self.beaters, self.heartbeats, self.memberships, self.detectors = {}, {}, {}, {}
         self.paths = {r: RankPath() for r in self.ranks if r not in self.victims}
         self.errors: list[str] = []
+        self.retries: list[str] = []
+        """Why ranks tried again: the first few, and the first of each new attempt number."""
+        self.retried: set[int] = set()
         self.alarm_clients: list[MeteredClient] = []
         self.relays: dict[int, AlarmRelay] = {}
         self.wake: set[int] = set()
@@ -473,6 +476,9 @@ class _Share:
             if isinstance(err, BarrierTimeout) and err.missing:
                 request_fence(self.watch_store, d.missed(err), f"{err} (seen by rank {rank})")
             path.attempts += 1
+            if len(self.retries) < 3 or path.attempts > max(self.retried, default=1):
+                self.retried.add(path.attempts)
+                self.retries.append(f"rank {rank}, attempt {path.attempts} after {path.phase}: {str(err)[:200]}")
             path.phase, path.poll, path.change = "detect", None, None
             return 0.0
 
@@ -515,7 +521,8 @@ def _process(spec: FailureSpec, address: str, nodes: list[int], conn) -> None:
         for hb in s.heartbeats.values():
             hb._stop.set()
     conn.send({"warm": warm, "steady": steady, "total": total, "paths": paths,
-               "errors": [e for s in shares for e in s.errors], "alarm_threads": len(alarms)})
+               "errors": [e for s in shares for e in s.errors], "alarm_threads": len(alarms),
+               "retries": [e for s in shares for e in s.retries]})
     conn.close()
 
 
@@ -555,6 +562,8 @@ class FailureResult:
     errors: list = field(default_factory=list)
     largest_value: int = 0
     attempts: int = 1
+    retries: list = field(default_factory=list)
+    """Why ranks tried again (a few per harness process)."""
     steady_phases: dict = field(default_factory=dict)
     """The steady state's requests per second by who made them (the tags of `failure_phases`)."""
     """The most attempts any survivor's recovery took."""
@@ -640,6 +649,7 @@ def _result(spec, outs, start, fail_at, cpu_start, cpu_fail, cpu_end) -> Failure
                          largest_value=max(o["total"]["largest"] for o in outs),
                          attempts=max((p[4] for p in paths.values()), default=1),
                          bootstrapped_groups=groups, bootstrapped_members=members,
+                         retries=[e for o in outs for e in o.get("retries", ())],
                          steady_phases={k: round(v / steady_s, 1) for k, v in steady_tags.items() if v})
 
 
