@@ -196,7 +196,7 @@ def failure_case(world: int, scenario: str, timeout_s: float) -> dict:
     """Run the every-rank harness for one scenario at one size (in this interpreter: the harness spawns its own)."""
     from ntp_ds.testing.failure_load import FailureSpec, run_failure
 
-    processes = max(2, min(8, world // 512))
+    processes = max(2, min(4, world // 1024))  # (on two cores more processes only queue: 8 at 4,096 lagged more)
     # The launchers keep the period of the job the figures are extrapolated to (longer than this size's own).
     r = run_failure(FailureSpec(world, scenario, processes=processes, timeout_s=timeout_s, period_nodes=BIG // TP))
     return {"world": world, "scenario": scenario, "processes": processes, "survivors": r.survivors,

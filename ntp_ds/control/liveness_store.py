@@ -410,8 +410,9 @@ class LivenessReader:
         if node_size is not None and node_size < 1:
             raise ValueError(f"node_size={node_size} must be a positive number of ranks per node (or None)")
         self.store, self.node_size, self.stale_s, self._clock = store, node_size, stale_s, clock
-        self.period_s = stale_s / 2 if node_size is not None else 0.0
-        """How often a node key moves at the least (its launcher's period): read per rank, as often as each beats."""
+        self.period_s = stale_s / 2 if node_size is not None and stale_s > NODE_STALE_S else 0.0
+        """How often a node key moves at the least where the job's store's budget made the launchers' period longer
+        than the beat (`stale_after_s`); else 0 (a key moves as often as the workers beat)."""
         self.mirror = mirror if node_size is not None else None
         """A client of the node's store, whose copy of the node keys (`node_store.NodeMirror`) a read that is not
         `direct` takes instead of the job's store while the copy moves and holds every node wanted; None: none."""
