@@ -36,7 +36,14 @@ WATCHES_PER_BEAT = 4
 
 SUSPECT_PERIODS = 2.5
 """A peer silent for half the timeout, or for this many of its launcher's periods where that is longer, is suspect
-(its watcher polls fast)."""
+(its watcher polls fast): a node key moves once per period, and a copy read once a period may show it unchanged
+twice, a silence of two periods that is no news."""
+
+
+def suspect_after_s(heartbeat_timeout_s: float, reader) -> float:
+    """How long a watched peer may be silent before its watcher polls fast: half the timeout, or `SUSPECT_PERIODS`
+    of the launchers' period where the job's store's budget made it longer (`LivenessReader.period_s`)."""
+    return max(heartbeat_timeout_s / 2, SUSPECT_PERIODS * getattr(reader, "period_s", 0.0))
 
 
 def next_pause(pause: float, news: bool, fastest: float, slowest: float) -> float:
@@ -302,9 +309,7 @@ class Heartbeat:
                 new |= (set(view.fences) & self._members) - self._reported
             self._reported |= new
             news = (frozenset(view.exited), frozenset(view.fences))
-            # (A node key moves once per launcher period, and a copy of it may show the same value twice: a silence
-            # of two periods is no news.)
-            half = max(self.monitor.heartbeat_timeout_s / 2, SUSPECT_PERIODS * self.reader.period_s)
+            half = suspect_after_s(self.monitor.heartbeat_timeout_s, self.reader)
             half_hang = (self.monitor.hang_timeout_s or float("inf")) / 2
             suspect = any(self.monitor.silent_for(r) > half or self.monitor.stalled_for(r) > half_hang
                           for r in self.monitor.ranks)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from ntp_ds.comm.groups import ring_neighbours
-from ntp_ds.control.heartbeat import WATCHES_PER_BEAT
+from ntp_ds.control.heartbeat import WATCHES_PER_BEAT, suspect_after_s
 from ntp_ds.control.keys import barrier_key
 from ntp_ds.control.liveness import LivenessMonitor
 from ntp_ds.control.membership import BarrierTimeout, BarrierWait, MembershipChange
@@ -177,7 +177,8 @@ class Detection:
         # (the node's ranks read the reports together: a read at most a pause old, `NodeLocal.read`)
         reported = {r for rep in membership.reports(membership.generation, self._pause) for r in rep.ranks}
         self._dead = dead | {r for r in reported | d.declared.keys() if r in members}
-        suspects = [r for r in seen.ranks if r not in self._dead and seen.silent_for(r) > d.heartbeat_timeout_s / 2]
+        after = suspect_after_s(d.heartbeat_timeout_s, d.reader)
+        suspects = [r for r in seen.ranks if r not in self._dead and seen.silent_for(r) > after]
         if self._dead and not suspects:
             return self._end()
         # Backs off to a beat interval (not while a suspect waits): every survivor polls here.

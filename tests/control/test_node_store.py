@@ -219,3 +219,10 @@ def test_past_the_job_stores_budget_the_launchers_publish_less_often_and_readers
     env = {"NTP_NODE_SIZE": "8", "WORLD_SIZE": "100000"}
     assert LivenessReader.from_env(job, env).stale_s == 2.0
     assert LivenessReader.from_env(job, {"NTP_NODE_SIZE": "8", "WORLD_SIZE": "1024"}).stale_s == NODE_STALE_S
+    # A watcher suspects a peer after 2.5 such periods (a copy may show a node's key unchanged twice), a small
+    # job's after half the timeout as before.
+    from ntp_ds.control.heartbeat import suspect_after_s
+
+    assert suspect_after_s(3.0, LivenessReader.from_env(job, env)) == 2.5
+    assert suspect_after_s(3.0, LivenessReader.from_env(job, {"NTP_NODE_SIZE": "8", "WORLD_SIZE": "1024"})) == 1.5
+    assert suspect_after_s(1.0, LivenessReader(job)) == 0.5
