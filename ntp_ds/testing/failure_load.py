@@ -105,8 +105,13 @@ class FailureSpec:
         return self.world // self.tp
 
     @property
+    def played_nodes(self) -> int:
+        """The number of nodes whose launchers' period the job plays (`period_nodes`, or its own)."""
+        return self.period_nodes or self.nodes
+
+    @property
     def launcher_period_s(self) -> float:
-        return launcher_period_s(self.period_nodes or self.nodes, self.interval_s)
+        return launcher_period_s(self.played_nodes, self.interval_s)
 
     def victims(self) -> tuple[int, ...]:
         """The ranks the failure takes: rank 3 of the middle node, that node, or its rack."""
@@ -232,10 +237,9 @@ class _Share:
         self.node_stores = {n: LocalStore() for n in nodes}
         self.publishers = {n: NodePublisher(self.beat_store, n, range(n * spec.tp, (n + 1) * spec.tp),
                                             beats_from=self.node_stores[n]) for n in nodes}
-        period_nodes = spec.period_nodes or spec.nodes
         self.mirrors = {n: NodeMirror(self.beat_store, self.node_stores[n], range(n * spec.tp, (n + 1) * spec.tp),
-                                      nodes=period_nodes) for n in nodes}
-        stale_s = stale_after_s(period_nodes)
+                                      nodes=spec.played_nodes) for n in nodes}
+        stale_s = stale_after_s(spec.played_nodes)
         self.fence_logs = {n: JobLog(self.beat_store, FENCE_KEY) for n in nodes}
         settle_s = spec.heartbeat_timeout_s / 2 + spec.interval_s
         members = tuple(range(spec.world))  # one tuple and one set for every rank (a rank's own copies, W long each,

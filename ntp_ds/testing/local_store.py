@@ -6,7 +6,7 @@ store of the scale harness (`failure_load`), where each rank's alarm thread wait
 node's ranks beat, copy and count there, that is a wake of every waiter at each of those writes: at 4,096 ranks it
 cost the harness's two cores more than the ranks' own code. The store a launcher hosts on its node (a TCPStore
 server) answers each wait when its keys are set, as this one does. What a call returns, blocks on and raises is
-HashStore's (`tests/test_local_store.py` compares the two call by call).
+HashStore's (`tests/control/test_local_store.py` compares the two call by call).
 """
 
 from __future__ import annotations
