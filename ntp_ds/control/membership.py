@@ -258,7 +258,7 @@ class BarrierWait:
         if not _contains(ranks, rank):
             raise ValueError(f"rank {rank} is not among the barrier's ranks {list(ranks)}")
         self.store, self.name, self.ranks, self.timeout_s = store, name, ranks, timeout_s
-        self.rank, self.node = rank, node
+        self.rank, self.node, self._fanout = rank, node, fanout
         if max_poll_s is None:
             max_poll_s = poll_ceiling(len(ranks) if node is None else -(-len(ranks) // node.size))
             poll_s = min(poll_s, max_poll_s)
@@ -308,11 +308,35 @@ class BarrierWait:
         if now >= self.deadline:
             if self.store.check([done]):  # (a closer that died after arriving: nobody copied the end)
                 return None
-            missing = frozenset(r for r in self.ranks if not self.store.check([f"{self.name}/{r}"]))
-            raise BarrierTimeout(self.name, missing, self.timeout_s)
+            raise BarrierTimeout(self.name, missing_ranks(self.store, self.name, self.ranks, self._fanout),
+                                 self.timeout_s)
         pause = min(self._pause, self.deadline - now)
         self._pause = min(2 * self._pause, self._max_poll_s)
         return pause
+
+
+def missing_ranks(store, name: str, ranks: Sequence[int], fanout: int = BARRIER_FANOUT) -> frozenset[int]:
+    """The ranks of barrier `name` (over sorted `ranks`) that have not arrived: found down its tree of counters
+    (`count_arrival`), into the incomplete counters only, and there by each rank's own mark (a rank on a node whose
+    count never completed marks itself in the job's store once the barrier is slow: `BarrierWait.poll`). Its reads
+    grow with the missing ranks times the fanout and the tree's depth, not with the barrier's ranks: every rank of a
+    barrier that times out asks."""
+    widths = [len(ranks)]  # the counters' count below each level (the ranks below level 0)
+    while widths[-1] > fanout:
+        widths.append(-(-widths[-1] // fanout))
+    missing: list[int] = []
+    stack = [(len(widths) - 1, 0)]
+    while stack:
+        level, node = stack.pop()
+        first = node * fanout
+        size = min(fanout, widths[level] - first)
+        if int(store.add(f"{name}/c/{level}/{node}", 0)) >= size:
+            continue
+        if level == 0:
+            missing += (ranks[i] for i in range(first, first + size) if not store.check([f"{name}/{ranks[i]}"]))
+        else:
+            stack += ((level - 1, child) for child in range(first, first + size))
+    return frozenset(missing)
 
 
 def count_span(store, name: str, lo: int, hi: int, n: int, fanout: int = BARRIER_FANOUT) -> bool:

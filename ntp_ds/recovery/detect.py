@@ -116,6 +116,19 @@ class Detector:
                            node=self.node)
         return Watching(self, wait, set(members) - {rank}, f"generation {generation}'s rendezvous")
 
+    def finish(self, store, rank: int, generation: int, members: tuple[int, ...], timeout_s: float) -> None:
+        """Meet the new generation's members once each has installed its engine (the recovery's last barrier),
+        watching as `arrive` does: a member that dies meanwhile ends the wait at once (the attempt then starts again
+        without it), not at the barrier's bound."""
+        ending = self.ending(store, rank, generation, members, timeout_s)
+        while (pause := ending.poll()) is not None:
+            self.sleep(pause)
+
+    def ending(self, store, rank: int, generation: int, members: tuple[int, ...], timeout_s: float) -> Watching:
+        """`finish`, one poll at a time."""
+        wait = BarrierWait(store, barrier_key(generation, "done", members), rank, members, timeout_s, node=self.node)
+        return Watching(self, wait, Among(members, but=rank), f"generation {generation}'s end")
+
     def list_watched(self, rank: int) -> None:
         """Tell the launcher's copy (`LivenessReader.want`) whose keys this rank's recovery watches now."""
         want = getattr(self.reader, "want", None)

@@ -21,7 +21,7 @@ from ntp_ds.comm import wire
 from ntp_ds.comm.groups import keepable, mark_communicators, prepare_backend, role_of
 from ntp_ds.control.joins import JoinFailed, JoinPlan, read_join_plan
 from ntp_ds.control.liveness_store import LivenessReader, mark_exited, request_fence
-from ntp_ds.control.membership import BarrierTimeout, Membership, MembershipChange, barrier
+from ntp_ds.control.membership import BarrierTimeout, Membership, MembershipChange
 from ntp_ds.control.node_store import node_local
 from ntp_ds.control.store import forget_generation
 from ntp_ds.engine.copies import release_cached_host_memory
@@ -31,7 +31,7 @@ from ntp_ds.layout.generation import Generation
 from ntp_ds.recovery import report
 from ntp_ds.recovery.report import RecoveryOutcome
 from ntp_ds.recovery.admit import Admission, await_admission, join_failed
-from ntp_ds.recovery.detect import Detector, barrier_key, decision_settle_s, first_beat_timeout
+from ntp_ds.recovery.detect import Detector, decision_settle_s, first_beat_timeout
 from ntp_ds.recovery.errors import NoReplicaLeft, QuiescedExit, RecoveryImpossible, failed_on_the_way
 from ntp_ds.recovery.handoff import hand_off
 from ntp_ds.recovery.install import Change, install, parameter_dtype, require_masters
@@ -249,8 +249,8 @@ class Recovery:
                                     release=self._release_held, on_phase=self._phase, kept_here=self._kept_here,
                                     traffic_before=traffic_before)
         self.watch.watch_engine(engine)
-        barrier(self.store, barrier_key(change.after.number, "done", change.after.members), self.rank,
-                change.after.members, self.job.ntp.timeout_s, node=self.membership.node)
+        self.detector.finish(self.store, self.rank, change.after.number, change.after.members,
+                             self.job.ntp.timeout_s)
         if change.after.members[0] == self.rank and change.after.number >= 2:
             forget_generation(self.store, change.after.number - 2)  # the store keeps the last two generations
         self.engine, self._held = engine, None

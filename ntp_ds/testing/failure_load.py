@@ -48,16 +48,16 @@ from ntp_ds.control.heartbeat import WATCHES_PER_BEAT, Heartbeat, next_pause
 from ntp_ds.control.liveness import LivenessMonitor
 from ntp_ds.control.liveness_store import (NODE_PUBLISH_S, AlarmRelay, JobLog, LivenessReader, NodePublisher,
                                            prepare_store, record_exit, request_fence, stale_after_s)
-from ntp_ds.control.keys import FENCE_KEY, barrier_key
+from ntp_ds.control.keys import FENCE_KEY
 from ntp_ds.control.node_store import NodeMirror, launcher_period_s
-from ntp_ds.control.membership import BarrierWait, Membership
+from ntp_ds.control.membership import Membership
 from ntp_ds.control.node_local import NodeLocal
 from ntp_ds.control.store import connect_store, forget_generation
 from ntp_ds.recovery.watch import another_suspect
 from ntp_ds.testing.local_store import LocalStore
 from ntp_ds.testing.spawn import start_with_pipes
 
-SCENARIOS = ("gpu", "node", "rack")
+SCENARIOS = ("gpu", "node", "rack", "one_percent")
 MAX_ATTEMPTS = 10
 """Attempts of one rank's recovery before the harness counts it failed (the product's bound is the world size)."""
 SETUP_S = 600.0
@@ -83,6 +83,10 @@ class FailureSpec:
     and each reader's one-time existence checks) are the job's start, not its steady state."""
     timeout_s: float = 120.0
     seed: int = 0
+    spread_s: float = 60.0
+    """`one_percent`: the deaths come at random times within this many seconds of the first."""
+    deaths: int | None = None
+    """`one_percent`: how many ranks die (None: 1% of the world, at least one)."""
     period_nodes: int | None = None
     """The launchers publish and copy at the period of a job of this many nodes (`node_store.launcher_period_s`),
     and watchers bypass a node key as its readers would (`stale_after_s`): None, this job's own. `scale.py` plays
@@ -96,6 +100,10 @@ class FailureSpec:
         if abs(periods - round(periods)) > 1e-6 or round(periods) < 1:
             raise ValueError(f"steady_s={self.steady_s} - warm_s={self.warm_s} must be a whole number of the "
                              f"launchers' periods ({self.launcher_period_s:g} s)")
+        if self.deaths is not None and not 0 < self.deaths < self.world:
+            raise ValueError(f"deaths={self.deaths} must be between 1 and world - 1 = {self.world - 1}")
+        if self.spread_s < 0:
+            raise ValueError(f"spread_s={self.spread_s} must not be negative")
         if self.world % self.tp or nodes < 3 * self.rack_nodes:
             raise ValueError(f"world={self.world} must be a multiple of tp={self.tp} with at least three racks of "
                              f"{self.rack_nodes} nodes")
@@ -114,7 +122,30 @@ class FailureSpec:
         return launcher_period_s(self.played_nodes, self.interval_s)
 
     def victims(self) -> tuple[int, ...]:
-        """The ranks the failure takes: rank 3 of the middle node, that node, or its rack."""
+        """The ranks the failure takes: rank 3 of the middle node, that node, its rack, or 1% of the ranks (drawn
+        with the spec's seed)."""
+        return tuple(sorted(self.deaths_at()))
+
+    def deaths_at(self) -> dict[int, float]:
+        """Each victim, with the seconds from the failure to its death (0 for all but `one_percent`, whose first
+        death is the failure and the rest come at random times within `spread_s`)."""
+        if self.scenario != "one_percent":
+            return dict.fromkeys(self._struck(), 0.0)
+        rng = random.Random(self.seed)
+        ranks = rng.sample(range(self.world), self.deaths or max(1, self.world // 100))
+        return {r: (0.0 if i == 0 else rng.uniform(0.0, self.spread_s)) for i, r in enumerate(ranks)}
+
+    @property
+    def max_attempts(self) -> int:
+        """The harness's bound on one recovery's attempts: `MAX_ATTEMPTS`, and one more for each death that may come
+        during it (`one_percent`)."""
+        return MAX_ATTEMPTS + (len(self.deaths_at()) if self.scenario == "one_percent" else 0)
+
+    @property
+    def last_death_s(self) -> float:
+        return max(self.deaths_at().values())
+
+    def _struck(self) -> tuple[int, ...]:
         node = self.nodes // 2
         if self.scenario == "gpu":
             return (node * self.tp + 3,)
@@ -124,33 +155,98 @@ class FailureSpec:
         return tuple(range(first * self.tp, (first + self.rack_nodes) * self.tp))
 
     def dead_launchers(self) -> tuple[int, ...]:
-        """Nodes whose launcher goes with the failure (none for one GPU: its launcher marks the exit)."""
-        if self.scenario == "gpu":
+        """Nodes whose launcher goes with the failure (none for GPUs: their launchers mark the exits)."""
+        if self.scenario in ("gpu", "one_percent"):
             return ()
         return tuple(sorted({r // self.tp for r in self.victims()}))
 
 
-def job_topology(spec: FailureSpec):
-    """The job's placed topology: one replica of TP `tp` per node, racks of `rack_nodes` nodes."""
+def job_generation(spec: FailureSpec):
+    """The job as launched: one replica of TP `tp` per node, placed in racks of `rack_nodes` nodes."""
     from ntp_ds.layout import Topology
     from ntp_ds.layout.domains import Racks
     from ntp_ds.layout.generation import Generation
     from ntp_ds.testing.shapes import llama_70b
 
     topology = Topology.from_degrees(llama_70b().units(), (spec.tp,) * spec.nodes)
-    return Generation.initial(topology, racks=Racks(spec.tp, spec.rack_nodes)).topology
+    return Generation.initial(topology, racks=Racks(spec.tp, spec.rack_nodes))
 
 
-def watched_peers(topology, plan, buddies: dict, rank: int) -> set[int]:
-    """`NTPEngine.watched_peers` of `rank` in a uniform placed topology (its sync and parameter partners are none)."""
+def job_topology(spec: FailureSpec):
+    """The job's placed topology as launched."""
+    return job_generation(spec).topology
+
+
+def watch_sets(topology) -> dict[int, set[int]]:
+    """`NTPEngine.watched_peers` of every global rank of a placed topology, from the product's plans: its TP group,
+    its two ring neighbours in its data-parallel group (an anchor's), the ranks its gradient and parameter transfers
+    join it to (a contributor's and its anchor's: `SyncPlan`), its buddies and the owners whose copies it keeps
+    (`plan_buddies`, ZeRO 1 with one copy), and its neighbours on the ring that interleaves the racks."""
     from ntp_ds.comm.groups import ring_neighbours
+    from ntp_ds.layout import plan_buddies, plan_gradient_sync
     from ntp_ds.layout.domains import domain_neighbours
 
-    replica, tp = topology.locate(rank)
-    dp = [topology.ranks_of(a)[tp] for a in plan.anchors]
-    owners = {o for o, holders in buddies.items() if rank in holders}
-    return (set(topology.ranks_of(replica)) | ring_neighbours(dp, rank) | set(buddies.get(rank, ())) | owners
-            | domain_neighbours(topology, rank)) - {rank}
+    plan = plan_gradient_sync(topology)
+    peers = {g: set(topology.ranks_of(topology.locate(g)[0])) for g in range(topology.world_size)}
+    width = topology.degrees[plan.anchors[0]]
+    for t in range(width):  # each anchor TP index's data-parallel group: its ring
+        dp = [topology.ranks_of(a)[t] for a in plan.anchors]
+        for g in dp:
+            peers[g] |= ring_neighbours(dp, g)
+    for transfer in (*plan.grad_transfers, *plan.param_transfers):
+        peers[transfer.src].add(transfer.dst)
+        peers[transfer.dst].add(transfer.src)
+    for owner, holders in plan_buddies(topology, plan, 1, 1).items():
+        peers[owner].update(holders)
+        for h in holders:
+            peers[h].add(owner)
+    for g, mine in peers.items():
+        mine |= domain_neighbours(topology, g)
+        mine.discard(g)
+    return peers
+
+
+class Generations:
+    """The job's generations as its decisions make them (the same in every harness process), and each member's
+    watched peers in launch ranks: whom a rank watches once it trains again in a generation (`Watch.watch_engine`).
+    Only the newest two are kept."""
+
+    def __init__(self, first):
+        self._lock = threading.Lock()
+        self._generations = {first.number: first}
+        self._changes: dict[int, object] = {}
+        self._peers: dict[int, tuple[frozenset, dict]] = {}
+        self.first_peers = self._launch_peers(first)
+
+    def record(self, change) -> None:
+        """A decision a rank read (every rank reads each of its generation's decisions in order)."""
+        with self._lock:
+            self._changes.setdefault(change.generation, change)
+
+    def peers(self, change) -> tuple[frozenset, dict]:
+        """(the members, each member's watched peers) of `change`'s generation."""
+        with self._lock:
+            number = change.generation
+            if number not in self._peers:
+                newest = max(self._generations)
+                for n in range(newest + 1, number + 1):
+                    if n not in self._changes:
+                        raise KeyError(f"generation {n}'s decision was never recorded (recorded: {sorted(self._changes)}, "
+                                       f"generations {sorted(self._generations)}, asked {number})")
+                    loss = self._generations[n - 1].after_loss(self._changes[n].dead, 1, n)
+                    self._generations[n] = loss.after
+                self._peers[number] = (frozenset(self._generations[number].members),
+                                       self._launch_peers(self._generations[number]))
+                for old in [n for n in self._generations if n < number - 1]:
+                    del self._generations[old]
+                for old in [n for n in self._peers if n < number - 1]:
+                    del self._peers[old]
+            return self._peers[number]
+
+    @staticmethod
+    def _launch_peers(generation) -> dict[int, list[int]]:
+        members = generation.members
+        return {members[g]: sorted(members[p] for p in peers) for g, peers in watch_sets(generation.topology).items()}
 
 
 class MeteredClient:
@@ -159,6 +255,8 @@ class MeteredClient:
     def __init__(self, store):
         self._store, self.calls, self.sent, self.received = store, Counter(), 0, 0
         self.largest = 0
+        self.largest_call = ""
+        """The call that returned the most bytes, with its first argument (a key)."""
         self.tag = "watch"
         """What the client's owner is doing (a phase of the failure path): requests are also counted by it."""
         self.tags: Counter = Counter()
@@ -176,7 +274,8 @@ class MeteredClient:
             out = method(*args, **kwargs)
             n = _nbytes(out)
             self.received += n
-            self.largest = max(self.largest, n)
+            if n > self.largest:
+                self.largest, self.largest_call = n, f"{name}({str(args[0])[:80] if args else ''})"
             return out
         return counted
 
@@ -223,11 +322,16 @@ class RankPath:
     error: str | None = None
     change: object = None
     attempts: int = 1
+    recoveries: list = field(default_factory=list)
+    """Each recovery it got through: (noticed, decided, done, attempts, generation)."""
 
 
 class _Share:
-    def __init__(self, spec: FailureSpec, address: str, nodes: list[int], topology, plan, buddies, victims):
-        self.spec, self.nodes, self.victims = spec, nodes, set(victims)
+    def __init__(self, spec: FailureSpec, address: str, nodes: list[int], generations: Generations):
+        self.spec, self.nodes, self.generations = spec, nodes, generations
+        self.max_attempts = spec.max_attempts
+        deaths = spec.deaths_at()
+        self.victims = set(deaths)
         self.beat_store = MeteredClient(connect_store(address, 60.0))
         self.watch_store = MeteredClient(connect_store(address, 60.0))
         self.beat_store.tag = "launcher"  # (the beats go to the node's store: this client is its launchers')
@@ -245,7 +349,13 @@ class _Share:
         members = tuple(range(spec.world))  # one tuple and one set for every rank (a rank's own copies, W long each,
         everyone = frozenset(members)       # would make the harness's memory grow with W squared)
         self.beaters, self.heartbeats, self.memberships, self.detectors = {}, {}, {}, {}
-        self.paths = {r: RankPath() for r in self.ranks if r not in self.victims}
+        self.paths = {r: RankPath() for r in self.ranks}  # (a victim runs its path too, until it dies)
+        self.survivors = [r for r in self.ranks if r not in self.victims]
+        self.dies_in = {r: deaths[r] for r in self.ranks if r in deaths}
+        self.dies_at: dict[int, float] = {}
+        """Each of the share's victims' time of death (set when the run starts)."""
+        self.settled: set[int] = set()
+        """Survivors through a generation without any victim (or failed): the share is finished once all are."""
         self.errors: list[str] = []
         self.retries: list[str] = []
         """Why ranks tried again: the first few, and the first of each new attempt number."""
@@ -263,7 +373,7 @@ class _Share:
             monitor = LivenessMonitor((), spec.heartbeat_timeout_s)
             hb = Heartbeat(self.watch_store, rank, spec.interval_s, monitor=monitor, reader=reader,
                            on_dead=lambda ranks, wall, r=rank: self._dead(r, ranks, wall), alarms_from=local)
-            hb.watch(sorted(watched_peers(topology, plan, buddies, rank)))
+            hb.watch(generations.first_peers[rank])
             hb._members = everyone
             self.heartbeats[rank] = hb
             node = NodeLocal(local, spec.tp, spec.world)  # (as `Recovery`: barriers and acks meet in the node store)
@@ -277,7 +387,13 @@ class _Share:
     # The verdict's way (`Watch.peers_dead`, `Watch._report`): fence, report while training, notice.
     def _dead(self, rank: int, ranks: frozenset[int], wall: float) -> None:
         path = self.paths.get(rank)
-        if path is None:
+        if path is None or self._gone(rank):
+            return
+        from ntp_ds.recovery.detect import Among
+
+        members = Among(self.memberships[rank].members)
+        ranks = frozenset(r for r in ranks if r in members)  # (as `Watch.peers_dead`: a generation left is not news)
+        if not ranks:
             return
         hb = self.heartbeats[rank]
         self.watch_store.tag = "verdict"
@@ -292,6 +408,10 @@ class _Share:
                                  {r: monitor.silent_for(r) for r in ranks if r in monitor.ranks}, ranks - judged)
             path.noticed, path.phase = time.monotonic(), "notice"
         self.watch_store.tag = "watch"
+
+    def _gone(self, rank: int) -> bool:
+        """Whether `rank` has died by now."""
+        return time.monotonic() >= self.dies_at.get(rank, float("inf"))
 
     def _alarmed(self, rank: int) -> None:
         with self._wake_lock:
@@ -337,6 +457,7 @@ class _Share:
 
     def _run(self, loop: str, start: float, fail_at: float, end: float) -> None:
         spec = self.spec
+        self.dies_at = {r: fail_at + s for r, s in self.dies_in.items()}
         rng = random.Random(spec.seed + self.nodes[0] * 7 + (loop == "watches"))
         fastest = spec.interval_s / WATCHES_PER_BEAT
         queue, seq = [], 0
@@ -353,9 +474,9 @@ class _Share:
             for n in self.nodes:
                 push(start + rng.uniform(0, NODE_PUBLISH_S), "publish", n)
                 push(start + rng.uniform(0, spec.interval_s), "mirror", n)
-            for r in sorted(self.victims & set(self.ranks)):  # the launcher of a killed GPU marks its exit
+            for r, at in sorted(self.dies_in.items()):  # the launcher of a killed GPU marks its exit
                 if r // spec.tp not in dead_nodes:
-                    push(fail_at + 0.05, "exit", r)
+                    push(fail_at + at + 0.05, "exit", r)
         else:
             for r in self.paths:
                 push(start + rng.uniform(0, spec.interval_s), "watch", (r, 0))
@@ -371,7 +492,7 @@ class _Share:
                 time.sleep(due - now)
             failed = time.monotonic() >= fail_at
             if kind == "beat":
-                if failed and who in self.victims:
+                if self._gone(who):
                     continue
                 self.beaters[who].beat()
                 push(due + spec.interval_s, "beat", who)
@@ -392,7 +513,7 @@ class _Share:
                 with self._wake_lock:
                     woken, self.wake = self.wake, set()
                 for r in woken:
-                    if r in self.paths:  # its next poll comes now, in place of the one due (one watching thread)
+                    if r in self.paths and not self._gone(r):  # its next poll comes now, in place of the one due (one watching thread)
                         pause[r] = fastest
                         chain[r] += 1
                         push(time.monotonic(), "watch", (r, chain[r]))
@@ -400,7 +521,7 @@ class _Share:
             elif kind == "watch":
                 who, link = who
                 path = self.paths[who]
-                if path.phase == "done" or path.error or link != chain[who]:  # (a poll an alarm brought forward)
+                if path.error or link != chain[who] or self._gone(who):  # (a poll an alarm brought forward)
                     continue
                 news = self.heartbeats[who].poll_peers(direct=pause[who] == fastest)  # (as `Heartbeat._run`)
                 pause[who] = next_pause(pause[who], news, fastest, spec.interval_s)
@@ -408,7 +529,7 @@ class _Share:
                 if path.phase == "notice":
                     path.phase = "detect"
                     push(time.monotonic(), "path", who)
-            else:
+            elif not self._gone(who):
                 self.watch_store.tag = self.paths[who].phase
                 wait_s = self._step(who)
                 self.watch_store.tag = "watch"
@@ -416,8 +537,10 @@ class _Share:
                     push(time.monotonic() + wait_s, "path", who)
 
     def _finished(self, loop: str, fail_at: float) -> bool:
-        """Past the failure, once every survivor of the share is through (or failed): its beats stop too."""
-        return time.monotonic() > fail_at + 0.2 and all(p.phase == "done" or p.error for p in self.paths.values())
+        """Past the last death, once every survivor of the share is through to a generation without the victims (or
+        failed): its beats stop too."""
+        return (time.monotonic() > fail_at + self.spec.last_death_s + 0.2
+                and len(self.settled) == len(self.survivors))
 
     def _step(self, rank: int) -> float | None:
         """One poll of `rank`'s failure path; the pause before the next, or None at its end."""
@@ -440,8 +563,9 @@ class _Share:
                 path.phase, path.poll = "agree", Agreement(d, m, dead, reason, silent)
             if path.phase == "agree":
                 pause = path.poll.poll()
-                if path.poll.change is not None and path.decided is None:
+                if path.poll.change is not None and path.decided is None:  # (the attempt's decision)
                     path.decided = time.monotonic()
+                    self.generations.record(path.poll.change)  # (before its confirm, which a death may end)
                 if pause is not None:
                     return pause
                 path.change = change = path.poll.change
@@ -457,9 +581,8 @@ class _Share:
                 hb = self.heartbeats[rank]  # `Watch.watch_ring`: the ring neighbours, and every member's fences
                 hb.watch(sorted(ring_neighbours(list(change.survivors), rank)))
                 hb._members = frozenset(change.survivors)
-                path.phase = "regroup"
-                path.poll = BarrierWait(self.watch_store, barrier_key(change.generation, "done", change.survivors),
-                                        rank, change.survivors, self.spec.timeout_s, node=m.node)
+                path.phase = "regroup"  # (`Recovery._install`: the done barrier, watched)
+                path.poll = d.ending(self.watch_store, rank, change.generation, change.survivors, self.spec.timeout_s)
             if path.phase == "regroup":
                 pause = path.poll.poll()
                 if pause is not None:
@@ -467,14 +590,26 @@ class _Share:
                 change = path.change
                 if change.survivors[0] == rank and change.generation >= 2:
                     forget_generation(self.watch_store, change.generation - 2)
-                path.phase, path.done = "done", time.monotonic()
+                # Training again, in the new generation: the new engine's peers watched (`Watch.watch_engine`).
+                path.recoveries.append((path.noticed, path.decided, time.monotonic(), path.attempts,
+                                        change.generation))
+                members, peers = self.generations.peers(change)
+                hb = self.heartbeats[rank]
+                hb.watch(peers[rank])
+                hb._members = members
+                path.phase, path.poll, path.change, path.noticed, path.decided, path.attempts = (
+                    "train", None, None, None, None, 1)
+                if not any(v in members for v in self.victims):
+                    self.settled.add(rank)
             return None
         except Exception as err:
             from ntp_ds.control.membership import BarrierTimeout
             from ntp_ds.recovery.errors import failed_on_the_way
 
-            if not failed_on_the_way(err) or path.attempts >= MAX_ATTEMPTS:
+            if not failed_on_the_way(err) or path.attempts >= self.max_attempts:
                 path.error = f"{path.phase}: {type(err).__name__}: {str(err)[:300]}"
+                if rank not in self.victims:
+                    self.settled.add(rank)
                 return None
             # `Recovery._recover_from`: another attempt; who never came to a barrier is dead, and fenced.
             if isinstance(err, BarrierTimeout) and err.missing:
@@ -483,19 +618,14 @@ class _Share:
             if len(self.retries) < 3 or path.attempts > max(self.retried, default=1):
                 self.retried.add(path.attempts)
                 self.retries.append(f"rank {rank}, attempt {path.attempts} after {path.phase}: {str(err)[:200]}")
-            path.phase, path.poll, path.change = "detect", None, None
+            path.phase, path.poll, path.change, path.decided = "detect", None, None, None
             return 0.0
 
 
 # -- a process of the harness --------------------------------------------------------------------------------------
 def _process(spec: FailureSpec, address: str, nodes: list[int], conn) -> None:
-    from ntp_ds.layout import plan_buddies, plan_gradient_sync
-
-    topology = job_topology(spec)
-    plan = plan_gradient_sync(topology)
-    buddies = plan_buddies(topology, plan, 1, 1)
-    victims = spec.victims()
-    shares = [_Share(spec, address, nodes[i::spec.shares], topology, plan, buddies, victims)
+    generations = Generations(job_generation(spec))
+    shares = [_Share(spec, address, nodes[i::spec.shares], generations)
               for i in range(spec.shares) if nodes[i::spec.shares]]
     for s in shares:
         s.setup()
@@ -520,7 +650,7 @@ def _process(spec: FailureSpec, address: str, nodes: list[int], conn) -> None:
     for t in threads:
         t.join(max(0.0, end - time.monotonic()) + 5.0)
     total = _counts(shares)
-    paths = {r: (p.noticed, p.decided, p.done, p.error, p.attempts) for s in shares for r, p in s.paths.items()}
+    paths = {r: (s.paths[r].recoveries, s.paths[r].error, r in s.settled) for s in shares for r in s.survivors}
     for s in shares:
         for hb in s.heartbeats.values():
             hb._stop.set()
@@ -531,14 +661,16 @@ def _process(spec: FailureSpec, address: str, nodes: list[int], conn) -> None:
 
 
 def _counts(shares) -> dict:
-    calls, tags, sent, received, largest = Counter(), Counter(), 0, 0, 0
+    calls, tags, sent, received, largest, largest_call = Counter(), Counter(), 0, 0, 0, ""
     for s in shares:
         for c in (s.beat_store, s.watch_store, *s.alarm_clients):
             calls.update(c.calls)
             tags.update(c.tags)
-            sent, received, largest = sent + c.sent, received + c.received, max(largest, c.largest)
+            sent, received = sent + c.sent, received + c.received
+            if c.largest > largest:
+                largest, largest_call = c.largest, c.largest_call
     return {"calls": dict(calls), "tags": dict(tags), "sent": sent, "received": received, "largest": largest,
-            "at": time.monotonic()}
+            "largest_call": largest_call, "at": time.monotonic()}
 
 
 @dataclass
@@ -556,21 +688,30 @@ class FailureResult:
     server_busy_s: float
     """The store server's CPU seconds from the failure until every harness process had finished."""
     window_s: float
-    """From the failure to the last survivor through its done barrier (or to the end of the run)."""
+    """From the failure to the last survivor through its last done barrier (or to the end of the run)."""
     steady_busy_s_per_s: float
     """The store server's CPU seconds per second in the steady state before."""
     decision_s: float | None
+    """From the last death to the last survivor's last decision."""
     done_s: float | None
+    """From the last death to the last survivor through its last done barrier (None: some never got through)."""
     survivors: int
     through: int
+    """Survivors through to a generation without any victim."""
     errors: list = field(default_factory=list)
     largest_value: int = 0
+    largest_call: str = ""
+    """The request that returned `largest_value` (its call and key)."""
     attempts: int = 1
+    """The most attempts any survivor's recovery took (each recovery counted apart)."""
+    generations: int = 0
+    """The newest generation a survivor got through to: the decisions the deaths took."""
+    recoveries: int = 0
+    """The most recoveries any survivor went through."""
     retries: list = field(default_factory=list)
     """Why ranks tried again (a few per harness process)."""
     steady_phases: dict = field(default_factory=dict)
     """The steady state's requests per second by who made them (the tags of `failure_phases`)."""
-    """The most attempts any survivor's recovery took."""
     bootstrapped_groups: int = 0
     bootstrapped_members: int = 0
 
@@ -591,7 +732,7 @@ def run_failure(spec: FailureSpec) -> FailureResult:
                                                    for p in range(spec.processes)], SETUP_S, "a harness process")
         start = time.monotonic() + 0.5
         fail_at = start + spec.steady_s
-        end = fail_at + spec.timeout_s
+        end = fail_at + spec.last_death_s + spec.timeout_s
         for a in pipes:
             a.send((start, fail_at, end))
         time.sleep(max(0.0, start + spec.warm_s - time.monotonic()))
@@ -600,7 +741,7 @@ def run_failure(spec: FailureSpec) -> FailureResult:
         cpu_fail = cpu_seconds(server.pid)
         outs = []
         for a in pipes:
-            if not a.poll(spec.timeout_s + 30.0):
+            if not a.poll(spec.last_death_s + spec.timeout_s + 30.0):
                 raise TimeoutError("a harness process did not finish within its bound")
             outs.append(a.recv())
         cpu_end = cpu_seconds(server.pid)
@@ -623,9 +764,13 @@ def _result(spec, outs, start, fail_at, cpu_start, cpu_fail, cpu_end) -> Failure
     warm_b = sum(o["warm"]["sent"] + o["warm"]["received"] for o in outs)
     steady_s = spec.steady_s - spec.warm_s
     paths = {r: p for o in outs for r, p in o["paths"].items()}
-    done = [p[2] for p in paths.values() if p[2] is not None]
-    decided = [p[1] for p in paths.values() if p[1] is not None]
-    last = max(done) if done else max(o["total"]["at"] for o in outs)
+    through = [r for r, (_, error, settled) in paths.items() if settled and not error]
+    recoveries = [rec for recs, _, _ in paths.values() for rec in recs]
+    # From the last death: the last recovery of each survivor through (the only one, but for `one_percent`).
+    last_death = fail_at + spec.last_death_s
+    done = [paths[r][0][-1][2] for r in through]
+    decided = [paths[r][0][-1][1] for r in through if paths[r][0][-1][1] is not None]
+    last = max(done) if len(through) == len(paths) else max(o["total"]["at"] for o in outs)
     window = last - fail_at
     calls, tags, steady_tags = Counter(), Counter(), Counter()
     for o in outs:
@@ -646,12 +791,16 @@ def _result(spec, outs, start, fail_at, cpu_start, cpu_fail, cpu_end) -> Failure
                          failure_phases={k: v for k, v in tags.items() if v},
                          server_busy_s=cpu_end - cpu_fail, window_s=window,
                          steady_busy_s_per_s=(cpu_fail - cpu_start) / steady_s,
-                         decision_s=(max(decided) - fail_at) if decided else None,
-                         done_s=(last - fail_at) if done else None, survivors=len(paths), through=len(done),
-                         errors=[e for o in outs for e in o["errors"]] + [f"rank {r}: {p[3]}" for r, p in
-                                                                        paths.items() if p[3]],
+                         decision_s=(max(decided) - last_death) if decided else None,
+                         done_s=(max(done) - last_death) if done else None, survivors=len(paths),
+                         through=len(through),
+                         errors=[e for o in outs for e in o["errors"]] + [f"rank {r}: {p[1]}" for r, p in
+                                                                        paths.items() if p[1]],
                          largest_value=max(o["total"]["largest"] for o in outs),
-                         attempts=max((p[4] for p in paths.values()), default=1),
+                         largest_call=max(outs, key=lambda o: o["total"]["largest"])["total"]["largest_call"],
+                         attempts=max((rec[3] for rec in recoveries), default=1),
+                         generations=max((rec[4] for rec in recoveries), default=0),
+                         recoveries=max((len(p[0]) for p in paths.values()), default=0),
                          bootstrapped_groups=groups, bootstrapped_members=members,
                          retries=[e for o in outs for e in o.get("retries", ())],
                          steady_phases={k: round(v / steady_s, 1) for k, v in steady_tags.items() if v})

@@ -24,6 +24,7 @@ from ntp_ds.control.membership import (
     StaleGeneration,
     barrier,
     decide,
+    missing_ranks,
 )
 from ntp_ds.control.store import connect_store, host_store
 from ntp_ds.layout import ModelUnits, Topology
@@ -459,6 +460,25 @@ def test_a_barrier_that_runs_out_names_exactly_the_ranks_that_never_came():
     with pytest.raises(BarrierTimeout) as err:
         waits[0].poll()
     assert err.value.missing == {7, 64, 99}
+
+
+@given(st.integers(1, 3000), st.sets(st.integers(0, 2999), max_size=6), st.sampled_from([2, 4, 32]))
+@settings(max_examples=40, deadline=None)
+def test_a_timed_out_barrier_finds_its_missing_ranks_down_the_counters_in_requests_that_grow_with_them(n, gone, fanout):
+    # Every rank of a barrier that times out names the missing ranks: exactly those that never came, in requests
+    # bounded by the missing times the fanout and the tree's depth, not by the barrier's ranks.
+    ranks = list(range(0, 2 * n, 2))  # (ranks need not be 0..n-1)
+    missing = {ranks[i] for i in gone if i < n}
+    store = dist.HashStore()
+    for r in ranks:
+        if r not in missing:
+            BarrierWait(store, "b", r, ranks, 60.0, fanout=fanout)
+    counted = _Requests(store)
+    assert missing_ranks(counted, "b", ranks, fanout) == missing
+    depth = 1
+    while fanout ** depth < n:
+        depth += 1
+    assert counted.n <= 1 + len(missing) * (fanout * depth + fanout), (counted.n, n, len(missing))
 
 
 class _Requests:
