@@ -42,6 +42,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from ntp_ds.control.heartbeat import WATCHES_PER_BEAT, Heartbeat, next_pause
@@ -128,7 +129,11 @@ class FailureSpec:
 
     def deaths_at(self) -> dict[int, float]:
         """Each victim, with the seconds from the failure to its death (0 for all but `one_percent`, whose first
-        death is the failure and the rest come at random times within `spread_s`)."""
+        death is the failure and the rest come at random times within `spread_s`). Drawn once (do not change it)."""
+        return self._deaths
+
+    @cached_property
+    def _deaths(self) -> dict[int, float]:
         if self.scenario != "one_percent":
             return dict.fromkeys(self._struck(), 0.0)
         rng = random.Random(self.seed)
@@ -329,7 +334,7 @@ class RankPath:
 class _Share:
     def __init__(self, spec: FailureSpec, address: str, nodes: list[int], generations: Generations):
         self.spec, self.nodes, self.generations = spec, nodes, generations
-        self.max_attempts = spec.max_attempts
+        self.max_attempts, self.last_death_s = spec.max_attempts, spec.last_death_s
         deaths = spec.deaths_at()
         self.victims = set(deaths)
         self.beat_store = MeteredClient(connect_store(address, 60.0))
@@ -539,7 +544,7 @@ class _Share:
     def _finished(self, loop: str, fail_at: float) -> bool:
         """Past the last death, once every survivor of the share is through to a generation without the victims (or
         failed): its beats stop too."""
-        return (time.monotonic() > fail_at + self.spec.last_death_s + 0.2
+        return (time.monotonic() > fail_at + self.last_death_s + 0.2
                 and len(self.settled) == len(self.survivors))
 
     def _step(self, rank: int) -> float | None:
