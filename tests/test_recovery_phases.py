@@ -164,6 +164,43 @@ def test_agreement_reports_awaits_the_decision_and_confirms_it():
     assert membership.calls[1][2] == 2 * 10.0 + 2.0  # a peer blocked in a collective arrives after its timeout
 
 
+def test_a_watched_peer_that_dies_while_the_decision_waits_joins_the_same_decision():
+    # Rank 0 reported rank 2; before the decision commits, its watched peer 5 exits and an unwatched member 6 does
+    # too: rank 0 reports 5 in the same generation (the decision then holds both), and leaves 6 to its own watchers
+    # (a claim per survivor would make the dead rank's key a hot one): here none did, and the confirm fails on it.
+    from ntp_ds.control.liveness import LivenessMonitor
+    from ntp_ds.recovery.detect import Agreement
+
+    class SlowDecision(FakeMembership):
+        def decision_wait(self, generation, bound):
+            self.calls.append(("decision", generation, bound))
+            polls = iter(range(3))
+
+            def poll():
+                if next(polls, None) is not None:
+                    return 0.2
+                dead = frozenset(r for c in self.calls if c[0] == "report" for r in c[2])
+                return MembershipChange(generation + 1, dead, tuple(m for m in self.members if m not in dead), 0.1,
+                                        "lost")
+            return types.SimpleNamespace(poll=poll)
+
+    reader, clock = Reader(), Clock()
+    d = detector(reader, clock)
+    d.monitor = LivenessMonitor({1, 2, 5}, 2.0, clock=clock)
+    membership = SlowDecision(range(8), generation=3)
+    agreement = Agreement(d, membership, frozenset({2}), "rank 2 exited", {})
+    assert agreement.poll() == 0.2  # reported, waiting
+    reader.exited = {2: "exit code -9", 5: "exit code -9", 6: "exit code -9"}
+    clock.now += 0.2
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[6\] died before the survivors confirmed generation 4"):
+        while (pause := agreement.poll()) is not None:  # (6 is not in the decision: its confirm fails on it)
+            clock.now += pause
+    reports = [c for c in membership.calls if c[0] == "report"]
+    assert [(c[1], c[2]) for c in reports] == [(3, {2}), (3, {5})]
+    assert agreement.change.dead == {2, 5} and agreement.joined == {5}
+    assert {5, 6} <= d.declared.keys()
+
+
 def test_a_member_found_dead_during_a_watched_barrier_ends_it_at_once_and_is_kept_for_the_next_attempt():
     reader = Reader()
     d = detector(reader)
@@ -216,6 +253,24 @@ def test_the_rendezvous_watches_the_ring_neighbours_beats():
         count_arrival(store, barrier_key(1, "arrive", (0, 2, 3, 5)), i, 4)
     d.arrive(store, 2, 1, (0, 2, 3, 5))
     assert set(d.monitor.ranks) == {0, 3}
+
+
+def test_the_recovery_s_last_barrier_ends_at_once_when_a_member_dies_there():
+    # A member that dies after the rendezvous, while the others wait for every engine to be installed, ends their
+    # wait at its first read (the attempt then starts again without it), not at the job's timeout.
+    reader = Reader()
+    d = detector(reader)
+    store, members = dist.HashStore(), (0, 2, 3, 5)
+    for i in (0, 2):  # ranks 0 and 3 came (rank 2 arrives as it waits); rank 5 did not
+        count_arrival(store, barrier_key(1, "done", members), i, 4)
+    reader.exited = {5: "exit code -9"}
+    ending = d.ending(store, 2, 1, members, 600.0)
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[5\] died before generation 1's end"):
+        ending.poll()  # (its first poll reads the exits)
+    assert d.declared == {5: "rank 5 exited (exit code -9)"}
+    count_arrival(store, barrier_key(1, "done", members), 3, 4)  # rank 5 comes after all: the barrier's own end
+    reader.exited = {}
+    d.finish(store, 2, 1, members, 600.0)
 
 
 # -- regroup: which groups the next generation keeps ---------------------------------------------------------------

@@ -16,6 +16,7 @@ from ntp_ds.comm.groups import ring_neighbours
 from ntp_ds.control.heartbeat import WATCHES_PER_BEAT, suspect_after_s
 from ntp_ds.control.keys import barrier_key
 from ntp_ds.control.liveness import LivenessMonitor
+from ntp_ds.control.liveness_store import request_fence
 from ntp_ds.control.membership import BarrierTimeout, BarrierWait, MembershipChange
 from ntp_ds.control.node_local import NodeLocal
 
@@ -211,13 +212,23 @@ class Detection:
 
 class Agreement:
     """`Detector.agree`, one poll at a time: the report (at the first poll), the wait for the decision, then the
-    confirm barrier, watched; `poll` returns None once every survivor has confirmed `change`."""
+    confirm barrier, watched; `poll` returns None once every survivor has confirmed `change`.
+
+    While the decision waits, the watched peers found dead meanwhile (their beats, the exit and fence logs: read at a
+    heartbeat's fastest pace at most) are reported in the same generation, by their watchers only (a claim is a write
+    to the dead rank's key: a few watchers each, not every survivor): a death that comes before the commit joins the
+    decision (and its acknowledgement, made on its behalf, lets the decision end without waiting out the settle window
+    for it), instead of failing the confirm barrier and costing a generation of its own."""
 
     def __init__(self, detector: Detector, membership, dead: frozenset[int], reason: str, silent: dict[int, float]):
         self.detector, self.membership = detector, membership
         self._report = (dead, reason, {r: silent[r] for r in dead if r in silent})
         self._decision = None
         self._confirm = None
+        self._reported = set(dead)
+        self._read_at = -float("inf")
+        self.joined: frozenset[int] = frozenset()
+        """Members found dead while the decision waited, and reported in the same generation."""
         self.change: MembershipChange | None = None
 
     def poll(self) -> float | None:
@@ -232,6 +243,7 @@ class Agreement:
         if self.change is None:
             outcome = self._decision.poll()
             if not isinstance(outcome, MembershipChange):
+                self._join_deaths(membership.generation)
                 return outcome
             self.change = outcome
             bound = 2 * d.collective_timeout_s + d.heartbeat_timeout_s
@@ -241,6 +253,29 @@ class Agreement:
             self._confirm = Watching(d, wait, set(outcome.survivors) - {membership.rank},
                                      f"the survivors confirmed generation {outcome.generation}")
         return None if self._confirm is None else self._confirm.poll()
+
+    def _join_deaths(self, generation: int) -> None:
+        """Report, in `generation`, the members found dead since this rank's report (see the class)."""
+        d, membership = self.detector, self.membership
+        now = d.clock()
+        if now - self._read_at < d.heartbeat_interval_s / WATCHES_PER_BEAT:
+            return
+        self._read_at = now
+        dead, reasons = d.poll_dead(Among(membership.members, but=membership.rank), direct=False)
+        new = dead - self._reported
+        if not new:
+            return
+        self._reported |= new
+        d.declared.update((r, reasons[r]) for r in new)
+        watched = frozenset(r for r in new if r in d.monitor.ranks)
+        if not watched:
+            return
+        self.joined |= watched
+        judged = {r: reasons[r] for r in watched if r not in d.recorded}  # (the logs name the rest already)
+        if judged:
+            request_fence(membership.store, judged, judged)
+        membership.report_failure(generation, watched, time.time(), "; ".join(reasons[r] for r in sorted(watched)),
+                                  {r: d.monitor.silent_for(r) for r in watched})
 
 
 class Watching:

@@ -51,7 +51,7 @@ from ntp_ds.control.liveness_store import (NODE_PUBLISH_S, AlarmRelay, JobLog, L
                                            prepare_store, record_exit, request_fence, stale_after_s)
 from ntp_ds.control.keys import FENCE_KEY
 from ntp_ds.control.node_store import NodeMirror, launcher_period_s
-from ntp_ds.control.membership import Membership
+from ntp_ds.control.membership import Membership, MembershipChange
 from ntp_ds.control.node_local import NodeLocal
 from ntp_ds.control.store import connect_store, forget_generation
 from ntp_ds.recovery.watch import another_suspect
@@ -611,6 +611,8 @@ class _Share:
             from ntp_ds.control.membership import BarrierTimeout
             from ntp_ds.recovery.errors import failed_on_the_way
 
+            if isinstance(getattr(path.poll, "change", None), MembershipChange):  # adopted, then its confirm failed
+                self.generations.record(path.poll.change)
             if not failed_on_the_way(err) or path.attempts >= self.max_attempts:
                 path.error = f"{path.phase}: {type(err).__name__}: {str(err)[:300]}"
                 if rank not in self.victims:

@@ -17,3 +17,17 @@ def test_every_rank_of_a_job_gets_through_a_rack_lost_whole():
     assert r.failure_req > 0 and r.steady_req_per_s > 0 and r.server_busy_s > 0
     assert r.largest_value < 1024 * len(spec.victims()), r.largest_value
     assert r.bootstrapped_groups > 0 and r.bootstrapped_members <= 96 - 32
+
+
+@pytest.mark.long
+def test_every_survivor_gets_through_deaths_that_keep_coming():
+    # Six of 96 ranks die at random within 8 s (the `one_percent` scenario, denser): deaths land during the
+    # recoveries of the ones before. Every survivor gets through to a generation without any of them, each recovery
+    # in fewer attempts than the harness's bound (one more per death), and the generations a decision took were
+    # built on the survivors' own watched peers.
+    spec = FailureSpec(96, "one_percent", processes=2, timeout_s=60.0, deaths=6, spread_s=8.0, seed=3)
+    r = run_failure(spec)
+    assert r.errors == [] and r.through == r.survivors == 90, r.errors[:3]
+    assert 1 <= r.generations <= 6 and r.attempts < spec.max_attempts, (r.generations, r.attempts)
+    assert r.recoveries >= 1 and r.done_s is not None
+    assert r.largest_value < 1024 * len(spec.victims()), (r.largest_value, r.largest_call)
