@@ -215,7 +215,7 @@ def failure_case(world: int, scenario: str, timeout_s: float) -> dict:
             "steady_bytes_per_s": r.steady_bytes_per_s, "steady_phases": r.steady_phases,
             "retries": sorted(r.retries, key=lambda e: int(e.split("attempt ")[1].split()[0]))[-3:],
             "largest_value": r.largest_value, "deaths": len(r.spec.victims()), "generations": r.generations,
-            "recoveries": r.recoveries, "spread_s": r.spec.last_death_s,
+            "recoveries": r.recoveries, "spread_s": r.spec.last_death_s, "max_attempts": r.spec.max_attempts,
             "groups": r.bootstrapped_groups, "group_ranks": r.bootstrapped_members, "errors": r.errors[:5],
             "calls": {k: round(v) for k, v in sorted(r.failure_calls.items(), key=lambda kv: -kv[1])[:8]},
             "phases": {k: round(v) for k, v in sorted(r.failure_phases.items(), key=lambda kv: -kv[1])}}
@@ -361,7 +361,8 @@ def main(argv=None) -> int:
             if scenario == "one_percent":
                 print(f"{'':<8} {c['deaths']} ranks died within {c['spread_s']:.1f} s: {c['generations']} decisions, "
                       f"at most {c['recoveries']} recoveries of a survivor and {c['attempts']} attempts of a recovery "
-                      f"(bound {MAX_ATTEMPTS}); {c['req'] / c['deaths']:.0f} requests per death; decision and done "
+                      f"(bound {c['max_attempts']}: {MAX_ATTEMPTS} and one per death); {c['req'] / c['deaths']:.0f} requests "
+                      f"per death; decision and done "
                       f"timed from the last death", flush=True)
             for e in c["errors"]:
                 print(f"    error: {e}", flush=True)

@@ -1,4 +1,4 @@
-"""Every rank of a large job through one failure, against a store served by a process of its own.
+"""Every rank of a large job through a failure (or many), against a store served by a process of its own.
 
 A job of W ranks (TP `tp` per replica, one replica per node of `tp` ranks, racks of `rack_nodes` nodes) is played by a
 few processes, each owning a share of the nodes. No rank is sampled and no key is written in advance: every rank runs
@@ -15,12 +15,15 @@ thread per rank blocked in the store for alarms, each with store clients of its 
   is a store in the harness process, as it is a store on the node: its requests are not the job store's and are
   not counted;
 - the failure (scenario `gpu`: one rank killed, its launcher marks the exit; `node`: a node's ranks and its launcher
-  gone; `rack`: a rack's): the victims stop beating, and the watchers' verdicts go the way `Watch.peers_dead` sends
-  them (a fence request, the early report to the membership);
+  gone; `rack`: a rack's; `one_percent`: 1% of the ranks killed one by one at random times within `spread_s`, their
+  launchers marking the exits): the victims stop beating, and the watchers' verdicts go the way `Watch.peers_dead`
+  sends them (a fence request, the early report to the membership);
 - every survivor notices at its first verdict (its collectives would fail then: the wire is told) and runs the store
   path of `Recovery._attempt` through the product's poll objects: the detection (`Detection`), the agreement
   (`Agreement`: report, decision, watched confirm), the new generation's arrival (`Detector.arrival`), the done
-  barrier and, on the first member, `forget_generation`.
+  barrier (`Detector.ending`) and, on the first member, `forget_generation`; then it trains again in the new
+  generation, watching its new engine's peers (`watch_sets`, `Generations`), until the next death. A victim runs
+  all of this too until it dies.
 
 Not run here: the departures and `keep`'s drains (a few keys per group a rank holds), the new world's process group
 and groups (their store rendezvous), and the hand-off's object collectives (they go over the communicators, not the
@@ -28,8 +31,9 @@ store). The groups the new generation builds from scratch, and their members, ar
 group rule (`wanted_groups`, as `keep` compares) instead of created.
 
 Every request a client makes is counted (by call, with the bytes sent and received); the store server's own CPU time
-is read from /proc. Per failure: everything served from the failure to the last rank through the done barrier (the
-beats and polls that go on meanwhile included), and the steady state's rates measured before it, stated apart.
+is read from /proc. Per failure: everything served from the failure to the last rank through its last done barrier
+(the beats and polls that go on meanwhile included), and the steady state's rates measured before it, stated apart;
+the times to the decision and to the last rank through are counted from the last death.
 """
 
 from __future__ import annotations
