@@ -361,8 +361,8 @@ def main(argv=None) -> int:
             if scenario == "one_percent":
                 print(f"{'':<8} {c['deaths']} ranks died within {c['spread_s']:.1f} s: {c['generations']} decisions, "
                       f"at most {c['recoveries']} recoveries of a survivor and {c['attempts']} attempts of a recovery "
-                      f"(bound {c['max_attempts']}: {MAX_ATTEMPTS} and one per death); {c['req'] / c['deaths']:.0f} requests "
-                      f"per death; decision and done "
+                      f"(bound {c['max_attempts']}: {MAX_ATTEMPTS} and one per death); "
+                      f"{c['req'] / c['deaths']:.0f} requests per death; decision and done "
                       f"timed from the last death", flush=True)
             for e in c["errors"]:
                 print(f"    error: {e}", flush=True)

@@ -240,8 +240,8 @@ class Generations:
                 newest = max(self._generations)
                 for n in range(newest + 1, number + 1):
                     if n not in self._changes:
-                        raise KeyError(f"generation {n}'s decision was never recorded (recorded: {sorted(self._changes)}, "
-                                       f"generations {sorted(self._generations)}, asked {number})")
+                        raise KeyError(f"generation {n}'s decision was never recorded (recorded: "
+                                       f"{sorted(self._changes)}, asked for generation {number})")
                     loss = self._generations[n - 1].after_loss(self._changes[n].dead, 1, n)
                     self._generations[n] = loss.after
                 self._peers[number] = (frozenset(self._generations[number].members),
@@ -522,7 +522,8 @@ class _Share:
                 with self._wake_lock:
                     woken, self.wake = self.wake, set()
                 for r in woken:
-                    if r in self.paths and not self._gone(r):  # its next poll comes now, in place of the one due (one watching thread)
+                    # its next poll comes now, in place of the one due (one watching thread)
+                    if r in self.paths and not self._gone(r):
                         pause[r] = fastest
                         chain[r] += 1
                         push(time.monotonic(), "watch", (r, chain[r]))
@@ -705,7 +706,7 @@ class FailureResult:
     decision_s: float | None
     """From the last death to the last survivor's last decision."""
     done_s: float | None
-    """From the last death to the last survivor through its last done barrier (None: some never got through)."""
+    """From the last death to the last survivor through its last done barrier (None: none got through)."""
     survivors: int
     through: int
     """Survivors through to a generation without any victim."""
