@@ -273,6 +273,17 @@ def test_the_recovery_s_last_barrier_ends_at_once_when_a_member_dies_there():
     d.finish(store, 2, 1, members, 600.0)
 
 
+def test_the_last_barrier_of_a_grown_generation_sees_a_death_though_its_members_are_not_sorted():
+    # A grown generation lists its members in global-rank order: a joiner (launch rank 7) seated in the first
+    # replica comes before rank 2. A death among them still ends the wait at once.
+    reader = Reader()
+    d = detector(reader)
+    store, members = dist.HashStore(), (0, 7, 2, 5)
+    reader.exited = {7: "exit code -9"}
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[7\] died before generation 3's end"):
+        d.ending(store, 2, 3, members, 600.0).poll()
+
+
 # -- regroup: which groups the next generation keeps ---------------------------------------------------------------
 class Group:
     """One rank's handle of a process group of the old generation: its role, members, the operations this rank

@@ -128,7 +128,8 @@ class Detector:
     def ending(self, store, rank: int, generation: int, members: tuple[int, ...], timeout_s: float) -> Watching:
         """`finish`, one poll at a time."""
         wait = BarrierWait(store, barrier_key(generation, "done", members), rank, members, timeout_s, node=self.node)
-        return Watching(self, wait, Among(members, but=rank), f"generation {generation}'s end")
+        # (a set, as the rendezvous's: a grown generation's members are in global-rank order, not sorted)
+        return Watching(self, wait, set(members) - {rank}, f"generation {generation}'s end")
 
     def list_watched(self, rank: int) -> None:
         """Tell the launcher's copy (`LivenessReader.want`) whose keys this rank's recovery watches now."""
@@ -267,7 +268,7 @@ class Agreement:
             return
         self._reported |= new
         d.declared.update((r, reasons[r]) for r in new)
-        watched = frozenset(r for r in new if r in d.monitor.ranks)
+        watched = new & set(d.monitor.ranks)
         if not watched:
             return
         self.joined |= watched
