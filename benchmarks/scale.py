@@ -415,11 +415,13 @@ def report(cases: dict, plans: dict, ctl: dict, sizes) -> int:
     largest = max([c["largest_value"] for c in cases.values() if "largest_value" in c], default=0)
     objects = max(gathered_bytes(BIG).values())
     max_object = max(largest, objects)
-    rack = [c for (w, s), c in cases.items() if s == "rack" and w == max(sizes) and "req" in c]
-    rack_ok = bool(rack) and all(c["through"] == c["survivors"] and not c["errors"] for c in rack)
-    one = [c for (w, s), c in cases.items() if s == "one_percent" and w == max(sizes)]
-    one_ok = ("n/a" if not one else
-              str(all("req" in c and c["through"] == c["survivors"] and not c["errors"] for c in one)).lower())
+    def recovered(scenario: str) -> bool | None:
+        """Whether every survivor of the largest size's case got through (None: it did not run)."""
+        ran = [c for (w, s), c in cases.items() if s == scenario and w == max(sizes)]
+        return all("req" in c and c["through"] == c["survivors"] and not c["errors"] for c in ran) if ran else None
+
+    rack_ok, one_ok = bool(recovered("rack")), recovered("one_percent")
+    one_ok = "n/a" if one_ok is None else str(one_ok).lower()
     for (w, s), c in sorted(cases.items()):
         if s == "one_percent" and "req" in c:
             print(f"1% of ranks within a minute, W={w}: {c['through']}/{c['survivors']} through, {c['generations']} "
