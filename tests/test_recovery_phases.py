@@ -363,15 +363,25 @@ class World:
 
     def __init__(self, n: int):
         self.barrier, self.slots, self.sent = threading.Barrier(n, timeout=10), [None] * n, None
+        self.said: list = []  # (rank, object) of every collect
 
-    def gather(self, i: int):
-        def all_gather_object(mine):
-            self.slots[i] = mine
-            self.barrier.wait()
-            out = list(self.slots)
-            self.barrier.wait()
-            return out
-        return all_gather_object
+    def _all(self, i: int, mine) -> list:
+        self.slots[i] = mine
+        self.barrier.wait()
+        out = list(self.slots)
+        self.barrier.wait()
+        return out
+
+    def reduce(self, i: int):
+        def reduce_ints(values, op):
+            return [(sum if op == "sum" else max)(v) for v in zip(*self._all(i, values))]
+        return reduce_ints
+
+    def collect(self, i: int):
+        def collect(obj):
+            self.said.append((i, obj))
+            return {r: o for r, o in enumerate(self._all(i, obj)) if o is not None}
+        return collect
 
     def broadcast(self, i: int):
         def broadcast_object(obj, src):
@@ -384,16 +394,19 @@ class World:
         return broadcast_object
 
 
-def run_hand_off(snapshots, generation, dead=frozenset(), buddies=(0, 2), held=None):
+def run_hand_off(snapshots, generation, dead=frozenset(), buddies=None, held=None, world=None):
     """Every rank's `hand_off` at once on a `World`; return each rank's (snapshot, hand-off). `buddies`: the old
-    anchors whose state has copies; `held[i]`: rank i's detached engine."""
-    world, out = World(len(snapshots)), {}
+    anchors whose state has copies, with their planned holders (default: 0 and 2 onto 1 and 3); `held[i]`: rank i's
+    detached engine."""
+    world, out = world or World(len(snapshots)), {}
+    buddies = {0: (1,), 2: (3,)} if buddies is None else buddies
     job_ = types.SimpleNamespace(buddies=lambda topology: buddies)
+    survivors = frozenset(s.rank for s in snapshots if s is not None)
 
     def rank(i):
         out[i] = hand_off(job_, snapshots[i], generation if snapshots[i] is not None else None,
-                          held=held[i] if held else None, dead=dead, rank_index=i, gather=world.gather(i),
-                          broadcast=world.broadcast(i))
+                          held=held[i] if held else None, dead=dead, survivors=survivors, rank_index=i,
+                          reduce=world.reduce(i), collect=world.collect(i), broadcast=world.broadcast(i))
 
     threads = [threading.Thread(target=rank, args=(i,), daemon=True) for i in range(len(snapshots))]
     for t in threads:
@@ -408,7 +421,7 @@ def test_a_joiner_learns_the_old_generation_steps_and_learning_rate_from_the_low
     topology = Topology.from_degrees(UNITS, (2, 2))
     generation = Generation.initial(topology)
     snaps = [snapshot(topology, r, lr=("sched", [0.1]) if r >= 2 else None) for r in range(4)] + [None]
-    out = run_hand_off(snaps, generation, buddies=())
+    out = run_hand_off(snaps, generation, buddies={})
     joiner_snapshot, joiner = out[4]
     assert joiner.before == generation and joiner_snapshot.rank is None and joiner_snapshot.topology == topology
     assert (joiner.global_steps, joiner.global_samples, joiner.carried_lr) == (5, 40, ("sched", [0.1]))
@@ -430,6 +443,32 @@ def test_a_step_no_member_committed_is_rolled_back_to_the_copies_of_the_step_bef
         assert snap.global_steps == 5  # the snapshot itself is a value: never changed
 
 
+@pytest.mark.parametrize("arrived", [True, False])
+def test_only_the_holders_of_a_dead_owner_s_copy_speak_and_a_copy_that_never_arrived_rolls_the_step_back(arrived):
+    # Four anchors, each keeping copies of the two before it (and, of each, the step before's); owner 3 dies. Its
+    # buddies, 0 and 1, hold its newest copy (step 5), or only the step before's (its stream never arrived): then
+    # every owner's copy of step 4 survives, and the job rolls back to it. (With one copy each, the owner whose
+    # copy the dead rank kept has none left, and no roll-back is possible.)
+    topology = Topology.from_degrees(UNITS, (2, 2))
+    buddies = {r: ((r + 1) % 4, (r + 2) % 4) for r in range(4)}
+    before = (4, 32, ("sched", [0.2]), 4)
+    snaps = []
+    for r in range(3):
+        owners = ((r - 1) % 4, (r - 2) % 4)
+        snaps.append(snapshot(topology, r, copies={o: Copy(step=5 if arrived or o != 3 else 4, fragments={})
+                                                    for o in owners},
+                              previous={o: Copy(step=4, fragments={}) for o in owners}, before=before,
+                              lr=("sched", [0.1])))
+    world = World(3)
+    out = run_hand_off(snaps, Generation.initial(topology), dead=frozenset({3}), buddies=buddies, world=world)
+    assert all(h.rolled_back == (not arrived) for _, h in out)
+    said = sorted((i, obj) for i, obj in world.said if obj is not None)
+    assert said == [(0, {"lost": {3: 5 if arrived else 4}}), (1, {"lost": {3: 5 if arrived else 4}})], \
+        "the dead owner's buddies alone speak; every planned copy of step 4 is there, so nothing is listed"
+    if not arrived:
+        assert {o: c.step for o, c in out[1][1].held.items()} == {0: 4, 3: 4}
+
+
 def test_every_member_learns_every_rank_s_stale_units_and_whole_gradients(monkeypatch):
     from ntp_ds.recovery import handoff as phase
 
@@ -439,10 +478,10 @@ def test_every_member_learns_every_rank_s_stale_units_and_whole_gradients(monkey
                                  whole_grads=r != 3) for r in range(4)]
     # Rank 2's engine cannot be re-cut, so it cannot keep them; rank 3 holds no whole gradients.
     held = [types.SimpleNamespace(optimizer="zero" if r != 2 else "plain") for r in range(4)]
-    out = run_hand_off(snaps, Generation.initial(topology), buddies=(), held=held)
+    out = run_hand_off(snaps, Generation.initial(topology), buddies={}, held=held)
     for _, handoff in out:
-        assert handoff.stale_by_rank == {0: {}, 1: {"ffn": ((0, 2),)}, 2: {}, 3: {}}
-        assert handoff.whole_by_rank == {0: True, 1: True, 2: False, 3: False}
+        assert handoff.stale_by_rank == {1: {"ffn": ((0, 2),)}}  # only the members that have any
+        assert [handoff.whole_by_rank.get(i) for i in range(4)] == [True, True, False, False]
         assert not handoff.rolled_back and handoff.held == {}
 
 
@@ -497,7 +536,7 @@ def fake_install(monkeypatch):
     monkeypatch.setattr(install, "rebind_engine", rebind_engine)
     monkeypatch.setattr(install, "recuttable", lambda optimizer: True)
     monkeypatch.setattr(install, "count_communicators", lambda: (3, 1))
-    monkeypatch.setattr(install, "reslice", lambda engine, snap, copies, dead, own: dict(STATE, own=own))
+    monkeypatch.setattr(install, "reslice", lambda engine, snap, copies, dead, own, **_: dict(STATE, own=own))
     # Every one of the new generation's three ranks measured the same figures.
     monkeypatch.setattr(install.wire, "sum_counts", lambda values, group=None: [3 * v for v in values])
     monkeypatch.setattr(install.wire, "traffic_since", lambda before: {("reslice", "received"): 40})
@@ -507,14 +546,14 @@ def fake_install(monkeypatch):
 
 def job(batch_policy="preserve_global_batch", resume=None):
     return types.SimpleNamespace(ds_config={}, ntp=types.SimpleNamespace(bucket_size=1 << 20),
-                                 resume_plan=lambda topology, plan, kept: resume(kept) if resume else None)
+                                 buddies=lambda topology: {}, resume_plan=lambda topology, plan, kept: resume(kept) if resume else None)
 
 
 def change_after_loss(topology, dead_rank, stepped=5, **handoff_changes) -> install.Change:
     before = Generation.initial(topology)
     loss = before.after_loss({dead_rank}, 1, 1)
     handoff = run_hand_off([snapshot(topology, r, steps=stepped) for r in range(topology.world_size)], before,
-                           buddies=())[0][1]
+                           buddies={})[0][1]
     return install.Change(snapshot(topology, 0, steps=stepped), dataclasses.replace(handoff, **handoff_changes),
                           before, loss.after, frozenset({dead_rank}))
 
@@ -562,7 +601,7 @@ def test_a_parameter_no_survivor_holds_makes_recovery_impossible(fake_install):
     loss = before.after_loss({0}, 1, 1)  # replica 0 (TP 1) is gone; replica 1 holds everything: possible
     assert loss.after is not None
     stale = {i: {"ffn": ((0, 8),)} for i in range(3)}  # ...unless every holder's copy of the FFN is stale
-    handoff = run_hand_off([snapshot(topology, r) for r in range(3)], before, buddies=())[0][1]
+    handoff = run_hand_off([snapshot(topology, r) for r in range(3)], before, buddies={})[0][1]
     change = install.Change(snapshot(topology, 1), dataclasses.replace(handoff, stale_by_rank=stale), before,
                             loss.after, frozenset({0}))
     with pytest.raises(RecoveryImpossible, match="restart from the last checkpoint"):

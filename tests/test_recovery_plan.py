@@ -135,26 +135,37 @@ def test_a_state_message_checksum_is_exact_and_compared_as_bits():
     assert not intact(message)
 
 
-def _offer(own=5, copies=None, previous=None, mid_step=False, before=4, held=True):
-    return {"held": held, "mid_step": mid_step, "own_step": own, "copies": copies or {}, "previous": previous or {},
-            "before_step": before}
+def _offer(own=5, copies=None, previous=None, mid_step=False, before=4, held=True, rank=None):
+    return {"rank": rank, "held": held, "mid_step": mid_step, "own_step": own, "copies": copies or {},
+            "previous": previous or {}, "before_step": before}
+
+
+def _ranked(offers):
+    """The offers as members 0, 1, ... (old global ranks in the list's order)."""
+    return [{**g, "rank": i} for i, g in enumerate(offers)]
 
 
 def test_the_roll_back_decision():
     # Owners 0 and 1 keep copies on each other; 2 joined (holds nothing) and never counts.
     joiner = _offer(held=False)
+    pair = {0: (1,), 1: (0,)}
     # Every member between the votes: the step may be half applied, roll back.
-    assert roll_back({0, 1}, [_offer(mid_step=True), _offer(mid_step=True), joiner], frozenset({2}))
+    assert roll_back(pair, _ranked([_offer(mid_step=True), _offer(mid_step=True), joiner]), frozenset({2}))
     # Replicated state (no owners with copies): every survivor finished the step, go forward.
-    assert not roll_back((), [_offer(mid_step=True)], frozenset({1}))
+    assert not roll_back({}, _ranked([_offer(mid_step=True)]), frozenset({1}))
     # Committed, and the dead owner's newest state reached its buddy: go forward.
-    assert not roll_back({0, 1, 2}, [_offer(copies={1: 5}), _offer(copies={2: 5}), joiner], frozenset({2}))
+    ring = {0: (1,), 1: (2,), 2: (0,)}
+    assert not roll_back(ring, _ranked([_offer(copies={2: 5}), _offer(copies={0: 5}), joiner]), frozenset({2}))
     # Committed, but dead owner 2's newest copy never arrived (dropped): roll back to step 4 when every owner's copy
     # of step 4 survives (`redundancy_keep_previous`), else go forward (and recovery says what it lost).
-    stale = [_offer(copies={1: 5}, previous={1: 4}), _offer(copies={0: 5}, previous={0: 4, 2: 4})]
-    assert roll_back({0, 1, 2}, stale, frozenset({2}))
-    del stale[1]["previous"][2]
-    assert not roll_back({0, 1, 2}, stale, frozenset({2}))
+    stale = _ranked([_offer(copies={2: 5}, previous={2: 4}), _offer(copies={0: 5}, previous={0: 4})])
+    stale[0]["previous"][2], stale[0]["copies"] = 4, {1: 5}  # 0 keeps 1 and 2 (1 unplanned onto it), 1 keeps 0
+    stale[1]["previous"][2] = 4
+    assert not roll_back(ring, stale, frozenset({2})), "1's copy of step 4 is nowhere"
+    stale[0]["previous"][1] = 4
+    assert roll_back(ring, stale, frozenset({2}))
+    del stale[1]["previous"][2], stale[0]["previous"][2]
+    assert not roll_back(ring, stale, frozenset({2}))
 
 
 def _roll_back_by_the_rule(owners, offers, dead) -> bool:
@@ -175,17 +186,21 @@ def _roll_back_by_the_rule(owners, offers, dead) -> bool:
 
 
 _steps = st.integers(4, 6)
-_copies = st.dictionaries(st.integers(0, 3), _steps, max_size=3)
+_copies = st.dictionaries(st.integers(0, 5), _steps, max_size=4)
 _offers = st.lists(st.builds(_offer, own=_steps, copies=_copies, previous=_copies, mid_step=st.booleans(),
                              before=st.one_of(st.none(), _steps), held=st.booleans()), min_size=1, max_size=6)
+_buddies = st.dictionaries(st.integers(0, 5), st.lists(st.integers(0, 6), min_size=1, max_size=3, unique=True)
+                           .map(tuple), max_size=6)
 
 
-@settings(max_examples=300, deadline=None)
-@example(owners={0, 1}, offers=[_offer(copies={0: 5}, previous={0: 4, 1: 4})], dead=frozenset({0, 1}))  # 1 not fresh
-@given(owners=st.sets(st.integers(0, 3), max_size=4), offers=_offers, dead=st.frozensets(st.integers(0, 3), max_size=3))
-def test_the_roll_back_decision_follows_its_rule_on_any_offers(owners, offers, dead):
-    # roll_back takes shortcuts so that it reads 100,000 offers quickly; it must decide as the rule does.
-    assert roll_back(owners, offers, dead) == _roll_back_by_the_rule(owners, offers, dead)
+@settings(max_examples=500, deadline=None)
+@example(buddies={0: (1,), 1: (0,)}, offers=[_offer(copies={0: 5}, previous={0: 4, 1: 4})], dead=frozenset({0, 1}))
+@given(buddies=_buddies, offers=_offers, dead=st.frozensets(st.integers(0, 6), max_size=3))
+def test_the_roll_back_decision_follows_its_rule_on_any_offers(buddies, offers, dead):
+    # roll_back decides in rounds in which only the exceptions to the buddy plan speak; on any offers (copies
+    # planned or not, holders dead or alive, one holder or several) it must decide as the rule does.
+    offers = _ranked(offers)
+    assert roll_back(buddies, offers, dead) == _roll_back_by_the_rule(buddies, offers, dead)
 
 
 @pytest.mark.parametrize("dead", [{2}, {3}, {2, 3}])
@@ -241,12 +256,42 @@ def test_lost_state_counts_what_no_survivor_holds_once_and_the_plan_restores_it(
 def test_an_owner_s_holders_are_every_offer_of_it_however_they_are_looked_up(steps, asked):
     # Few owners at a time are found by a scan each, many in one pass over the offers; either way, every server
     # offering an owner, in server order, with its step.
-    from ntp_ds.recovery.reslice import StateIndex
+    from ntp_ds.recovery.holdings import Listed
 
-    old = Topology.from_degrees(UNITS, (2, 2))
-    index = StateIndex(steps, old, old, {}, {})
+    listed = Listed(steps)
     for owners in asked:
-        holders = index.holders_of(tuple(owners))
+        holders = listed.holders_of(tuple(owners))
         for owner in owners:
             assert holders[owner] == [(server, offered[owner]) for server, offered in enumerate(steps)
                                       if owner in offered]
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), world=st.integers(1, 10), own=st.booleans(), step=st.integers(1, 3))
+def test_the_planned_holders_are_the_offers_whatever_ranks_differ_from_the_plan(data, world, own, step):
+    # Every rank serves its own fragments (an anchor, unless rolling back) and the copies planned onto it, at the
+    # newest step; a few differ (a copy missing, stale or unplanned). The plan and those few give every owner's
+    # holders exactly as every rank's offer does.
+    from ntp_ds.recovery.holdings import Listed, Planned
+
+    old_world = world + data.draw(st.integers(0, 3), "dead")
+    old_rank_of = dict(enumerate(data.draw(st.permutations(range(old_world)), "order")[:world]))
+    anchors = data.draw(st.sets(st.integers(0, old_world - 1)), "anchors")
+    buddies = {a: tuple(data.draw(st.lists(st.integers(0, old_world - 1).filter(lambda h, a=a: h != a), max_size=2,
+                                           unique=True), f"holders of {a}")) for a in sorted(anchors)}
+    planned = Planned(step, old_rank_of, lambda r: r in anchors, buddies, own)
+    steps = []
+    for new in range(world):
+        offered = dict(planned.expected(new))
+        if data.draw(st.booleans(), f"{new} differs"):
+            offered = data.draw(st.dictionaries(st.integers(0, old_world - 1), st.integers(0, step), max_size=3),
+                                f"{new}'s offer")
+        steps.append(offered)
+    newest = max((s for offered in steps for s in offered.values()), default=0)
+    if newest != step:  # the rule's step is the newest served, as the reduction gives it
+        return
+    planned.tell({r: offered for r, offered in enumerate(steps) if offered != planned.expected(r)})
+    listed, owners = Listed(steps), tuple(range(old_world + 1))
+    assert {o: sorted(h) for o, h in planned.holders_of(owners).items()} == \
+        {o: sorted(h) for o, h in listed.holders_of(owners).items()}
+    assert all(planned.serves(o) == listed.serves(o) for o in owners)

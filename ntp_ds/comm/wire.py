@@ -49,14 +49,14 @@ from ntp_ds.comm.wire_state import (NCCL_LIKE, CallRecord, TreeGroup, _check, _c
                                     traffic_since)
 
 __all__ = [
-    "DEPARTURE_CHECK_S", "DEPARTURE_POLL_S", "NCCL_LIKE", "SLICE_S", "CallRecord", "Exchange", "PeerFailure", "Posted",
-    "Progress", "TreeGroup", "abort_all", "all_gather_object", "all_reduce", "arrive", "backend_of", "barrier",
-    "broadcast", "broadcast_object", "check_verdict", "configure", "control_all_reduce", "control_group", "device_of",
-    "discard", "drained", "exchange", "gather_object", "has_control", "has_copy_lane", "is_nccl", "is_wire_failure",
-    "mark", "on_departure", "open_for_batches", "ops_posted", "outstanding", "peer_failed", "progress", "proven",
-    "recording", "require_arrived", "set_aside", "set_routes", "settle_device", "stop_watching", "sum_counts",
-    "teardown", "timed_event", "traffic", "traffic_since", "verdict", "vote", "vote_with_notice", "wait", "waiting",
-    "working",
+    "CallRecord", "DEPARTURE_CHECK_S", "DEPARTURE_POLL_S", "Exchange", "NCCL_LIKE", "PeerFailure", "Posted",
+    "Progress", "SLICE_S", "TreeGroup", "abort_all", "all_gather_object", "all_reduce", "arrive", "backend_of",
+    "barrier", "broadcast", "broadcast_object", "check_verdict", "collect", "configure", "control_all_reduce",
+    "control_group", "device_of", "discard", "drained", "exchange", "gather_object", "has_control", "has_copy_lane",
+    "is_nccl", "is_wire_failure", "mark", "on_departure", "open_for_batches", "ops_posted", "outstanding",
+    "peer_failed", "progress", "proven", "recording", "reduce_ints", "require_arrived", "set_aside", "set_routes",
+    "settle_device", "stop_watching", "sum_counts", "teardown", "timed_event", "traffic", "traffic_since",
+    "verdict", "vote", "vote_with_notice", "wait", "waiting", "working",
 ]
 
 
@@ -295,6 +295,20 @@ def sum_counts(values: list[float], group=None) -> list[float]:
     if group is None:
         return control_all_reduce(values, "sum", "sum_counts").tolist()
     return all_reduce(values, group, "sum", "sum_counts").tolist()
+
+
+def reduce_ints(values: list[int], op: str = "sum", name: str = "reduce_ints") -> list[int]:
+    """Reduce a few host integers (`op`: "sum", "max" or "min") over the generation, along the control tree."""
+    return control_all_reduce(torch.tensor(values, dtype=torch.int64), op, name).tolist()
+
+
+def collect(obj) -> dict:
+    """Every rank's `obj` that is not None, by global rank, on every rank of the generation (along the control
+    tree): what a rank receives grows with the objects sent, not with the world, so the ranks with something to
+    say (an exception to a rule all of them apply) speak and the others pass None."""
+    if _state.tree is not None:
+        return _tree_collect({} if obj is None else {dist.get_rank(): obj})
+    return {r: o for r, o in enumerate(all_gather_object(obj)) if o is not None}
 
 
 def _tree_collect(mine: dict) -> dict:

@@ -1,10 +1,12 @@
 """Hand-off: what every member of the new generation learns from the others before it installs its state.
 
-One gather of a small offer per member (its stale units, whether it holds the interrupted step's gradients whole,
-whether it holds a learning-rate state, and the steps of its state and copies: `rollback.offered`), then one
-broadcast of the job's context from the lowest member that has it: the old generation, the steps and the
-learning-rate state. From these every member decides alike whether the job rolls back a step (`rollback.roll_back`)
-and which state it installs. A joiner offers nothing and learns the old generation here.
+No member receives every member's offer. Two fixed-size reductions (the newest step, the step the last step began
+from, who holds a learning-rate state, whether any member is between a step's votes, how many keep the interrupted
+step's gradients whole), then one collect in which only exceptions speak (stale units, a whole flag against the
+majority, the copies of dead owners, copies kept off the buddy plan), then one sum, decide alike on every member
+whether the job rolls back a step (`rollback.RollBack`); a broadcast from the lowest member that has it then gives
+the job's context: the old generation, the steps and the learning-rate state. What a member receives grows with the
+deaths and the exceptions, never with the world. A joiner offers nothing and learns the old generation here.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from ntp_ds.comm import wire
 from ntp_ds.engine.recut import recuttable
 from ntp_ds.engine.snapshot import Snapshot
 from ntp_ds.layout.generation import Generation
-from ntp_ds.recovery.rollback import offered, roll_back
+from ntp_ds.recovery.rollback import Collect, Reduce, Reduced, RollBack, offered
 
 
 @dataclass(frozen=True)
@@ -32,9 +34,9 @@ class Handoff:
     held: dict
     """The copies this rank serves, by owner: after a roll-back only those of the step rolled back to."""
     stale_by_rank: dict
-    """Every old rank's stale units (its streamed copy of them never arrived)."""
-    whole_by_rank: dict
-    """Whether each old rank holds the interrupted step's gradients whole and keeps its engine's optimizer."""
+    """The stale units of each member that has any (its streamed copy of them never arrived), by new rank."""
+    whole_by_rank: "ByRank"
+    """Whether each member holds the interrupted step's gradients whole and keeps its engine's optimizer."""
     rolled_back: bool
     """The members return to the state the last step began from (`recovery.rollback`)."""
     any_mid_step: bool
@@ -47,6 +49,17 @@ class Handoff:
         return self.any_mid_step or self.rolled_back
 
 
+@dataclass(frozen=True)
+class ByRank:
+    """A flag of every member, told as the majority's value and the members that differ from it."""
+
+    default: bool
+    exceptions: frozenset[int]
+
+    def get(self, rank: int) -> bool:
+        return self.default != (rank in self.exceptions)
+
+
 def offer(snapshot: Snapshot | None, whole: bool) -> dict:
     """A member's offer (a joiner's: `snapshot` None): its stale units, whether it keeps the interrupted step's
     gradients whole (`whole`), whether it holds a learning-rate state, and what `rollback.offered` reads."""
@@ -55,22 +68,34 @@ def offer(snapshot: Snapshot | None, whole: bool) -> dict:
 
 
 def hand_off(job, snapshot: Snapshot | None, generation: Generation | None, *, held=None,
-             dead: frozenset[int] = frozenset(), rank_index: int,
-             gather: Callable[[dict], list] = wire.all_gather_object,
+             dead: frozenset[int] = frozenset(), survivors: frozenset[int] = frozenset(), rank_index: int,
+             reduce: Reduce = wire.reduce_ints, collect: Collect = wire.collect,
              broadcast: Callable[[object, int], object] = wire.broadcast_object) -> tuple[Snapshot, Handoff]:
-    """Exchange the offers and the context on the new generation's world (`gather`, `broadcast`); return the
-    snapshot to install from (a joiner's: empty, in the old topology's terms) and the hand-off.
+    """Settle the roll-back and the context on the new generation's world (`reduce`, `collect`, `broadcast`);
+    return the snapshot to install from (a joiner's: empty, in the old topology's terms) and the hand-off.
 
     `snapshot`, `generation`: this member's (None on a joiner); `held`: its engine, detached (it keeps the
     interrupted step's gradients only if its optimizer can be re-cut); `dead`: the old global ranks that died;
-    `rank_index`: this rank's index in the new world."""
+    `survivors`: the old global ranks of the members that hold state; `rank_index`: this rank's index in the new
+    world."""
     whole = snapshot is not None and snapshot.whole_grads and held is not None and recuttable(held.optimizer)
-    gathered = gather(offer(snapshot, whole))
-    buddies = job.buddies(snapshot.topology) if snapshot is not None else ()
-    rolled_back = snapshot is not None and roll_back(buddies, gathered, dead)
-    src = next((i for i, g in enumerate(gathered) if g["lr"]), None)
-    if src is None:
-        src = next(i for i, g in enumerate(gathered) if g["held"])
+    mine = offer(snapshot, whole)
+    rule = RollBack(job.buddies(snapshot.topology) if snapshot is not None else {}, dead, survivors)
+    far = -(1 << 62)
+    first = reduce(Reduced.part(mine) + [-rank_index if mine["lr"] else far, -rank_index if mine["held"] else far,
+                                         int(mine["mid_step"])], "max")
+    reduced, any_mid_step = Reduced.of(first[:3]), bool(first[5])
+    src = -first[3] if first[3] != far else -first[4]
+    members, whole_members = reduce([1, int(whole)], "sum")
+    majority = 2 * whole_members >= members
+    said = {**rule.exceptions(mine, reduced), **({"stale": mine["stale"]} if mine["stale"] else {}),
+            **({"whole": whole} if whole != majority else {})}
+    told = collect(said or None)
+    heard = rule.hear(reduced, list(told.values()))
+    counted = reduce(rule.count(mine, reduced, heard), "sum")
+    kind = rule.listing(counted)
+    lists = collect(rule.listed(mine, reduced, heard, kind)) if kind is not None else {}
+    rolled_back = snapshot is not None and rule.decide(heard, counted, lists)
     context = None
     if rank_index == src:
         steps, samples, lr_state = snapshot.global_steps, snapshot.global_samples, snapshot.lr_state
@@ -90,6 +115,6 @@ def hand_off(job, snapshot: Snapshot | None, generation: Generation | None, *, h
         before=generation if generation is not None else context["generation"],
         global_steps=context["global_steps"], global_samples=context["global_samples"],
         carried_lr=context["lr_state"], held=served,
-        stale_by_rank={i: g["stale"] for i, g in enumerate(gathered)},
-        whole_by_rank={i: g["whole"] for i, g in enumerate(gathered)},
-        rolled_back=rolled_back, any_mid_step=any(g["mid_step"] for g in gathered))
+        stale_by_rank={i: t["stale"] for i, t in told.items() if "stale" in t},
+        whole_by_rank=ByRank(majority, frozenset(i for i, t in told.items() if "whole" in t)),
+        rolled_back=rolled_back, any_mid_step=any_mid_step)

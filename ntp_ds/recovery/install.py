@@ -82,7 +82,8 @@ def install(job: JobSpec, store, rank: int, change: Change, *, held, release: Ca
             job, held, groups, snapshot, moves, moved, lambda: on_phase(step, "transfer")))
     engines_built = int(engine is not held)
     created, kept = count_communicators()
-    state = reslice(engine, snapshot, handoff.held, change.dead_owners, own=not handoff.rolled_back)
+    state = reslice(engine, snapshot, handoff.held, change.dead_owners, own=not handoff.rolled_back,
+                    old_rank_of=old_rank_of, buddies=job.buddies(snapshot.topology))
     if handoff.params_from_masters:
         params_from_masters(engine)
         engine.sync_parameters()

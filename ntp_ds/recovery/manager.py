@@ -239,7 +239,9 @@ class Recovery:
         join_world(self.job.ntp, self.store, after.number, after.members.index(self.rank), len(after.members))
         carry(kept, before.members if before is not None else (), after.members)
         self.watch.watch_ring()
-        return hand_off(self.job, snapshot, before, held=self._held, dead=dead,
+        old_rank = {launch: i for i, launch in enumerate(before.members)} if before is not None else {}
+        survivors = frozenset(old_rank[m] for m in after.members if m in old_rank)
+        return hand_off(self.job, snapshot, before, held=self._held, dead=dead, survivors=survivors,
                         rank_index=after.members.index(self.rank))
 
     def _install(self, change: Change, traffic_before, event: dict) -> tuple:

@@ -30,6 +30,7 @@ from ntp_ds.layout import units as U
 from ntp_ds.layout.regions import (Block, Grid, Rect, area, block_in_full, blocks, grid, intersection, rects_in_full,
                                    span_in)
 from ntp_ds.layout.zero import FlatOrder, anchor_addresses, anchor_fragments
+from ntp_ds.recovery.holdings import Listed, Planned
 
 
 @dataclass(frozen=True)
@@ -57,10 +58,6 @@ def unit_sources(old: ShardLayout, new: ShardLayout, tp_rank: int, kind: str) ->
     return out
 
 
-HOLDER_SCANS = 8
-"""Owners whose holders `StateIndex.holders_of` finds by a scan each; more are found in one pass over the offers."""
-
-
 class _Table(dict):
     """A table whose entries are computed on first lookup."""
 
@@ -79,24 +76,21 @@ class StateIndex:
     `fragments[(old TP index, name)]`: (start, numel, owners) of each old anchor fragment someone can serve, by
     start; fragments of one old TP index are disjoint under ZeRO and identical without it, and identical ones are one
     entry, since any of their holders can serve them. `needs[(new TP index, name)]`: (start, numel, new rank) of
-    each new anchor's fragment. `holders_of(owners)`: (server, step) of every copy of an owner's state (steps are
-    ints).
+    each new anchor's fragment. `holdings.holders_of(owners)`: (server, step) of every copy of an owner's state
+    (steps are ints; `holdings`: `holdings.Listed` or `holdings.Planned`).
 
     Built from the layouts (`from_layouts`: addresses follow from the shapes and the optimizer's flat order, and only
     the offers' steps were gathered; a TP index's entries are computed when first looked up), or from every rank's
     gathered addresses (`from_gathered`: where that rule was not confirmed on every rank).
     """
 
-    def __init__(self, steps: list[dict], old: Topology, new: Topology, specs, full_shapes):
-        """`steps[server]`: {owner: step} of every fragment set that new rank can serve."""
+    def __init__(self, holdings: Listed | Planned | list[dict], old: Topology, new: Topology, specs, full_shapes):
+        """`holdings`: who serves what (a list: `steps[server]` = {owner: step} of what each new rank serves)."""
         self.old, self.new, self.specs, self.full_shapes = old, new, specs, full_shapes
         self.old_layout = old.layouts[plan_gradient_sync(old).anchors[0]]
         self.new_layout = new.layouts[plan_gradient_sync(new).anchors[0]]
-        self._steps = steps
-        self.offered = set().union(*steps)
-        """Every owner some rank can serve."""
-        self._holders: dict[int, list[tuple[int, int]]] = {}  # owner -> [(server, step)], for those looked up
-        self.step = max((max(offered.values()) for offered in steps if offered), default=0)
+        self.holdings = Listed(holdings) if isinstance(holdings, list) else holdings
+        self.step = self.holdings.step
         self.fragments: dict[tuple[int, str], list[tuple[int, int, tuple[int, ...]]]] = _Table(lambda key: [])
         self.needs: dict[tuple[int, str], list[tuple[int, int, int]]] = _Table(lambda key: [])
         self._sources: dict[tuple[int, str], list] = {}
@@ -109,7 +103,7 @@ class StateIndex:
     def from_gathered(cls, gathered: list[dict], old: Topology, new: Topology, specs, full_shapes) -> "StateIndex":
         """From every rank's offer (the owners whose fragments it can serve, with their steps and addresses) and need
         (its new fragments' addresses)."""
-        index = cls([g["offer"]["steps"] for g in gathered], old, new, specs, full_shapes)
+        index = cls(Listed([g["offer"]["steps"] for g in gathered]), old, new, specs, full_shapes)
         address: dict[tuple[int, str], tuple[int, int]] = {}
         for g in gathered:
             for owner, frags in g["offer"]["held"].items():
@@ -129,18 +123,18 @@ class StateIndex:
         return index
 
     @classmethod
-    def from_layouts(cls, steps: list[dict], old: Topology, new: Topology, specs, full_shapes,
+    def from_layouts(cls, holdings: Listed | Planned | list[dict], old: Topology, new: Topology, specs, full_shapes,
                      order: FlatOrder) -> "StateIndex":
-        """From the offers' steps alone: every anchor's fragment follows from its TP index's shapes and `order`."""
-        index = cls(steps, old, new, specs, full_shapes)
-        offered = index.offered
+        """From who serves what alone: every anchor's fragment follows from its TP index's shapes and `order`."""
+        index = cls(holdings, old, new, specs, full_shapes)
+        serves = index.holdings.serves
         columns = _Table(lambda key: anchor_fragments(order, old if key[0] else new, key[1], specs, full_shapes))
 
         def fragments(key):
             tp, name = key
             out = []
             for start, numel, owners in columns[(True, tp)].get(name, ()):
-                held = tuple(o for o in owners if o in offered)
+                held = tuple(o for o in owners if serves(o))
                 if held:
                     out.append((start, numel, held))
             return out
@@ -188,30 +182,9 @@ class StateIndex:
     def pick(self, owners: tuple[int, ...], dst: int) -> tuple[int, int, int]:
         """(owner, server, step) serving `dst` one of `owners`' identical fragments: the freshest copy, then `dst`
         itself, then the lowest server."""
-        holders = self.holders_of(owners)
+        holders = self.holdings.holders_of(owners)
         offers = [(owner, server, step) for owner in owners for server, step in holders[owner]]
         return min(offers, key=lambda o: (-o[2], o[1] != dst, o[1], o[0]))
-
-    def holders_of(self, owners: tuple[int, ...]) -> dict[int, list[tuple[int, int]]]:
-        """owner -> [(server, step)] of every copy of each of `owners`' state (and of owners looked up before).
-
-        A plan under ZeRO looks up a few owners (two in a 100K-rank recovery): each is found by one scan of the
-        offers, where a table of every owner would cost every rank a pass appending every offer. Many at once
-        (identical fragments without ZeRO, one per anchor) are found in one such pass."""
-        missing = [o for o in owners if o not in self._holders]
-        if len(missing) <= HOLDER_SCANS:
-            for owner in missing:
-                self._holders[owner] = [(server, offered[owner]) for server, offered in enumerate(self._steps)
-                                        if owner in offered]
-        elif missing:
-            wanted = set(missing)
-            for owner in wanted:
-                self._holders[owner] = []
-            for server, offered in enumerate(self._steps):
-                for owner, step in offered.items():
-                    if owner in wanted:
-                        self._holders[owner].append((server, step))
-        return self._holders
 
     @staticmethod
     def overlapping(entries: list, lo: int, hi: int) -> list:
@@ -431,16 +404,19 @@ def move_state(engine, index: StateIndex, held: dict, keys: tuple[str, ...], dea
     return figures
 
 
-def reslice(engine, snapshot, copies: dict, dead: set[int] = frozenset(), own: bool = True) -> dict:
+def reslice(engine, snapshot, copies: dict, dead: set[int] = frozenset(), own: bool = True, *,
+            old_rank_of: dict[int, int], buddies: dict[int, tuple[int, ...]]) -> dict:
     """Give every new anchor rank the optimizer state of its new fragments; return this rank's measured figures.
     `copies`: the buddy copies this rank serves, by owner. `dead`: old global ranks that died, whose state comes from
     copies. `own=False` (a roll-back): this rank's live fragments may be partly updated, so only the copies it keeps
-    are served.
+    are served. `old_rank_of`: new rank -> old global rank of the survivors; `buddies`: the old topology's buddy plan.
 
-    Every rank contributes only the steps of what it can serve (a few numbers) and the lowest new anchor broadcasts
-    the optimizer's flat order: the addresses follow from the layouts. Each rank first checks that rule against the
-    fragments it really holds (old and new, and the copies it keeps); if any rank finds a difference, or the ranks'
-    flat orders differ, every rank gathers the full addresses instead (`StateIndex.from_gathered`)."""
+    No rank receives every rank's offer. One max-reduction gives the newest step served, whether the layout rule
+    held on every rank (each checks it against the fragments it really holds, old and new, and the copies it keeps),
+    whether the ranks' flat orders agree, and the lowest rank with optimizer keys; one collect then carries the
+    keys, the optimizer's flat order from the lowest new anchor (the addresses follow from the layouts), and the
+    offers of the ranks that serve other than the buddy plan says (`holdings.Planned`). If the rule failed on some
+    rank, or the flat orders differ, every rank gathers the full addresses instead (`StateIndex.from_gathered`)."""
     held = {}  # owner old global rank -> (step, {name: Fragment}) this rank can serve
     if snapshot.fragments and own:
         held[snapshot.rank] = (snapshot.optimizer_step, snapshot.fragments)
@@ -449,20 +425,32 @@ def reslice(engine, snapshot, copies: dict, dead: set[int] = frozenset(), own: b
     steps = {int(o): int(step) for o, (step, _) in held.items()}  # plain ints: the index reads them as they come
     new_order = S.flat_order(engine) if engine.is_anchor else None
     old_topology, new_topology = snapshot.topology, engine.ntp_groups.topology
+    me = engine.ntp_groups.rank
     first_anchor = new_topology.ranks_of(plan_gradient_sync(new_topology).anchors[0])[0]
     ok, orders = _rule_holds(engine, snapshot, held, new_order)
-    gathered = wire.all_gather_object({"keys": snapshot.keys, "steps": steps, "ok": ok, "orders": orders})
-    keys = next((tuple(g["keys"]) for g in gathered if g["keys"]), ())
+    digests = [int(d[:15], 16) for d in orders]
+    far = -(1 << 62)
+    newest, broken, high, low, keyed = wire.reduce_ints(
+        [Planned.newest(steps), int(not ok), max(digests, default=far), max((-d for d in digests), default=far),
+         -me if snapshot.keys else far], "max", "reslice_facts")
     args = (old_topology, new_topology, engine.param_specs, engine.full_shapes)
-    if all(g["ok"] for g in gathered) and len({o for g in gathered for o in g["orders"]}) == 1:
-        # One object from one rank, not in the gather: every slot of an object gather is as large as the largest.
-        order = wire.broadcast_object(new_order if engine.ntp_groups.rank == first_anchor else None, first_anchor)
-        index = StateIndex.from_layouts([g["steps"] for g in gathered], *args, order)
-    else:
+    if broken or high == far or high != -low:
         offer = {"steps": steps,
                  "held": {o: {n: (f.start, f.numel) for n, f in frags.items()} for o, (_, frags) in held.items()}}
         need = S.fragment_addresses(engine) if engine.is_anchor else {}
-        index = StateIndex.from_gathered(wire.all_gather_object({"offer": offer, "need": need}), *args)
+        gathered = wire.all_gather_object({"offer": offer, "need": need, "keys": snapshot.keys})
+        keys = next((tuple(g["keys"]) for g in gathered if g["keys"]), ())
+        index = StateIndex.from_gathered(gathered, *args)
+        return move_state(engine, index, held, keys, set(dead))
+    old_sync = plan_gradient_sync(old_topology)
+    holdings = Planned(max(newest, 0), old_rank_of, lambda r: old_sync.is_anchor(old_topology.locate(r)[0]), buddies,
+                       own)
+    said = {**({"steps": steps} if steps != holdings.expected(me) else {}),
+            **({"keys": snapshot.keys} if me == -keyed else {}), **({"order": new_order} if me == first_anchor else {})}
+    told = wire.collect(said or None)
+    holdings.tell({r: t["steps"] for r, t in told.items() if "steps" in t})
+    keys = tuple(told[-keyed]["keys"]) if keyed != far else ()
+    index = StateIndex.from_layouts(holdings, *args, told[first_anchor]["order"])
     return move_state(engine, index, held, keys, set(dead))
 
 
