@@ -14,9 +14,11 @@ recovery planning, the per-step control bytes.
   barrier, the largest value a rank read; and the steady state's requests and bytes a second. Communicators
   bootstrapped: the groups of the new topology no group of the old matches (the product's group rule), and their
   members, counted, not created.
-- largest object: besides the store's values, the two gathers every rank receives in a recovery (the hand-off's
-  offers and the re-slice's steps, one entry per member), pickled at each size as `reslice` and `hand_off` build
-  them.
+- largest object: besides the store's values, the objects every rank receives in a recovery over the control tree
+  (the hand-off's collect of exceptions, its lists if any, its context; the re-slice's collect of the keys, the flat
+  order and the offers that differ from the buddy plan), each member's part built by the product's functions and
+  pickled at each size. A joiner's context (it carries the old generation) is printed beside: joins do not run in
+  the harness yet.
 - plan: one rank's recovery planning at 4,096, 32,768 and 100,000 ranks (the pure functions `Recovery._attempt`,
   `_install` and `reslice` call; each case in a fresh interpreter, its time and peak RSS its own), for a rank of a
   healthy replica, a survivor of the degraded one and the dead rank's buddy.
@@ -106,8 +108,8 @@ def peak_rss_mb() -> float:
 
 # -- planning: one rank, one case per interpreter ------------------------------------------------------------------
 def offered_steps(old: Topology, new: Topology, old_rank_of: dict[int, int], step: int = 1) -> list[dict]:
-    """What recovery's state gather hands every rank: per new rank, {owner: step} of the fragments it can serve
-    (its own as an old anchor, and the buddy copies it keeps)."""
+    """What every new rank serves in the re-slice: {owner: step} of the fragments it can serve (its own as an old
+    anchor, and the buddy copies it keeps)."""
     old_plan = plan_gradient_sync(old)
     copies_on: dict[int, list[int]] = {}
     for owner, holders in plan_buddies(old, old_plan, 1, 1).items():
@@ -122,10 +124,39 @@ def offered_steps(old: Topology, new: Topology, old_rank_of: dict[int, int], ste
     return out
 
 
-def context_offers(old: Topology, gathered: list[dict]) -> list[dict]:
-    """What `_share_context`'s gather hands every rank (`rollback.offered` of a member that committed step 1)."""
-    return [{"held": True, "mid_step": False, "own_step": 1, "copies": g["steps"], "previous": {},
-             "before_step": 0, "stale": {}, "lr": True} for g in gathered]
+def context_offers(gathered: list[dict], old_rank_of: dict[int, int]) -> list[dict]:
+    """Every member's hand-off offer (`handoff.offer` of a member that committed step 1, its copies of step 1)."""
+    return [{"rank": old_rank_of[i], "held": True, "mid_step": False, "own_step": 1,
+             "copies": {o: s for o, s in g["steps"].items() if o != old_rank_of[i]}, "previous": {},
+             "before_step": 0, "stale": {}, "whole": True, "lr": True} for i, g in enumerate(gathered)]
+
+
+def hand_off_rounds(buddies: dict, offers: list[dict], dead: frozenset[int]) -> dict:
+    """What every member of the hand-off says and hears (as `hand_off` runs it, over a list): the first reduction,
+    the collect of exceptions (`RollBack.exceptions`; no member's stale units or whole flag differs here), the
+    round-3 sum and, if the counts leave it open, the lists."""
+    from ntp_ds.recovery.rollback import Reduced, RollBack
+
+    rule = RollBack(buddies, dead, {g["rank"] for g in offers})
+    reduced = Reduced.of([max(v) for v in zip(*map(Reduced.part, offers))])
+    told = {i: e for i, g in enumerate(offers) if (e := rule.exceptions(g, reduced))}
+    heard = rule.hear(reduced, list(told.values()))
+    counted = [sum(v) for v in zip(*(rule.count(g, reduced, heard) for g in offers))]
+    kind = rule.listing(counted)
+    lists = {} if kind is None else {i: o for i, g in enumerate(offers)
+                                     if (o := rule.listed(g, reduced, heard, kind)) is not None}
+    return {"reduced": reduced, "told": told, "counted": counted, "lists": lists}
+
+
+def reslice_told(old: Topology, gathered: list[dict], old_rank_of: dict[int, int], buddies: dict) -> dict:
+    """What the re-slice's collect merges: the offers of the ranks that serve other than the buddy plan says (none
+    here, unless the rule and the offers part), the keys and the flat order."""
+    from ntp_ds.recovery.holdings import Planned
+
+    sync = plan_gradient_sync(old)
+    step = max((s for g in gathered for s in g["steps"].values()), default=0)
+    planned = Planned(step, old_rank_of, lambda r: sync.is_anchor(old.locate(r)[0]), buddies, True)
+    return {r: {"steps": g["steps"]} for r, g in enumerate(gathered) if g["steps"] != planned.expected(r)}
 
 
 def plan_case(world: int, role: str) -> dict:
@@ -146,7 +177,9 @@ def plan_case(world: int, role: str) -> dict:
     identity = {i: m for i, m in enumerate(survivors)}
     new_for_offers = replica_membership(old, {DEAD}, old_members).topology()
     gathered = offered_steps(old, new_for_offers, identity)
-    shared = context_offers(old, gathered)
+    shared = hand_off_rounds(job.buddies(old), context_offers(gathered, identity), frozenset({DEAD}))
+    shared["irregular"] = reslice_told(old, gathered, identity, job.buddies(old))
+    shared["step"] = max((s for g in gathered for s in g["steps"].values()), default=0)
     setup_rss = peak_rss_mb()
 
     with collector_paused():  # as `Recovery.recover` holds it for the whole recovery
@@ -159,8 +192,9 @@ def _timed_plan(world, role, config, specs, shapes, order, old, me_launch, job, 
     from ntp_ds.comm.groups import exchange_families
     from ntp_ds.layout.zero import anchor_addresses
     from ntp_ds.recovery.plan import old_ranks, plan_unit_moves, rebalanced_moves, rereplicated_moves
+    from ntp_ds.recovery.holdings import Planned
     from ntp_ds.recovery.reslice import StateIndex, count_lost_state, plan_incoming, plan_outgoing
-    from ntp_ds.recovery.rollback import roll_back
+    from ntp_ds.recovery.rollback import RollBack
 
     start = time.monotonic()
     gone = {DEAD}
@@ -169,7 +203,12 @@ def _timed_plan(world, role, config, specs, shapes, order, old, me_launch, job, 
     new_members = plan.ranks(drop)
     new = plan.topology(drop)
     placement = placement.after_loss(plan.lost, drop)
-    rolled_back = roll_back(job.buddies(old), shared, frozenset(old_members.index(g) for g in gone))
+    # `hand_off`'s part on this rank: the rule, what the collect told, the decision from the rounds' sums.
+    old_rank = {launch: i for i, launch in enumerate(old_members)}
+    rule = RollBack(job.buddies(old), frozenset(old_members.index(g) for g in gone),
+                    frozenset(old_rank[m] for m in new_members if m in old_rank))
+    heard = rule.hear(shared["reduced"], list(shared["told"].values()))
+    rolled_back = rule.decide(heard, shared["counted"], shared["lists"])
     t_membership = time.monotonic()
     # `Recovery._install`'s map from new global rank to old global rank (the same function).
     old_rank_of = old_ranks(old_members, new_members)
@@ -183,7 +222,11 @@ def _timed_plan(world, role, config, specs, shapes, order, old, me_launch, job, 
     t_units = time.monotonic()
     my_old = old_rank_of[me]
     held = {o: anchor_addresses(order, old, o, specs, shapes) for o in gathered[me]["steps"]}  # `_rule_holds`
-    index = StateIndex.from_layouts([g["steps"] for g in gathered], old, new, specs, shapes, order)
+    old_sync = plan_gradient_sync(old)
+    holdings = Planned(shared["step"], old_rank_of, lambda r: old_sync.is_anchor(old.locate(r)[0]), job.buddies(old),
+                       True)
+    regular = gathered[me]["steps"] == holdings.expected(me)  # whether this rank speaks in the collect
+    index = StateIndex.from_layouts(holdings.tell(shared["irregular"]), old, new, specs, shapes, order)
     incoming, wanted = plan_incoming(index, me) if sync.is_anchor(new.locate(me)[0]) else ([], [])
     outgoing = plan_outgoing(index, me, held)
     lost, restored = count_lost_state(index, me, {old_members.index(DEAD)}, {})
@@ -194,7 +237,8 @@ def _timed_plan(world, role, config, specs, shapes, order, old, me_launch, job, 
                          "units_and_batch": t_units - t_rank_map, "state": end - t_units},
             "unit_moves": len(moves), "rereplicated": len(rereplicated), "rebalanced": len(rebalanced),
             "incoming": len(incoming), "outgoing": len(outgoing), "lost_elements": lost,
-            "rolled_back": rolled_back, "replicas_in_batch": len(batch.replicas),
+            "rolled_back": rolled_back, "regular": regular, "irregular_ranks": len(shared["irregular"]),
+            "replicas_in_batch": len(batch.replicas),
             "largest_family": max((len(members) for _, members in families), default=0)}
 
 
@@ -222,15 +266,32 @@ def failure_case(world: int, scenario: str, timeout_s: float) -> dict:
 
 
 def gathered_bytes(world: int) -> dict:
-    """Pickled size of what every rank receives from the recovery's two gathers at W ranks (one entry per member,
-    as `hand_off` and `reslice` build them: `offered_steps`, `context_offers`)."""
+    """Pickled size of the objects every rank receives in a recovery from the loss of DEAD at W ranks: the hand-off's
+    collect and lists, its context, and the re-slice's collect (the rounds' reductions are a few integers). Every
+    member's part is computed by the product's functions on the offers of a job that committed step 1."""
+    from ntp_ds.layout.generation import Generation
+    from ntp_ds.recovery.plan import old_ranks
+    from ntp_ds.testing.shapes import llama_70b, shape_specs, zero_order
+
     old = job_topology(world)
     old_members = tuple(range(world))
-    new = replica_membership(old, {DEAD}, old_members).topology()
-    identity = {i: m for i, m in enumerate(r for r in old_members if r != DEAD)}
-    steps = offered_steps(old, new, identity)
-    context = context_offers(old, steps)
-    return {"reslice": len(pickle.dumps(steps)), "hand_off": len(pickle.dumps(context))}
+    plan = replica_membership(old, {DEAD}, old_members)
+    new, new_members = plan.topology(), plan.ranks()
+    old_rank_of = old_ranks(old_members, new_members)
+    buddies = job_spec(len(old.layouts)).buddies(old)
+    steps = offered_steps(old, new, old_rank_of)
+    rounds = hand_off_rounds(buddies, context_offers(steps, old_rank_of), frozenset({DEAD}))
+    context = {"lr_state": ("LambdaLR", {"last_epoch": 1, "base_lrs": [3e-4]}), "global_steps": 1,
+               "global_samples": 4096, "generation": None}
+    told = {r: {"steps": s} for r, s in reslice_told(old, steps, old_rank_of, buddies).items()}
+    first_anchor = new.ranks_of(plan_gradient_sync(new).anchors[0])[0]
+    told.setdefault(first_anchor, {})["order"] = zero_order(shape_specs(llama_70b())[0])
+    told.setdefault(0, {})["keys"] = ("exp_avg", "exp_avg_sq")
+    # (A joiner's context carries the old generation; no member of a recovery without joiners is sent it.)
+    joiner_context = dict(context, generation=Generation.initial(old))
+    return {"hand_off": len(pickle.dumps(rounds["told"])), "roll_back_lists": len(pickle.dumps(rounds["lists"])),
+            "context": len(pickle.dumps(context)), "reslice": len(pickle.dumps(told)),
+            "join_context": len(pickle.dumps(joiner_context))}
 
 
 # -- per-step control bytes ----------------------------------------------------------------------------------------
@@ -377,8 +438,9 @@ def main(argv=None) -> int:
                   + " ".join(f"{k}={v}" for k, v in max(steady, key=lambda c: c["steady_req_per_s"])
                              ["steady_phases"].items()), flush=True)
         g = gathered_bytes(world)
-        print(f"gathers every rank receives in a recovery: hand-off {g['hand_off']} B, re-slice {g['reslice']} B "
-              f"(pickled)", flush=True)
+        print(f"objects every rank receives in a recovery (pickled): hand-off collect {g['hand_off']} B, its lists "
+              f"{g['roll_back_lists']} B, context {g['context']} B, re-slice collect {g['reslice']} B; a joiner's "
+              f"context {g['join_context']} B (the old generation)", flush=True)
     plans = {}
     for world in plan_sizes:
         plans[world] = {role: run_child(["--plan-case", str(world), role], args.timeout_s) for role in ROLES}
@@ -413,7 +475,9 @@ def report(cases: dict, plans: dict, ctl: dict, sizes) -> int:
               for w in sizes if any(ww == w and "req" in c for (ww, _), c in cases.items())}
     steady_100k = max(steady.values()) * BIG if steady else None
     largest = max([c["largest_value"] for c in cases.values() if "largest_value" in c], default=0)
-    objects = max(gathered_bytes(BIG).values())
+    big_objects = gathered_bytes(BIG)
+    joiner = big_objects.pop("join_context")  # joins do not run in the harness yet: printed beside, not in it
+    objects = max(big_objects.values())
     max_object = max(largest, objects)
     def recovered(scenario: str) -> bool | None:
         """Whether every survivor of the largest size's case got through (None: it did not run)."""
@@ -438,7 +502,8 @@ def report(cases: dict, plans: dict, ctl: dict, sizes) -> int:
     print(f"targets: store_req_per_failure_100k {fmt(req, '', 0)} (<= {TARGETS['store_req_100k']}), "
           f"store_busy_s_per_failure_100k {fmt(busy)} (<= {TARGETS['busy_s_100k']}), steady_store_req_per_s_100k "
           f"{fmt(steady_100k, '', 0)} (<= {TARGETS['steady_100k']}), max_object_bytes_100k {max_object} (< "
-          f"{TARGETS['object_bytes']}; the gathers' {objects} B of it), plan_s_100k {plan_s} (<= "
+          f"{TARGETS['object_bytes']}; the recovery's objects' {objects} B of it; a joiner's context {joiner} B, not "
+          f"in it), plan_s_100k {plan_s} (<= "
           f"{TARGETS['plan_s']}), plan_rss_mb_100k {plan_mb} (<= {TARGETS['plan_rss_mb']:.0f})")
     print(f"store_req_per_failure_100k={fmt(req, '', 0)} store_busy_s_per_failure_100k={fmt(busy)} "
           f"bootstrapped_ranks_per_failure_100k={fmt(boot, '', 0)} max_object_bytes_100k={max_object} "

@@ -5,7 +5,7 @@ from, who holds a learning-rate state, whether any member is between a step's vo
 step's gradients whole), then one collect in which only exceptions speak (stale units, a whole flag against the
 majority, the copies of dead owners, copies kept off the buddy plan), then one sum, decide alike on every member
 whether the job rolls back a step (`rollback.RollBack`); a broadcast from the lowest member that has it then gives
-the job's context: the old generation, the steps and the learning-rate state. What a member receives grows with the
+the job's context: the steps, the learning-rate state and, where a joiner is among the members, the old generation. What a member receives grows with the
 deaths and the exceptions, never with the world. A joiner offers nothing and learns the old generation here.
 """
 
@@ -86,7 +86,7 @@ def hand_off(job, snapshot: Snapshot | None, generation: Generation | None, *, h
                                          int(mine["mid_step"])], "max")
     reduced, any_mid_step = Reduced.of(first[:3]), bool(first[5])
     src = -first[3] if first[3] != far else -first[4]
-    members, whole_members = reduce([1, int(whole)], "sum")
+    members, whole_members, holding = reduce([1, int(whole), int(mine["held"])], "sum")
     majority = 2 * whole_members >= members
     said = {**rule.exceptions(mine, reduced), **({"stale": mine["stale"]} if mine["stale"] else {}),
             **({"whole": whole} if whole != majority else {})}
@@ -101,7 +101,8 @@ def hand_off(job, snapshot: Snapshot | None, generation: Generation | None, *, h
         steps, samples, lr_state = snapshot.global_steps, snapshot.global_samples, snapshot.lr_state
         if rolled_back:
             steps, samples, lr_state, _ = snapshot.before_step
-        context = {"generation": generation, "lr_state": lr_state, "global_steps": steps, "global_samples": samples}
+        context = {"lr_state": lr_state, "global_steps": steps, "global_samples": samples,
+                   "generation": generation if holding < members else None}  # (only a joiner needs it)
     context = broadcast(context, src)
     if snapshot is None:
         snapshot = Snapshot(topology=context["generation"].topology, rank=None, params={}, fragments={}, keys=(),
