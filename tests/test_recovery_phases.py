@@ -29,6 +29,7 @@ from ntp_ds.layout.generation import Generation
 from ntp_ds.recovery import admit, install, report
 from ntp_ds.control.keys import barrier_key
 from ntp_ds.recovery.detect import Detector
+from ntp_ds.control.membership import Evicted
 from ntp_ds.recovery.errors import RecoveryImpossible, failed_on_the_way
 from ntp_ds.recovery.handoff import hand_off
 from ntp_ds.recovery.last_good import save_last_good
@@ -737,6 +738,8 @@ def test_only_failures_of_peers_or_the_wire_start_a_recovery_again():
     assert failed_on_the_way(RuntimeError("rank 3 died before the rendezvous"))
     assert failed_on_the_way(TimeoutError()) and failed_on_the_way(ConnectionError())
     assert not failed_on_the_way(RecoveryImpossible("no copy left"))
+    # Declared dead by the committed decision (a false verdict too): it leaves the job, every attempt would say so.
+    assert not failed_on_the_way(Evicted("rank 5 was declared dead in generation 2"))
     assert not failed_on_the_way(KeyError("a bug"))
 
 
@@ -787,3 +790,23 @@ def test_a_detection_fences_only_the_dead_the_logs_do_not_name_yet():
     dead, _ = d.detect(FakeMembership(range(4)), RuntimeError("none"))
     assert dead == {1, 2, 3}
     assert d.to_fence() == {3: "rank 3: no heartbeat for 3.1 s"}
+
+
+def test_a_rank_the_decision_declared_dead_leaves_at_its_first_attempt():
+    # A false verdict (a rank too slow to beat, say) evicts a live rank: the committed decision names it dead, and
+    # every further attempt would read that same decision. It leaves at once instead of trying once per member.
+    from ntp_ds.recovery.manager import Recovery
+
+    recovery = object.__new__(Recovery)
+    recovery.generation = types.SimpleNamespace(members=tuple(range(64)))
+    recovery.rank, recovery.failed_attempts = 5, []
+    calls = []
+
+    def attempt(snapshot, before, error, failed_at):
+        calls.append(error)
+        raise Evicted("rank 5 was declared dead in generation 2: rank 5 declared dead by a peer")
+
+    recovery._attempt = attempt
+    with pytest.raises(Evicted, match="rank 5 was declared dead"):
+        recovery._recover_from(object(), None, RuntimeError("a peer failed"), 0.0)
+    assert len(calls) == 1 and not recovery.failed_attempts

@@ -333,6 +333,8 @@ class RankPath:
     attempts: int = 1
     recoveries: list = field(default_factory=list)
     """Each recovery it got through: (noticed, decided, done, attempts, generation)."""
+    evicted: str | None = None
+    """Why the committed decision declared it dead (a false verdict: it leaves the job, as `Recovery` makes it)."""
 
 
 class _Share:
@@ -613,11 +615,16 @@ class _Share:
                     self.settled.add(rank)
             return None
         except Exception as err:
-            from ntp_ds.control.membership import BarrierTimeout
+            from ntp_ds.control.membership import BarrierTimeout, Evicted
             from ntp_ds.recovery.errors import failed_on_the_way
 
             if isinstance(getattr(path.poll, "change", None), MembershipChange):  # adopted, then its confirm failed
                 self.generations.record(path.poll.change)
+            if isinstance(err, Evicted):  # it leaves the job: its process ends, so its beats stop
+                path.evicted = str(err)[:300]
+                self.heartbeats[rank]._stop.set()
+                self.settled.add(rank)
+                return None
             if not failed_on_the_way(err) or path.attempts >= self.max_attempts:
                 path.error = f"{path.phase}: {type(err).__name__}: {str(err)[:300]}"
                 if rank not in self.victims:
@@ -662,7 +669,8 @@ def _process(spec: FailureSpec, address: str, nodes: list[int], conn) -> None:
     for t in threads:
         t.join(max(0.0, end - time.monotonic()) + 5.0)
     total = _counts(shares)
-    paths = {r: (s.paths[r].recoveries, s.paths[r].error, r in s.settled) for s in shares for r in s.survivors}
+    paths = {r: (s.paths[r].recoveries, s.paths[r].error, r in s.settled, s.paths[r].evicted) for s in shares
+             for r in s.survivors}
     for s in shares:
         for hb in s.heartbeats.values():
             hb._stop.set()
@@ -708,8 +716,11 @@ class FailureResult:
     done_s: float | None
     """From the last death to the last survivor through its last done barrier (None: none got through)."""
     survivors: int
+    """The ranks that were to get through: those not killed, less those the decisions evicted."""
     through: int
     """Survivors through to a generation without any victim."""
+    evicted: list = field(default_factory=list)
+    """Ranks a decision declared dead that had not died (a false verdict), with why: they left the job."""
     errors: list = field(default_factory=list)
     largest_value: int = 0
     largest_call: str = ""
@@ -776,13 +787,14 @@ def _result(spec, outs, start, fail_at, cpu_start, cpu_fail, cpu_end) -> Failure
     warm_b = sum(o["warm"]["sent"] + o["warm"]["received"] for o in outs)
     steady_s = spec.steady_s - spec.warm_s
     paths = {r: p for o in outs for r, p in o["paths"].items()}
-    through = [r for r, (_, error, settled) in paths.items() if settled and not error]
-    recoveries = [rec for recs, _, _ in paths.values() for rec in recs]
+    evicted = {r: why for r, (_, _, _, why) in paths.items() if why}
+    through = [r for r, (_, error, settled, why) in paths.items() if settled and not error and not why]
+    recoveries = [rec for recs, _, _, _ in paths.values() for rec in recs]
     # From the last death: the last recovery of each survivor through (the only one, but for `one_percent`).
     last_death = fail_at + spec.last_death_s
     done = [paths[r][0][-1][2] for r in through]
     decided = [paths[r][0][-1][1] for r in through if paths[r][0][-1][1] is not None]
-    last = max(done) if len(through) == len(paths) else max(o["total"]["at"] for o in outs)
+    last = max(done) if len(through) == len(paths) - len(evicted) else max(o["total"]["at"] for o in outs)
     window = last - fail_at
     calls, tags, steady_tags = Counter(), Counter(), Counter()
     for o in outs:
@@ -804,8 +816,9 @@ def _result(spec, outs, start, fail_at, cpu_start, cpu_fail, cpu_end) -> Failure
                          server_busy_s=cpu_end - cpu_fail, window_s=window,
                          steady_busy_s_per_s=(cpu_fail - cpu_start) / steady_s,
                          decision_s=(max(decided) - last_death) if decided else None,
-                         done_s=(max(done) - last_death) if done else None, survivors=len(paths),
-                         through=len(through),
+                         done_s=(max(done) - last_death) if done else None,
+                         survivors=len(paths) - len(evicted), through=len(through),
+                         evicted=[f"rank {r}: {why}" for r, why in sorted(evicted.items())],
                          errors=[e for o in outs for e in o["errors"]] + [f"rank {r}: {p[1]}" for r, p in
                                                                         paths.items() if p[1]],
                          largest_value=max(o["total"]["largest"] for o in outs),
