@@ -547,7 +547,8 @@ def fake_install(monkeypatch):
 
 def job(batch_policy="preserve_global_batch", resume=None):
     return types.SimpleNamespace(ds_config={}, ntp=types.SimpleNamespace(bucket_size=1 << 20),
-                                 buddies=lambda topology: {}, resume_plan=lambda topology, plan, kept: resume(kept) if resume else None)
+                                 buddies=lambda topology: {},
+                                 resume_plan=lambda topology, plan, kept: resume(kept) if resume else None)
 
 
 def change_after_loss(topology, dead_rank, stepped=5, **handoff_changes) -> install.Change:

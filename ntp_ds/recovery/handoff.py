@@ -5,8 +5,9 @@ from, who holds a learning-rate state, whether any member is between a step's vo
 step's gradients whole), then one collect in which only exceptions speak (stale units, a whole flag against the
 majority, the copies of dead owners, copies kept off the buddy plan), then one sum, decide alike on every member
 whether the job rolls back a step (`rollback.RollBack`); a broadcast from the lowest member that has it then gives
-the job's context: the steps, the learning-rate state and, where a joiner is among the members, the old generation. What a member receives grows with the
-deaths and the exceptions, never with the world. A joiner offers nothing and learns the old generation here.
+the job's context: the steps, the learning-rate state and, where a joiner is among the members, the old generation.
+What a member receives grows with the deaths and the exceptions, never with the world. A joiner offers nothing and
+learns the old generation here.
 """
 
 from __future__ import annotations

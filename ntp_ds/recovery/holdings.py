@@ -10,6 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
+def planned_copies(buddies: Mapping[int, Collection[int]]) -> dict[int, list[int]]:
+    """Old rank -> the owners whose copies the buddy plan (`plan_buddies`: owner -> holders) puts on it."""
+    out: dict[int, list[int]] = {}
+    for owner, holders in buddies.items():
+        for h in holders:
+            out.setdefault(h, []).append(owner)
+    return out
+
+
 HOLDER_SCANS = 8
 """Owners whose holders `Listed.holders_of` finds by a scan each; more are found in one pass over the offers."""
 
@@ -86,12 +95,10 @@ class Planned:
         if old is None:
             return {}
         if self._planned is None:
-            self._planned = {}
-            for owner, holders in self.buddies.items():
-                for h in holders:
-                    self._planned.setdefault(h, []).append(owner)
+            self._planned = planned_copies(self.buddies)
         out = {old: self.step} if self.own and self._anchor(old) else {}
-        out.update((o, self.step) for o in self._planned.get(old, ()))
+        if self.step >= 1:  # (the first copies are of the first optimizer step's state: none exist before it)
+            out.update((o, self.step) for o in self._planned.get(old, ()))
         return out
 
     def serves(self, owner: int) -> bool:
@@ -104,7 +111,8 @@ class Planned:
             self._new_rank = {old: new for new, old in self._old_rank_of.items()}
         out = {}
         for owner in owners:
-            named = ([owner] if self.own and self._anchor(owner) else []) + list(self.buddies.get(owner, ()))
+            named = ([owner] if self.own and self._anchor(owner) else []) + list(
+                self.buddies.get(owner, ()) if self.step >= 1 else ())
             servers = [self._new_rank[r] for r in named if r in self._new_rank]
             out[owner] = ([(s, self.step) for s in servers if s not in self.irregular]
                           + self._by_owner.get(owner, []))

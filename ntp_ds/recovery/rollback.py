@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
+from ntp_ds.recovery.holdings import planned_copies
+
 NONE = -1
 """A step or index that is not there, in a reduction (steps and indices are never negative)."""
 
@@ -79,10 +81,7 @@ class RollBack:
     def planned(self, rank: int) -> list[int]:
         """The owners whose copies old rank `rank` is planned to keep."""
         if self._planned is None:
-            self._planned = {}
-            for owner, holders in self.buddies.items():
-                for h in holders:
-                    self._planned.setdefault(h, []).append(owner)
+            self._planned = planned_copies(self.buddies)
         return self._planned.get(rank, [])
 
     @staticmethod
