@@ -58,6 +58,7 @@ from ntp_ds.comm import wire  # noqa: E402
 from ntp_ds.layout import Topology, plan_buddies, plan_gradient_sync  # noqa: E402
 from ntp_ds.control.node_store import launcher_period_s  # noqa: E402
 from ntp_ds.layout.generation import replica_membership  # noqa: E402
+from ntp_ds.recovery.rollback import run_rounds  # noqa: E402
 from ntp_ds.testing.failure_load import MAX_ATTEMPTS  # noqa: E402
 from ntp_ds.testing.shapes import llama_70b, shape_specs, zero_order  # noqa: E402
 
@@ -131,23 +132,6 @@ def context_offers(gathered: list[dict], old_rank_of: dict[int, int]) -> list[di
              "before_step": 0, "stale": {}, "whole": True, "lr": True} for i, g in enumerate(gathered)]
 
 
-def hand_off_rounds(buddies: dict, offers: list[dict], dead: frozenset[int]) -> dict:
-    """What every member of the hand-off says and hears (as `hand_off` runs it, over a list): the first reduction,
-    the collect of exceptions (`RollBack.exceptions`; no member's stale units or whole flag differs here), the
-    round-3 sum and, if the counts leave it open, the lists."""
-    from ntp_ds.recovery.rollback import Reduced, RollBack
-
-    rule = RollBack(buddies, dead, {g["rank"] for g in offers})
-    reduced = Reduced.of([max(v) for v in zip(*map(Reduced.part, offers))])
-    told = {i: e for i, g in enumerate(offers) if (e := rule.exceptions(g, reduced))}
-    heard = rule.hear(reduced, list(told.values()))
-    counted = [sum(v) for v in zip(*(rule.count(g, reduced, heard) for g in offers))]
-    kind = rule.listing(counted)
-    lists = {} if kind is None else {i: o for i, g in enumerate(offers)
-                                     if (o := rule.listed(g, reduced, heard, kind)) is not None}
-    return {"reduced": reduced, "told": told, "counted": counted, "lists": lists}
-
-
 def reslice_told(old: Topology, gathered: list[dict], old_rank_of: dict[int, int], buddies: dict) -> dict:
     """What the re-slice's collect merges: the offers of the ranks that serve other than the buddy plan says (none
     here, unless the rule and the offers part), the keys and the flat order."""
@@ -177,9 +161,10 @@ def plan_case(world: int, role: str) -> dict:
     identity = {i: m for i, m in enumerate(survivors)}
     new_for_offers = replica_membership(old, {DEAD}, old_members).topology()
     gathered = offered_steps(old, new_for_offers, identity)
-    shared = hand_off_rounds(job.buddies(old), context_offers(gathered, identity), frozenset({DEAD}))
-    shared["irregular"] = reslice_told(old, gathered, identity, job.buddies(old))
-    shared["step"] = max((s for g in gathered for s in g["steps"].values()), default=0)
+    # (the hand-off's rounds over every member: no member's stale units or whole flag differs here)
+    rounds = run_rounds(job.buddies(old), context_offers(gathered, identity), frozenset({DEAD}))
+    shared = {"rounds": rounds, "irregular": reslice_told(old, gathered, identity, job.buddies(old)),
+              "step": max((s for g in gathered for s in g["steps"].values()), default=0)}
     setup_rss = peak_rss_mb()
 
     with collector_paused():  # as `Recovery.recover` holds it for the whole recovery
@@ -203,16 +188,15 @@ def _timed_plan(world, role, config, specs, shapes, order, old, me_launch, job, 
     new_members = plan.ranks(drop)
     new = plan.topology(drop)
     placement = placement.after_loss(plan.lost, drop)
-    # `hand_off`'s part on this rank: the rule, what the collect told, the decision from the rounds' sums.
-    old_rank = {launch: i for i, launch in enumerate(old_members)}
-    rule = RollBack(job.buddies(old), frozenset(old_members.index(g) for g in gone),
-                    frozenset(old_rank[m] for m in new_members if m in old_rank))
-    heard = rule.hear(shared["reduced"], list(shared["told"].values()))
-    rolled_back = rule.decide(heard, shared["counted"], shared["lists"])
     t_membership = time.monotonic()
     # `Recovery._install`'s map from new global rank to old global rank (the same function).
     old_rank_of = old_ranks(old_members, new_members)
     t_rank_map = time.monotonic()
+    # `hand_off`'s part on this rank: the rule, what the collect told, the decision from the rounds' sums.
+    rounds = shared["rounds"]
+    rule = RollBack(job.buddies(old), frozenset(old_members.index(g) for g in gone), frozenset(old_rank_of.values()))
+    rolled_back = rule.decide(rule.hear(rounds.reduced, list(rounds.told.values())), rounds.counted, rounds.lists)
+    t_hand_off = time.monotonic()
     moves = plan_unit_moves(old, new, old_rank_of, {})
     rereplicated = rereplicated_moves(old, new, old_rank_of, moves)
     rebalanced = rebalanced_moves(old, new, old_rank_of, moves)
@@ -234,7 +218,8 @@ def _timed_plan(world, role, config, specs, shapes, order, old, me_launch, job, 
     return {"world": world, "role": role, "rank": me_launch, "old_rank": my_old, "seconds": end - start,
             "rss_mb": peak_rss_mb(), "setup_rss_mb": setup_rss,
             "phases_s": {"membership": t_membership - start, "rank_map": t_rank_map - t_membership,
-                         "units_and_batch": t_units - t_rank_map, "state": end - t_units},
+                         "hand_off": t_hand_off - t_rank_map, "units_and_batch": t_units - t_hand_off,
+                         "state": end - t_units},
             "unit_moves": len(moves), "rereplicated": len(rereplicated), "rebalanced": len(rebalanced),
             "incoming": len(incoming), "outgoing": len(outgoing), "lost_elements": lost,
             "rolled_back": rolled_back, "regular": regular, "irregular_ranks": len(shared["irregular"]),
@@ -281,7 +266,7 @@ def gathered_bytes(world: int) -> dict:
     old_rank_of = old_ranks(old_members, new_members)
     buddies = job_spec(len(old.layouts)).buddies(old)
     steps = offered_steps(old, new, old_rank_of)
-    rounds = hand_off_rounds(buddies, context_offers(steps, old_rank_of), frozenset({DEAD}))
+    rounds = run_rounds(buddies, context_offers(steps, old_rank_of), frozenset({DEAD}))
     context = {"lr_state": ("LambdaLR", {"last_epoch": 1, "base_lrs": [3e-4]}), "global_steps": 1,
                "global_samples": 4096, "generation": None}
     told = {r: {"steps": s} for r, s in reslice_told(old, steps, old_rank_of, buddies).items()}
@@ -290,7 +275,7 @@ def gathered_bytes(world: int) -> dict:
     told.setdefault(0, {})["keys"] = ("exp_avg", "exp_avg_sq")
     # (A joiner's context carries the old generation; no member of a recovery without joiners is sent it.)
     joiner_context = dict(context, generation=Generation.initial(old))
-    return {"hand_off": len(pickle.dumps(rounds["told"])), "roll_back_lists": len(pickle.dumps(rounds["lists"])),
+    return {"hand_off": len(pickle.dumps(rounds.told)), "roll_back_lists": len(pickle.dumps(rounds.lists)),
             "context": len(pickle.dumps(context)), "reslice": len(pickle.dumps(told)),
             "join_context": len(pickle.dumps(joiner_context))}
 

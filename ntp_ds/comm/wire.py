@@ -49,7 +49,7 @@ from ntp_ds.comm.wire_state import (NCCL_LIKE, CallRecord, TreeGroup, _check, _c
                                     traffic_since)
 
 __all__ = [
-    "CallRecord", "DEPARTURE_CHECK_S", "DEPARTURE_POLL_S", "Exchange", "NCCL_LIKE", "PeerFailure", "Posted",
+    "CallRecord", "DEPARTURE_CHECK_S", "DEPARTURE_POLL_S", "Exchange", "LOWEST", "NCCL_LIKE", "PeerFailure", "Posted",
     "Progress", "SLICE_S", "TreeGroup", "abort_all", "all_gather_object", "all_reduce", "arrive", "backend_of",
     "barrier", "broadcast", "broadcast_object", "check_verdict", "collect", "configure", "control_all_reduce",
     "control_group", "device_of", "discard", "drained", "exchange", "gather_object", "has_control", "has_copy_lane",
@@ -295,6 +295,10 @@ def sum_counts(values: list[float], group=None) -> list[float]:
     if group is None:
         return control_all_reduce(values, "sum", "sum_counts").tolist()
     return all_reduce(values, group, "sum", "sum_counts").tolist()
+
+
+LOWEST = -(1 << 62)
+"""Below every value a rank passes to a max of `reduce_ints`: what a rank that has no value passes."""
 
 
 def reduce_ints(values: list[int], op: str = "sum", name: str = "reduce_ints") -> list[int]:

@@ -82,11 +82,11 @@ def hand_off(job, snapshot: Snapshot | None, generation: Generation | None, *, h
     whole = snapshot is not None and snapshot.whole_grads and held is not None and recuttable(held.optimizer)
     mine = offer(snapshot, whole)
     rule = RollBack(job.buddies(snapshot.topology) if snapshot is not None else {}, dead, survivors)
-    far = -(1 << 62)
-    first = reduce(Reduced.part(mine) + [-rank_index if mine["lr"] else far, -rank_index if mine["held"] else far,
+    none = wire.LOWEST
+    first = reduce(Reduced.part(mine) + [-rank_index if mine["lr"] else none, -rank_index if mine["held"] else none,
                                          int(mine["mid_step"])], "max")
     reduced, any_mid_step = Reduced.of(first[:3]), bool(first[5])
-    src = -first[3] if first[3] != far else -first[4]
+    src = -first[3] if first[3] != none else -first[4]
     members, whole_members, holding = reduce([1, int(whole), int(mine["held"])], "sum")
     majority = 2 * whole_members >= members
     said = {**rule.exceptions(mine, reduced), **({"stale": mine["stale"]} if mine["stale"] else {}),

@@ -37,7 +37,7 @@ from ntp_ds.recovery.handoff import hand_off
 from ntp_ds.recovery.install import Change, install, parameter_dtype, require_masters
 from ntp_ds.recovery.keep import carry, close_hit, depart, keep, tear_down
 from ntp_ds.recovery.last_good import save_last_good
-from ntp_ds.recovery.plan import collector_paused
+from ntp_ds.recovery.plan import collector_paused, old_ranks
 from ntp_ds.recovery.watch import Watch
 
 __all__ = ["JoinFailed", "NoReplicaLeft", "QuiescedExit", "Recovery", "RecoveryImpossible", "RecoveryOutcome"]
@@ -239,8 +239,7 @@ class Recovery:
         join_world(self.job.ntp, self.store, after.number, after.members.index(self.rank), len(after.members))
         carry(kept, before.members if before is not None else (), after.members)
         self.watch.watch_ring()
-        old_rank = {launch: i for i, launch in enumerate(before.members)} if before is not None else {}
-        survivors = frozenset(old_rank[m] for m in after.members if m in old_rank)
+        survivors = frozenset(old_ranks(before.members, after.members).values()) if before is not None else frozenset()
         return hand_off(self.job, snapshot, before, held=self._held, dead=dead, survivors=survivors,
                         rank_index=after.members.index(self.rank))
 

@@ -429,12 +429,12 @@ def reslice(engine, snapshot, copies: dict, dead: set[int] = frozenset(), own: b
     first_anchor = new_topology.ranks_of(plan_gradient_sync(new_topology).anchors[0])[0]
     ok, orders = _rule_holds(engine, snapshot, held, new_order)
     digests = [int(d[:15], 16) for d in orders]
-    far = -(1 << 62)
+    none = wire.LOWEST
     newest, broken, high, low, keyed = wire.reduce_ints(
-        [Planned.newest(steps), int(not ok), max(digests, default=far), max((-d for d in digests), default=far),
-         -me if snapshot.keys else far], "max", "reslice_facts")
+        [Planned.newest(steps), int(not ok), max(digests, default=none), max((-d for d in digests), default=none),
+         -me if snapshot.keys else none], "max", "reslice_facts")
     args = (old_topology, new_topology, engine.param_specs, engine.full_shapes)
-    if broken or high == far or high != -low:
+    if broken or high == none or high != -low:
         offer = {"steps": steps,
                  "held": {o: {n: (f.start, f.numel) for n, f in frags.items()} for o, (_, frags) in held.items()}}
         need = S.fragment_addresses(engine) if engine.is_anchor else {}
@@ -449,7 +449,7 @@ def reslice(engine, snapshot, copies: dict, dead: set[int] = frozenset(), own: b
             **({"keys": snapshot.keys} if me == -keyed else {}), **({"order": new_order} if me == first_anchor else {})}
     told = wire.collect(said or None)
     holdings.tell({r: t["steps"] for r, t in told.items() if "steps" in t})
-    keys = tuple(told[-keyed]["keys"]) if keyed != far else ()
+    keys = tuple(told[-keyed]["keys"]) if keyed != none else ()
     index = StateIndex.from_layouts(holdings, *args, told[first_anchor]["order"])
     return move_state(engine, index, held, keys, set(dead))
 

@@ -167,9 +167,39 @@ class Heard:
     """Owners some member keeps of the target step without being planned to."""
 
 
+@dataclass(frozen=True)
+class Rounds:
+    """What the rounds of `RollBack` said, run over every member's offer at once (`run_rounds`)."""
+
+    rule: RollBack
+    reduced: Reduced
+    told: dict[int, dict]
+    """Round 2's collect: each member's exceptions, by index (the members with none left out)."""
+    heard: Heard
+    counted: list[int]
+    lists: dict[int, dict]
+
+    @property
+    def decision(self) -> bool:
+        return self.rule.decide(self.heard, self.counted, self.lists)
+
+
+def run_rounds(buddies: Mapping[int, Collection[int]], offers: list[dict], dead: Collection[int]) -> Rounds:
+    """The rounds of `RollBack` over a list of every member's offer, each reduction and collect done in place."""
+    rule = RollBack(buddies, dead, {g["rank"] for g in offers if g["held"]})
+    reduced = Reduced.of([max(v) for v in zip(*map(Reduced.part, offers))])
+    told = {i: e for i, g in enumerate(offers) if (e := rule.exceptions(g, reduced))}
+    heard = rule.hear(reduced, list(told.values()))
+    counted = [sum(v) for v in zip(*(rule.count(g, reduced, heard) for g in offers))]
+    kind = rule.listing(counted)
+    lists = {} if kind is None else {i: o for i, g in enumerate(offers)
+                                     if (o := rule.listed(g, reduced, heard, kind)) is not None}
+    return Rounds(rule, reduced, told, heard, counted, lists)
+
+
 def roll_back(buddies: Mapping[int, Collection[int]], offers: list[dict], dead: Collection[int]) -> bool:
     """Whether the members return to the state the last step began from, from every member's offer at once (the
-    rounds of `RollBack`, run over a list).
+    rounds of `RollBack`, run over a list: `run_rounds`).
 
     `buddies`: the old anchor ranks whose state has buddy copies, with the old ranks planned to keep them (none: the
     state is replicated). A step no member committed (the commit vote needs every rank) may be half applied: it is
@@ -177,11 +207,4 @@ def roll_back(buddies: Mapping[int, Collection[int]], offers: list[dict], dead: 
     step, which goes forward). A committed step goes forward, unless a dead owner's newest state reached no buddy
     while the previous step's copies of every owner survive (`redundancy_keep_previous`).
     """
-    rule = RollBack(buddies, dead, {g["rank"] for g in offers if g["held"]})
-    reduced = Reduced.of([max(v) for v in zip(*map(Reduced.part, offers))])
-    heard = rule.hear(reduced, [rule.exceptions(g, reduced) for g in offers])
-    counted = [sum(v) for v in zip(*(rule.count(g, reduced, heard) for g in offers))]
-    kind = rule.listing(counted)
-    lists = {} if kind is None else {i: o for i, g in enumerate(offers)
-                                     if (o := rule.listed(g, reduced, heard, kind)) is not None}
-    return rule.decide(heard, counted, lists)
+    return run_rounds(buddies, offers, dead).decision
