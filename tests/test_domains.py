@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 
 from ntp_ds.engine.config import ConfigError, env_racks
 from ntp_ds.layout import ModelUnits, ShardLayout, Topology, plan_buddies, plan_gradient_sync
-from ntp_ds.layout.domains import Racks, copy_targets, domain_neighbours, replica_domains
+from ntp_ds.comm.groups import ring_neighbours
+from ntp_ds.layout.domains import (Racks, copy_targets, domain_neighbours, failure_domain, replica_domains,
+                                    spread_neighbours)
 from ntp_ds.layout.generation import Generation
 
 UNITS = ModelUnits(4, 2, 16, 16)
@@ -75,6 +77,31 @@ def test_watchers_are_mutual_and_a_rack_lost_whole_is_watched_from_outside(degre
             replica = topo.locate(g)[0]
             if topo.domains[replica] == frozenset({rack}):  # (a replica spanning racks is seen by its own)
                 assert watched[g] - lost, (g, rack, watched[g])
+
+
+@given(st.sets(st.integers(0, 95), min_size=2, max_size=96), st.integers(1, 4), st.integers(1, 3))
+@settings(max_examples=200, deadline=None)
+def test_the_rendezvous_watchers_are_mutual_and_see_a_rack_lost_whole_from_outside(members, node_size, rack_size):
+    # Any members left (a generation after losses), in any racks: every member is watched by two (mutual), and
+    # unless one rack holds more than half the members, each member's watchers live outside its rack. The plain
+    # ring (no domains) puts a rack's ranks next to each other: only the two ends of its run are seen from outside.
+    members = sorted(members)
+    racks = Racks(node_size, rack_size)
+    domain_of = failure_domain(racks, node_size)
+    watched = {m: spread_neighbours(members, m, domain_of) for m in members}
+    for m, peers in watched.items():
+        assert m not in peers and peers <= set(members) and all(m in watched[p] for p in peers)
+        assert len(peers) == min(2, len(members) - 1)
+    per_rack = Counter(racks.of(m) for m in members)
+    if max(per_rack.values()) * 2 <= len(members):
+        for m, peers in watched.items():
+            assert all(racks.of(p) != racks.of(m) for p in peers), (m, peers)
+    assert spread_neighbours(members, members[0], None) == ring_neighbours(members, members[0])
+
+
+def test_the_failure_domain_is_the_rack_else_the_node_else_none():
+    assert failure_domain(Racks(8, 4), 8)(40) == 1 and failure_domain(None, 8)(40) == 5
+    assert failure_domain(None, None) is None
 
 
 def test_a_generation_after_a_rack_loss_stays_placed_and_plans_copies_across_the_racks_left():

@@ -20,6 +20,7 @@ from ntp_ds.comm import wire
 from ntp_ds.envs import (GLOO_LAZY_ENV, NCCL_ASYNC_ERROR_HANDLING, NCCL_DUMP_ENV, NCCL_DUMP_WAIT_ENV,
                          NCCL_MONITORING_ENV, NONBLOCKING_TIMEOUT_ENV, TEST_BACKEND_ENV)
 from ntp_ds.layout import SyncPlan, Topology
+from ntp_ds.layout.domains import ring_neighbours  # noqa: F401 (the watchers' ring: imported from here too)
 
 log = logging.getLogger(__name__)
 
@@ -115,15 +116,6 @@ def unconnected_default_group(backend: str, world_size: int, fanout: int):
             os.environ.pop(GLOO_LAZY_ENV, None)
         else:
             os.environ[GLOO_LAZY_ENV] = saved
-
-
-def ring_neighbours(ranks: list[int], rank: int) -> set[int]:
-    """The ranks before and after `rank` in `ranks`, taken as a ring (none in a group of one): whom a member of a
-    large group watches, so that every member is watched by two whatever the group's size."""
-    if len(ranks) < 2:
-        return set()
-    i = ranks.index(rank)
-    return {ranks[i - 1], ranks[(i + 1) % len(ranks)]} - {rank}
 
 
 _SEEN: weakref.WeakSet = weakref.WeakSet()

@@ -226,6 +226,9 @@ def barrier(store, name: str, rank: int, ranks: Sequence[int], timeout_s: float,
         sleep(pause)
 
 
+SETTLE_EXTENSIONS = 2
+"""How many more settle windows a decision may wait, past its first, for reports of new deaths (`DecisionWait`)."""
+
 BARRIER_FANOUT = 32
 """Most ranks that write one counter of a barrier (`BarrierWait`): arrivals are counted in a tree of counters of at
 most this many writers each, not on one key that every member writes."""
@@ -683,7 +686,12 @@ class DecisionWait:
     decision (`Membership.report_failure`), and every waiter reads it. Otherwise the ranks that filed a report commit
     it when the settle window has run out since they saw the first report; a rank that filed none commits only if
     no decision has come within twice the settle window (its reporters died on the way): the decision key has one
-    writer, or as many as reports, not one per survivor, whose settle windows all ran out together."""
+    writer, or as many as reports, not one per survivor, whose settle windows all ran out together.
+
+    A report of new deaths (every report names one: `report_failure` files none for deaths reported already) starts
+    the window again, for at most `SETTLE_EXTENSIONS` more windows: deaths at one moment (a rack) whose watchers'
+    verdicts come spread out (a loaded host) join one decision, instead of a generation each, while a stream of
+    deaths (1% of a job within a minute) cannot hold the decision for longer than that bound."""
 
     def __init__(self, membership: Membership, generation: int, timeout_s: float):
         membership._check_generation(generation)
@@ -691,6 +699,7 @@ class DecisionWait:
         self.deadline = membership._clock() + timeout_s
         self._first_seen: float | None = None
         self._seen, self._everyone, self._reports, self._pause = 0, False, [], membership.poll_s
+        self._filed, self._news_at = 0, -float("inf")  # reports counted so far; when the count last moved
         self._look_again: float | None = None
         # The reports' count is read with the events (one request): the reports read when the events move are then
         # at least those the events announced, whoever's read of the node's ranks it was.
@@ -712,6 +721,8 @@ class DecisionWait:
         values = (m.store.multi_get(self._counters) if m.node is None
                   else m.node.read(m.store, self._counters, age, create=True))
         events, everyone, filed = (int(v) for v in values)
+        if filed > self._filed:  # a report of new deaths: the settle window starts again (see the class)
+            self._filed, self._news_at = filed, m._clock()
         if events != self._seen:
             self._seen, self._pause = events, m.poll_s
             # A node-mate's look at the decision may have begun before the commit these events announce: once no
@@ -732,15 +743,14 @@ class DecisionWait:
             self._everyone, self._pause = True, m.poll_s
         if self._reports:
             self._first_seen = now if self._first_seen is None else self._first_seen
-            waited = now - self._first_seen
-            if g in m._reported:  # (when every member has acknowledged, the last of them commits: `report_failure`)
-                if waited >= m.settle_s or now >= self.deadline:
-                    return m._commit(g, m.reports(g))  # (every report in the store now: read by this rank itself)
-                wake = min(self.deadline, self._first_seen + m.settle_s)
-            elif waited >= 2 * m.settle_s or now >= self.deadline:  # its reporters are gone: commit in their place
-                return m._commit(g, m.reports(g))
-            else:
-                wake = min(self.deadline, self._first_seen + 2 * m.settle_s)
+            # (when every member has acknowledged, the last of them commits: `report_failure`; a rank that filed no
+            # report waits twice as long: it commits only in place of reporters that died on the way)
+            window = m.settle_s if g in m._reported else 2 * m.settle_s
+            due = min(max(self._first_seen, self._news_at) + window,
+                      self._first_seen + window + SETTLE_EXTENSIONS * m.settle_s, self.deadline)
+            if now >= due:
+                return m._commit(g, m.reports(g))  # (every report in the store now: read by this rank itself)
+            wake = due
         elif now >= self.deadline:
             raise MembershipTimeout(f"no failure was reported in generation {g} within {self.timeout_s}s")
         else:

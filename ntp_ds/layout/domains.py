@@ -17,7 +17,7 @@ knows, for each replica, the racks its ranks live in. Two replicas are *apart* w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
@@ -80,22 +80,61 @@ def copy_targets(order: Sequence[int], anchors: int, copies: int,
     return out
 
 
-def interleaved_ring(topology) -> tuple[int, ...]:
-    """The live replicas (degree at least 1) of a placed topology in the watchers' ring order, which puts replicas
-    of one rack next to each other only where one rack holds more than half of them: the racks' replicas, the
-    largest rack's first, are dealt to every other place of the ring, then to the places between. A replica
-    spanning racks counts in its first."""
-    by_rack: dict[int, list[int]] = {}
-    for r, d in enumerate(topology.degrees):
-        if d > 0:
-            by_rack.setdefault(min(topology.domains[r], default=-1), []).append(r)
-    dealt = [r for _, rs in sorted(by_rack.items(), key=lambda kv: (-len(kv[1]), kv[0])) for r in rs]
+def ring_neighbours(ranks: list[int], rank: int) -> set[int]:
+    """The ranks before and after `rank` in `ranks`, taken as a ring (none in a group of one): whom a member of a
+    large group watches, so that every member is watched by two whatever the group's size."""
+    if len(ranks) < 2:
+        return set()
+    i = ranks.index(rank)
+    return {ranks[i - 1], ranks[(i + 1) % len(ranks)]} - {rank}
+
+
+def _deal(by_domain: dict[int, list[int]]) -> tuple[int, ...]:
+    """A ring of the items of every domain that puts items of one domain next to each other only where one domain
+    holds more than half of them: the domains' items, the largest domain's first, are dealt to every other place of
+    the ring, then to the places between."""
+    dealt = [r for _, rs in sorted(by_domain.items(), key=lambda kv: (-len(kv[1]), kv[0])) for r in rs]
     n = len(dealt)
     ring = [0] * n
     places = list(range(0, n, 2)) + list(range(1, n, 2))
     for place, r in zip(places, dealt):
         ring[place] = r
     return tuple(ring)
+
+
+def interleaved_ring(topology) -> tuple[int, ...]:
+    """The live replicas (degree at least 1) of a placed topology in the watchers' ring order (`_deal`: replicas of
+    one rack next to each other only where one rack holds more than half of them). A replica spanning racks counts
+    in its first."""
+    by_rack: dict[int, list[int]] = {}
+    for r, d in enumerate(topology.degrees):
+        if d > 0:
+            by_rack.setdefault(min(topology.domains[r], default=-1), []).append(r)
+    return _deal(by_rack)
+
+
+def failure_domain(racks: Racks | None, node_size: int | None) -> Callable[[int], int] | None:
+    """A launch rank's failure domain: its rack where the launcher placed nodes in racks, else its node where the
+    launcher said how many ranks a node runs, else none (None)."""
+    if racks is not None:
+        return racks.of
+    if node_size:
+        return lambda r: r // node_size
+    return None
+
+
+def spread_neighbours(members: Sequence[int], rank: int, domain_of: Callable[[int], int] | None) -> set[int]:
+    """The two members `rank` watches while no engine names its peers (a new generation's rendezvous and build):
+    its neighbours on a ring of `members` that interleaves their domains (`domain_of`: a launch rank's rack, or its
+    node; `_deal`), so that a rack or a node lost whole is watched from outside it, not only at the two ends of its
+    run of ranks. Without `domain_of`: its neighbours in `members` taken as a ring. Symmetric: every member is
+    watched by its two neighbours."""
+    if domain_of is None:
+        return ring_neighbours(list(members), rank)
+    by_domain: dict[int, list[int]] = {}
+    for r in members:
+        by_domain.setdefault(domain_of(r), []).append(r)
+    return ring_neighbours(list(_deal(by_domain)), rank)
 
 
 def domain_neighbours(topology, rank: int) -> set[int]:

@@ -12,13 +12,13 @@ import bisect
 import time
 from collections.abc import Callable, Iterable
 
-from ntp_ds.comm.groups import ring_neighbours
 from ntp_ds.control.heartbeat import WATCHES_PER_BEAT, suspect_after_s
 from ntp_ds.control.keys import barrier_key
 from ntp_ds.control.liveness import LivenessMonitor
 from ntp_ds.control.liveness_store import request_fence
 from ntp_ds.control.membership import BarrierTimeout, BarrierWait, MembershipChange
 from ntp_ds.control.node_local import NodeLocal
+from ntp_ds.layout.domains import spread_neighbours
 
 
 def first_beat_timeout(heartbeat_timeout_s: float, collective_timeout_s: float) -> float:
@@ -34,7 +34,8 @@ def decision_settle_s(heartbeat_timeout_s: float, heartbeat_interval_s: float) -
     once when every member not reported dead has). A member that has not acknowledged is judging a watched peer
     silent for half the timeout (`Detector.detect` answers only once it has its verdict), or is dead and not yet
     reported: deaths at one moment (a node, a rack) reach their watchers' verdicts within the other half of the
-    timeout and a beat, and then belong in one decision, not one attempt each."""
+    timeout and a beat, and then belong in one decision, not one attempt each (where their verdicts come further
+    apart, each report of new deaths starts the window again, within a bound: `membership.DecisionWait`)."""
     return heartbeat_timeout_s / 2 + heartbeat_interval_s
 
 
@@ -45,10 +46,13 @@ class Detector:
     def __init__(self, reader, *, heartbeat_timeout_s: float, heartbeat_interval_s: float,
                  first_beat_timeout_s: float, collective_timeout_s: float,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-                 node: NodeLocal | None = None):
+                 node: NodeLocal | None = None, domain_of: Callable[[int], int] | None = None):
         self.reader = reader
         self.node = node
         """The node's own store, through which the new generation's members meet (`BarrierWait`); None: none."""
+        self.domain_of = domain_of
+        """A launch rank's failure domain (its rack, or its node), which the rendezvous's watchers are placed across
+        (`layout.domains.spread_neighbours`); None: none known."""
         self.heartbeat_timeout_s, self.heartbeat_interval_s = heartbeat_timeout_s, heartbeat_interval_s
         self.first_beat_timeout_s, self.collective_timeout_s = first_beat_timeout_s, collective_timeout_s
         self.clock, self.sleep = clock, sleep
@@ -102,16 +106,17 @@ class Detector:
         return agreement.change
 
     def arrive(self, store, rank: int, generation: int, members: tuple[int, ...]) -> None:
-        """Meet the new generation's members before joining its process group, watching the ring neighbours' beats
-        and everyone's exits and fences."""
+        """Meet the new generation's members before joining its process group, watching the beats of its two
+        neighbours on a ring across the failure domains (`layout.domains.spread_neighbours`) and everyone's exits and
+        fences."""
         arrival = self.arrival(store, rank, generation, members)
         while (pause := arrival.poll()) is not None:
             self.sleep(pause)
 
     def arrival(self, store, rank: int, generation: int, members: tuple[int, ...]) -> Watching:
         """`arrive`, one poll at a time."""
-        self.monitor = LivenessMonitor(ring_neighbours(list(members), rank), self.heartbeat_timeout_s, clock=self.clock,
-                                       first_beat_timeout_s=self.first_beat_timeout_s)
+        self.monitor = LivenessMonitor(spread_neighbours(members, rank, self.domain_of), self.heartbeat_timeout_s,
+                                       clock=self.clock, first_beat_timeout_s=self.first_beat_timeout_s)
         self.list_watched(rank)
         wait = BarrierWait(store, barrier_key(generation, "arrive", members), rank, members, self.collective_timeout_s,
                            node=self.node)

@@ -27,6 +27,7 @@ from ntp_ds.control.store import forget_generation
 from ntp_ds.engine.copies import release_cached_host_memory
 from ntp_ds.engine.initialize import JobSpec, build_topology, join_world
 from ntp_ds.layout import plan_gradient_sync
+from ntp_ds.layout.domains import failure_domain
 from ntp_ds.layout.generation import Generation
 from ntp_ds.recovery import report
 from ntp_ds.recovery.report import RecoveryOutcome
@@ -74,14 +75,16 @@ class Recovery:
         self._candidates: list = []
         """Groups a recovery may keep (`keep.keep`), from its start to its first attempt's teardown."""
         first_beat_timeout_s = first_beat_timeout(heartbeat_timeout_s, self.job.ntp.timeout_s)
-        self.detector = Detector(LivenessReader.from_env(store, mirror=node and node.store),
-                                 heartbeat_timeout_s=heartbeat_timeout_s, heartbeat_interval_s=heartbeat_interval_s,
-                                 first_beat_timeout_s=first_beat_timeout_s, collective_timeout_s=self.job.ntp.timeout_s,
-                                 node=node)
+        reader = LivenessReader.from_env(store, mirror=node and node.store)
+        domain_of = failure_domain(self.job.racks, reader.node_size)
+        self.detector = Detector(reader, heartbeat_timeout_s=heartbeat_timeout_s,
+                                 heartbeat_interval_s=heartbeat_interval_s, first_beat_timeout_s=first_beat_timeout_s,
+                                 collective_timeout_s=self.job.ntp.timeout_s, node=node, domain_of=domain_of)
         self.watch = Watch(store, rank, interval_s=heartbeat_interval_s, timeout_s=heartbeat_timeout_s,
                            hang_timeout_s=hang_timeout_s, first_beat_timeout_s=first_beat_timeout_s,
                            generation=lambda: self.membership.generation, members=lambda: self.members,
-                           engine=lambda: self.engine, declared=self.detector.declared, report=self._report)
+                           engine=lambda: self.engine, declared=self.detector.declared, report=self._report,
+                           domain_of=domain_of)
         self.heartbeat = self.watch.heartbeat
         self.watch.start()
         self.events: list[dict] = []

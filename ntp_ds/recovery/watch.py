@@ -15,11 +15,11 @@ import logging
 from collections.abc import Callable
 
 from ntp_ds.comm import wire
-from ntp_ds.comm.groups import ring_neighbours
 from ntp_ds.control.heartbeat import Heartbeat
 from ntp_ds.control.liveness import LivenessMonitor
 from ntp_ds.control.liveness_store import LivenessReader, request_fence
 from ntp_ds.control.node_store import connect_node_store
+from ntp_ds.layout.domains import spread_neighbours
 from ntp_ds.recovery.keep import departed, suspects
 
 log = logging.getLogger("ntp_ds.recovery")
@@ -34,8 +34,10 @@ class Watch:
                  first_beat_timeout_s: float, generation: Callable[[], int], members: Callable[[], tuple[int, ...]],
                  engine: Callable[[], object], declared: dict[int, str],
                  report: Callable[[frozenset[int], float, str, dict[int, float], frozenset[int]], None] | None
-                 = None):
+                 = None, domain_of: Callable[[int], int] | None = None):
         self.rank, self.timeout_s = rank, timeout_s
+        self.domain_of = domain_of
+        """A launch rank's failure domain (rack or node): `watch_ring` places the watchers across them."""
         self.report = report
         """Called from the heartbeat's thread with a verdict (the dead, the wall time, why, how long each was
         silent, those known only from the fence log) while the engine trains and no other watched peer is suspect:
@@ -69,11 +71,12 @@ class Watch:
         self.heartbeat.watch(sorted(set(peers) - {self.rank}), set(self.members()) - {self.rank})
 
     def watch_ring(self) -> None:
-        """Watch this rank's ring neighbours among the members. Until the new engine is built (and its peers are
-        known), a death must still end this rank's waits: on NCCL nothing else does (no error, no timeout). Its ring
-        neighbours watch each member meanwhile, and a death they see reaches every other member as a fence
-        request."""
-        self.watch(ring_neighbours(list(self.members()), self.rank))
+        """Watch this rank's ring neighbours among the members, on a ring across the failure domains (`domain_of`;
+        `layout.domains.spread_neighbours`). Until the new engine is built (and its
+        peers are known), a death must still end this rank's waits: on NCCL nothing else does (no error, no
+        timeout). Its ring neighbours watch each member meanwhile, and a death they see reaches every other member
+        as a fence request."""
+        self.watch(spread_neighbours(self.members(), self.rank, self.domain_of))
 
     def watch_engine(self, engine) -> None:
         """Watch the workers `engine` exchanges data with (`NTPEngine.watched_peers`; of its data-parallel group its

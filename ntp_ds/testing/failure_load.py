@@ -347,6 +347,9 @@ class _Share:
         self.watch_store = MeteredClient(connect_store(address, 60.0))
         self.beat_store.tag = "launcher"  # (the beats go to the node's store: this client is its launchers')
         self.ranks = [n * spec.tp + i for n in nodes for i in range(spec.tp)]
+        from ntp_ds.layout.domains import Racks, failure_domain
+
+        self.domain_of = failure_domain(Racks(spec.tp, spec.rack_nodes), spec.tp)  # (as `Recovery`'s)
         # Each node's own store (`ntp-ds launch` hosts it on the node): its requests never reach the job's store.
         # (`LocalStore`: HashStore's answers, without its wake of every waiter at every write.)
         self.node_stores = {n: LocalStore() for n in nodes}
@@ -393,7 +396,8 @@ class _Share:
                                             heartbeat_timeout_s=spec.heartbeat_timeout_s,
                                             heartbeat_interval_s=spec.interval_s,
                                             first_beat_timeout_s=spec.heartbeat_timeout_s,
-                                            collective_timeout_s=spec.timeout_s / 4, node=node)
+                                            collective_timeout_s=spec.timeout_s / 4, node=node,
+                                            domain_of=self.domain_of)
 
     # The verdict's way (`Watch.peers_dead`, `Watch._report`): fence, report while training, notice.
     def _dead(self, rank: int, ranks: frozenset[int], wall: float) -> None:
@@ -588,10 +592,10 @@ class _Share:
                 if pause is not None:
                     return pause
                 change = path.change
-                from ntp_ds.comm.groups import ring_neighbours
+                from ntp_ds.layout.domains import spread_neighbours
 
                 hb = self.heartbeats[rank]  # `Watch.watch_ring`: the ring neighbours, and every member's fences
-                hb.watch(sorted(ring_neighbours(list(change.survivors), rank)))
+                hb.watch(sorted(spread_neighbours(change.survivors, rank, self.domain_of)))
                 hb._members = frozenset(change.survivors)
                 path.phase = "regroup"  # (`Recovery._install`: the done barrier, watched)
                 path.poll = d.ending(self.watch_store, rank, change.generation, change.survivors, self.spec.timeout_s)

@@ -20,6 +20,7 @@ from ntp_ds.control.membership import (
     Membership,
     MembershipChange,
     MembershipTimeout,
+    SETTLE_EXTENSIONS,
     NodeLocal,
     StaleGeneration,
     barrier,
@@ -182,6 +183,30 @@ def test_the_decision_does_not_wait_out_the_settle_window_once_every_live_member
     views[0].report_failure(0, {3}, 1.0, "collective error")
     assert views[0].await_decision(0, timeout_s=5.0).dead == {3}
     assert time.monotonic() - t0 >= 0.3
+
+
+def test_reports_of_new_deaths_start_the_settle_window_again_up_to_a_bound():
+    # Eight members, settle window 1 s, nobody else acknowledging: the deaths of one moment whose verdicts come
+    # 0.8 s apart (a loaded host) join one decision; a stream of them is cut off SETTLE_EXTENSIONS windows on.
+    def run(report_at: dict[float, int]) -> tuple[MembershipChange, float]:
+        store, clock = dist.HashStore(), FakeClock(100.0)
+        views = [Membership(store, r, range(8), settle_s=1.0, poll_s=0.05, clock=clock) for r in range(8)]
+        wait = views[0].decision_wait(0, timeout_s=60.0)
+        while True:
+            for t in [t for t in report_at if t <= clock.now]:
+                dead = report_at.pop(t)
+                views[7 - dead].report_failure(0, {dead}, t, f"rank {dead} silent")
+            outcome = wait.poll()
+            if isinstance(outcome, MembershipChange):
+                return outcome, clock.now
+            clock.now += min(outcome, 0.05) or 0.05
+
+    change, at = run({100.0: 7, 100.8: 6, 101.6: 5})  # each within a window of the last: one decision
+    assert change.dead == {5, 6, 7} and 102.6 <= at < 102.8, (change.dead, at)
+    change, at = run({100.0: 7, 101.5: 6})  # a report more than a window after the last: the next decision's
+    assert change.dead == {7} and 101.0 <= at < 101.2, (change.dead, at)
+    change, at = run({100.0 + 0.8 * i: 7 - i for i in range(6)})  # a stream: cut off after 1 + 2 windows
+    assert at < 100.0 + 1.0 + SETTLE_EXTENSIONS + 0.2 and change.dead == {7, 6, 5, 4}, (change.dead, at)
 
 
 @given(st.sets(st.integers(0, 300), min_size=1, max_size=120), st.sets(st.integers(0, 300), max_size=8))
