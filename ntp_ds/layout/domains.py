@@ -17,6 +17,7 @@ knows, for each replica, the racks its ranks live in. Two replicas are *apart* w
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import islice
@@ -131,10 +132,22 @@ def spread_neighbours(members: Sequence[int], rank: int, domain_of: Callable[[in
     watched by its two neighbours."""
     if domain_of is None:
         return ring_neighbours(list(members), rank)
+    ring, where = _spread_ring(tuple(members), domain_of)
+    if len(ring) < 2:
+        return set()
+    i = where[rank]
+    return {ring[i - 1], ring[(i + 1) % len(ring)]} - {rank}
+
+
+@functools.lru_cache(maxsize=2)
+def _spread_ring(members: tuple[int, ...], domain_of: Callable[[int], int]) -> tuple[tuple[int, ...], dict[int, int]]:
+    """The ring `spread_neighbours` walks, and each member's place on it: built once per generation (a rank asks at
+    its rendezvous and again until its engine is built; a harness playing many ranks asks once per member)."""
     by_domain: dict[int, list[int]] = {}
-    for r in members:
-        by_domain.setdefault(domain_of(r), []).append(r)
-    return ring_neighbours(list(_deal(by_domain)), rank)
+    for r, d in zip(members, map(domain_of, members)):
+        by_domain.setdefault(d, []).append(r)
+    ring = _deal(by_domain)
+    return ring, {r: i for i, r in enumerate(ring)}
 
 
 def domain_neighbours(topology, rank: int) -> set[int]:
