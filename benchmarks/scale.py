@@ -58,6 +58,7 @@ from ntp_ds.comm import wire  # noqa: E402
 from ntp_ds.layout import Topology, plan_buddies, plan_gradient_sync  # noqa: E402
 from ntp_ds.control.node_store import launcher_period_s  # noqa: E402
 from ntp_ds.layout.generation import replica_membership  # noqa: E402
+from ntp_ds.recovery.holdings import planned_copies  # noqa: E402
 from ntp_ds.recovery.rollback import run_rounds  # noqa: E402
 from ntp_ds.testing.failure_load import MAX_ATTEMPTS  # noqa: E402
 from ntp_ds.testing.shapes import llama_70b, shape_specs, zero_order  # noqa: E402
@@ -112,10 +113,7 @@ def offered_steps(old: Topology, new: Topology, old_rank_of: dict[int, int], ste
     """What every new rank serves in the re-slice: {owner: step} of the fragments it can serve (its own as an old
     anchor, and the buddy copies it keeps)."""
     old_plan = plan_gradient_sync(old)
-    copies_on: dict[int, list[int]] = {}
-    for owner, holders in plan_buddies(old, old_plan, 1, 1).items():
-        for h in holders:
-            copies_on.setdefault(h, []).append(owner)
+    copies_on = planned_copies(plan_buddies(old, old_plan, 1, 1))
     out = []
     for new_rank in range(new.world_size):
         o = old_rank_of[new_rank]

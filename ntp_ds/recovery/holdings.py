@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
+
 def planned_copies(buddies: Mapping[int, Collection[int]]) -> dict[int, list[int]]:
     """Old rank -> the owners whose copies the buddy plan (`plan_buddies`: owner -> holders) puts on it."""
     out: dict[int, list[int]] = {}

@@ -72,10 +72,9 @@ class Watch:
 
     def watch_ring(self) -> None:
         """Watch this rank's ring neighbours among the members, on a ring across the failure domains (`domain_of`;
-        `layout.domains.spread_neighbours`). Until the new engine is built (and its
-        peers are known), a death must still end this rank's waits: on NCCL nothing else does (no error, no
-        timeout). Its ring neighbours watch each member meanwhile, and a death they see reaches every other member
-        as a fence request."""
+        `layout.domains.spread_neighbours`). Until the new engine is built (and its peers are known), a death must
+        still end this rank's waits: on NCCL nothing else does (no error, no timeout). Its ring neighbours watch each
+        member meanwhile, and a death they see reaches every other member as a fence request."""
         self.watch(spread_neighbours(self.members(), self.rank, self.domain_of))
 
     def watch_engine(self, engine) -> None:

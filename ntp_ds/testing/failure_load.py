@@ -118,6 +118,13 @@ class FailureSpec:
         return self.world // self.tp
 
     @property
+    def racks(self):
+        """The job's racks: nodes of `tp` ranks, `rack_nodes` nodes each (`layout.domains.Racks`)."""
+        from ntp_ds.layout.domains import Racks
+
+        return Racks(self.tp, self.rack_nodes)
+
+    @property
     def played_nodes(self) -> int:
         """The number of nodes whose launchers' period the job plays (`period_nodes`, or its own)."""
         return self.period_nodes or self.nodes
@@ -173,12 +180,11 @@ class FailureSpec:
 def job_generation(spec: FailureSpec):
     """The job as launched: one replica of TP `tp` per node, placed in racks of `rack_nodes` nodes."""
     from ntp_ds.layout import Topology
-    from ntp_ds.layout.domains import Racks
     from ntp_ds.layout.generation import Generation
     from ntp_ds.testing.shapes import llama_70b
 
     topology = Topology.from_degrees(llama_70b().units(), (spec.tp,) * spec.nodes)
-    return Generation.initial(topology, racks=Racks(spec.tp, spec.rack_nodes))
+    return Generation.initial(topology, racks=spec.racks)
 
 
 def job_topology(spec: FailureSpec):
@@ -347,9 +353,9 @@ class _Share:
         self.watch_store = MeteredClient(connect_store(address, 60.0))
         self.beat_store.tag = "launcher"  # (the beats go to the node's store: this client is its launchers')
         self.ranks = [n * spec.tp + i for n in nodes for i in range(spec.tp)]
-        from ntp_ds.layout.domains import Racks, failure_domain
+        from ntp_ds.layout.domains import failure_domain
 
-        self.domain_of = failure_domain(Racks(spec.tp, spec.rack_nodes), spec.tp)  # (as `Recovery`'s)
+        self.domain_of = failure_domain(spec.racks, spec.tp)  # (as `Recovery`'s)
         # Each node's own store (`ntp-ds launch` hosts it on the node): its requests never reach the job's store.
         # (`LocalStore`: HashStore's answers, without its wake of every waiter at every write.)
         self.node_stores = {n: LocalStore() for n in nodes}
@@ -842,10 +848,9 @@ def bootstraps(spec: FailureSpec) -> tuple[int, int]:
     from ntp_ds.comm.groups import wanted_groups
     from ntp_ds.layout import plan_gradient_sync
     from ntp_ds.layout.generation import Generation
-    from ntp_ds.layout.domains import Racks
 
     old_topology = job_topology(spec)
-    before = Generation.initial(old_topology, racks=Racks(spec.tp, spec.rack_nodes))
+    before = Generation.initial(old_topology, racks=spec.racks)
     after = before.after_loss(set(spec.victims()), 1, 1).after
     old_sync, new_sync = plan_gradient_sync(before.topology), plan_gradient_sync(after.topology)
     old = {(role, tuple(before.members[r] for r in ranks)) for g in range(spec.world)
