@@ -37,7 +37,7 @@ from ntp_ds.control.keys import (ALARM_BUCKETS_KEY, ALARM_EPOCH_KEY, EXITED_KEY,
                                  RELAYED_EPOCH_KEY, alarm_key, alarm_watchers_key, fence_count_key, heartbeat_key,
                                  log_count_key, log_entry_key, node_key, relayed_alarm_key)
 from ntp_ds.control.liveness import Beat, LivenessMonitor
-from ntp_ds.control.node_local import SHARED_AGE_S, NodeLocal
+from ntp_ds.control.node_local import SHARED_AGE_S, NodeLocal, present_values
 from ntp_ds.control.node_store import PERIOD_S, MirrorView, launch_nodes, launcher_period_s, list_watched
 from ntp_ds.envs import NODE_SIZE_ENV
 
@@ -68,9 +68,10 @@ def read_beats(store, ranks: Iterable[int]) -> dict[int, Beat]:
     keys = [heartbeat_key(r) for r in ranks]
     if not keys:
         return {}
-    if store.check(keys):
-        return {r: Beat.decode(v) for r, v in zip(ranks, store.multi_get(keys))}
-    return {r: Beat.decode(store.get(k)) for r, k in zip(ranks, keys) if store.check([k])}
+    if (values := present_values(store, keys)) is not None:
+        return {r: Beat.decode(v) for r, v in zip(ranks, values)}
+    found = ((r, present_values(store, [k])) for r, k in zip(ranks, keys))
+    return {r: Beat.decode(v[0]) for r, v in found if v is not None}
 
 
 class JobLog:
@@ -129,11 +130,11 @@ def catch_up(*logs: tuple[JobLog, int], node: NodeLocal | None = None) -> None:
     store = logs[0][0].store
     keys = [key for _, key, _ in wanted]
     values = (node.read(store, keys, SHARED_AGE_S, fixed=True, check=True) if node is not None
-              else store.multi_get(keys) if store.check(keys) else None)
+              else present_values(store, keys))
     if values is not None:
         found = zip(wanted, values)
     else:  # an entry counted by a writer that has not written it yet: read the others one by one
-        found = [(w, store.get(w[1])) for w in wanted if store.check([w[1]])]
+        found = [(w, raw[0]) for w in wanted if (raw := present_values(store, [w[1]])) is not None]
     for (log, _, n), raw in found:
         log._take(n, raw)
 
@@ -457,18 +458,17 @@ class LivenessReader:
             return view
         counts = [self.exits.count_key, self.fences.count_key]
         keys = [node_key(n) for n in nodes] + counts
-        if copy is not None:  # what the launcher copied exists (node keys are never deleted)
-            self._present.update([node_key(n) for n in copy.nodes] + counts)
-        if not set(keys) <= self._present:
-            if not self.store.check(keys):  # a launcher has not published yet: read per rank meanwhile
-                return self._per_rank(ranks, fences)
-            self._present.update(keys)
-        if copy is not None:  # the node's union: copied nodes exist (never deleted)
-            union = sorted(copy.nodes.keys() | set(nodes))
-            values = self.shared().read(self.store, [node_key(n) for n in union] + counts, SHARED_AGE_S)
+        if copy is not None:  # the node's union (copied nodes exist), read once for the node's ranks, its
+            union = sorted(copy.nodes.keys() | set(nodes))  # existence too (not once per rank)
+            values = self.shared().read(self.store, [node_key(n) for n in union] + counts, SHARED_AGE_S, check=True)
+        else:
+            values = self.store.multi_get(keys) if set(keys) <= self._present else present_values(self.store, keys)
+        if values is None:  # a launcher has not published yet: read per rank meanwhile
+            return self._per_rank(ranks, fences)
+        self._present.update(keys)
+        if copy is not None:
             raw = dict(zip(union, values))
             return self._view(ranks, nodes, [raw[n] for n in nodes], int(values[-2]), int(values[-1]))
-        values = self.store.multi_get(keys)
         return self._view(ranks, nodes, values[:-2], int(values[-2]), int(values[-1]))
 
     def shared(self) -> NodeLocal | None:

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 from ntp_ds.control.keys import decision_key, membership_key
-from ntp_ds.control.node_local import SHARED_AGE_S, NodeLocal
+from ntp_ds.control.node_local import SHARED_AGE_S, NodeLocal, present_values
 
 
 class StaleGeneration(ValueError):
@@ -537,11 +537,12 @@ class Membership:
     def pending(self) -> bool:
         """Return whether some rank has reported a failure in the current generation (one store round trip)."""
         key = f"{self._reports_key(self.generation)}/count"  # (a waiter for the decision creates it at 0)
-        return self.store.check([key]) and int(self.store.get(key)) > 0
+        count = present_values(self.store, [key])
+        return count is not None and int(count[0]) > 0
 
     def reports(self, generation: int, max_age_s: float = 0.0, filed: int | None = None) -> list[FailureReport]:
         """Return the reports of `generation` visible in the store now. Only entries this rank has not read yet are
-        fetched (two requests when there are none): an entry counted but not written yet is read on a later call.
+        fetched (one request when there are none): an entry counted but not written yet is read on a later call.
         `max_age_s` > 0: as seen by a read of the node's ranks at most that old (`NodeLocal.read`), not by one of
         this rank's own (a commit reads its own: it must hold every report filed before the acknowledgements
         ended). `filed`: their count, read already (with the counter that said a report came)."""
@@ -558,21 +559,21 @@ class Membership:
                 return list(read)
             filed = int(count[0])
         elif filed is None:
-            if not self.store.check([f"{key}/count"]):
+            if (count := present_values(self.store, [f"{key}/count"])) is None:
                 return list(read)
-            filed = self.store.add(f"{key}/count", 0)
+            filed = int(count[0])
         keys = [f"{key}/{entry}" for entry in range(len(read) + 1, filed + 1)]
         raws = None
         if keys:  # the usual case: every counted entry written, two requests for all
             raws = (node.read(self.store, keys, max_age_s, fixed=True, check=True) if node is not None
-                    else self.store.multi_get(keys) if self.store.check(keys) else None)
+                    else present_values(self.store, keys))
         if raws is not None:
             read += [FailureReport.decode(raw) for raw in raws]
         elif keys:
             for k in keys:
-                if not self.store.check([k]):
+                if (raw := present_values(self.store, [k])) is None:
                     break  # its reporter has counted it and not written it yet
-                read.append(FailureReport.decode(self.store.get(k)))
+                read.append(FailureReport.decode(raw[0]))
         return list(read)
 
     def decision(self, generation: int, max_age_s: float = 0.0) -> MembershipChange | None:
@@ -585,7 +586,8 @@ class Membership:
         if max_age_s > 0 and self.node is not None:
             raw = self.node.read(self.store, [key], max_age_s, fixed=True, check=True)
             return None if raw is None else self._adopt_decision(generation, raw[0])
-        return self._adopt_decision(generation, self.store.get(key)) if self.store.check([key]) else None
+        raw = present_values(self.store, [key])
+        return None if raw is None else self._adopt_decision(generation, raw[0])
 
     def _adopt_decision(self, generation: int, raw: bytes | str, proposed: MembershipChange | None = None,
                         sent: str | None = None) -> MembershipChange:

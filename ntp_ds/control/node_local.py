@@ -111,12 +111,27 @@ class NodeLocal:
         return _direct(job_store, keys, check, create)
 
 
+def present_values(store, keys: Sequence[str]) -> list[bytes] | None:
+    """The values of `keys`, or None while one of them does not exist (a `multi_get` would wait for it): one request
+    for one key (a `compare_set` that writes nothing, as torch's stores and ours answer a key that does not exist
+    with the expected value), two for several (`check`, `multi_get`)."""
+    if len(keys) == 1:
+        raw = store.compare_set(keys[0], _ABSENT, _ABSENT)
+        return None if raw == _ABSENT.encode() else [raw if isinstance(raw, bytes) else bytes(raw)]
+    if not store.check(list(keys)):
+        return None
+    return [v if isinstance(v, bytes) else bytes(v) for v in store.multi_get(list(keys))]
+
+
 def _direct(job_store, keys: list[str], check: bool, create: bool = False) -> list[bytes] | None:
-    if (check or create) and not job_store.check(keys):
-        if not create:
-            return None
-        for key in keys:
-            job_store.add(key, 0)
+    if create:
+        if len(keys) == 1:  # a counter: its value, created at 0 where absent, in one request
+            return [str(int(job_store.add(keys[0], 0))).encode()]
+        if not job_store.check(keys):
+            for key in keys:
+                job_store.add(key, 0)
+    elif check:
+        return present_values(job_store, keys)
     return [v if isinstance(v, bytes) else bytes(v) for v in job_store.multi_get(keys)]
 
 

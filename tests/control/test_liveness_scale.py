@@ -158,8 +158,8 @@ def test_a_watcher_s_poll_reads_only_the_log_entries_it_has_not_read_however_old
     store.calls.clear()
     view = reader.read(range(4))
     assert view.fences == {1200: "no heartbeat"} and len(view.exited) == 200
-    assert [c[0] for c in store.calls] == ["multi_get", "check", "multi_get"]  # the counters, then one new entry
-    assert store.calls[-1][1] == (["fence/entry/1"],)
+    assert [c[0] for c in store.calls] == ["multi_get", "compare_set"]  # the counters, then the one new entry
+    assert store.calls[-1][1][0] == "fence/entry/1"  # (in one request: a compare-and-set that writes nothing)
 
 
 def test_an_entry_whose_writer_died_before_writing_it_does_not_hide_the_entries_after_it():
@@ -211,12 +211,14 @@ def test_waiting_ranks_read_reports_only_when_the_events_counter_moves():
     assert change.dead == {3} and change.survivors == (0, 1, 2)
     assert sleeps[:6] == [0.02, 0.04, 0.08, 0.16, 0.16, 0.16]
     # Six quiet polls cost one read of the two counters each (events and acknowledgements, created once by the
-    # waiter); the reports and decision were read once, after the report: 7 polls and the entry's fetch. Adds: the
-    # waiter's 2 counter creations, the reporter's claim, entry count, events bump and acknowledgements (its own and
-    # the dead rank's: a mark and a leaf counter each), the commit's bump and two reads of the entry count (the poll's,
-    # and the committer's own read of the reports just before it commits).
-    assert store.calls["get"] <= 2 and store.calls["multi_get"] == 7 + 1
-    assert store.calls["add"] == 2 + 7 + 1 + 2
+    # waiter); the reports and decision were read once, after the report: 7 polls. A read of one key that may not exist
+    # is one compare-and-set that writes nothing (`present_values`): the reporter's and the waiter's looks at the
+    # decision, the entry's fetch, the committer's own read of the entry count just before it commits; with the commit,
+    # 5. Adds: the waiter's 2 counter creations, the reporter's claim, entry count, events bump and acknowledgements
+    # (its own and the dead rank's: a mark and a leaf counter each), the commit's bump and the poll's read of the entry
+    # count.
+    assert store.calls["get"] <= 2 and store.calls["multi_get"] == 7, dict(store.calls)
+    assert store.calls["compare_set"] == 4 + 1 and store.calls["add"] == 2 + 7 + 1 + 1, dict(store.calls)
     assert reporter.await_decision(0, 1.0) == change
 
 
