@@ -235,7 +235,7 @@ def failure_case(world: int, scenario: str, timeout_s: float) -> dict:
     r = run_failure(FailureSpec(world, scenario, processes=processes, timeout_s=timeout_s, period_nodes=BIG // TP,
                                 spread_s=ONE_PERCENT_SPREAD_S))
     return {"world": world, "scenario": scenario, "processes": processes, "survivors": r.survivors,
-            "evicted": r.evicted,
+            "evicted": r.evicted, "starved": r.starved,
             "through": r.through, "decision_s": r.decision_s, "done_s": r.done_s, "req": r.failure_req,
             "bytes": r.failure_bytes, "busy_s": r.server_busy_s, "window_s": r.window_s,
             "steady_busy_s_per_s": r.steady_busy_s_per_s, "attempts": r.attempts,
@@ -413,6 +413,10 @@ def main(argv=None) -> int:
                 print(f"    error: {e}", flush=True)
             for e in c.get("evicted", ()):
                 print(f"    evicted (declared dead while alive; it left the job): {e}", flush=True)
+            if c.get("evicted"):
+                starved = c.get("starved", ())
+                print(f"    of the {len(c['evicted'])} evicted, {len(starved)} had their beats or node key held back "
+                      f"past the timeout by the harness's own loop: " + ", ".join(starved[:8]), flush=True)
             for e in c.get("retries", ()):
                 print(f"    tried again: {e}", flush=True)
         steady = [c for (w, _), c in cases.items() if w == world and "req" in c]
@@ -477,7 +481,7 @@ def report(cases: dict, plans: dict, ctl: dict, sizes) -> int:
             print(f"1% of ranks within a minute, W={w}: {c['through']}/{c['survivors']} through, {c['generations']} "
                   f"decisions for {c['deaths']} deaths, at most {c['attempts']} attempts of a recovery, "
                   f"{c['req'] / c['deaths']:.0f} store requests per death, {len(c.get('evicted', ()))} ranks evicted "
-                  f"alive")
+                  f"alive ({len(c.get('starved', ()))} of them held back by the harness)")
     big_plans = plans.get(BIG, {}).values()
     if big_plans and all("seconds" in p for p in big_plans):
         plan_s, plan_mb = f"{max(p['seconds'] for p in big_plans):.3f}", f"{max(p['rss_mb'] for p in big_plans):.0f}"

@@ -380,6 +380,10 @@ class _Share:
         self.retries: list[str] = []
         """Why ranks tried again: the first few, and the first of each new attempt number."""
         self.retried: set[int] = set()
+        self.held: dict[int, float] = {}
+        """Rank (node, for its launcher's key) -> the longest the harness's own loop held back two of its beats
+        (publications) in a row: past the heartbeat timeout, the harness, not the product, made it look silent."""
+        self._last_sent: dict[int, float] = {}
         self.alarm_clients: list[MeteredClient] = []
         self.relays: dict[int, AlarmRelay] = {}
         self.wake: set[int] = set()
@@ -429,6 +433,17 @@ class _Share:
                                  {r: monitor.silent_for(r) for r in ranks if r in monitor.ranks}, ranks - judged)
             path.noticed, path.phase = time.monotonic(), "notice"
         self.watch_store.tag = "watch"
+
+    def _sent(self, who: int, now: float) -> None:
+        """`who` (a rank, or -1 - node for a node's key) was sent at `now`: keep the longest gap (`held`)."""
+        last = self._last_sent.get(who)
+        self._last_sent[who] = now
+        if last is not None and now - last > self.held.get(who, 0.0):
+            self.held[who] = now - last
+
+    def held_back_s(self, rank: int) -> float:
+        """The longest the harness held back `rank`'s beats or its node's key (see `held`)."""
+        return max(self.held.get(rank, 0.0), self.held.get(-1 - rank // self.spec.tp, 0.0))
 
     def _gone(self, rank: int) -> bool:
         """Whether `rank` has died by now."""
@@ -516,11 +531,13 @@ class _Share:
                 if self._gone(who):
                     continue
                 self.beaters[who].beat()
+                self._sent(who, time.monotonic())
                 push(due + spec.interval_s, "beat", who)
             elif kind == "publish":
                 if failed and who in dead_nodes:
                     continue
                 self.publishers[who].publish()
+                self._sent(-1 - who, time.monotonic())  # (a node's key: -1 - node, apart from the ranks)
                 push(due + self.mirrors[who].period_s, "publish", who)  # (as often as its workers beat)
             elif kind == "mirror":  # the launcher's copy, and the fence requests it reads with it
                 if failed and who in dead_nodes:
@@ -681,10 +698,11 @@ def _process(spec: FailureSpec, address: str, nodes: list[int], conn) -> None:
     total = _counts(shares)
     paths = {r: (s.paths[r].recoveries, s.paths[r].error, r in s.settled, s.paths[r].evicted) for s in shares
              for r in s.survivors}
+    held = {r: s.held_back_s(r) for s in shares for r in s.survivors if s.paths[r].evicted}
     for s in shares:
         for hb in s.heartbeats.values():
             hb._stop.set()
-    conn.send({"warm": warm, "steady": steady, "total": total, "paths": paths,
+    conn.send({"warm": warm, "steady": steady, "total": total, "paths": paths, "held": held,
                "errors": [e for s in shares for e in s.errors], "alarm_threads": len(alarms),
                "retries": [e for s in shares for e in s.retries]})
     conn.close()
@@ -731,6 +749,9 @@ class FailureResult:
     """Survivors through to a generation without any victim."""
     evicted: list = field(default_factory=list)
     """Ranks a decision declared dead that had not died (a false verdict), with why: they left the job."""
+    starved: list = field(default_factory=list)
+    """Those of `evicted` whose beats or node key the harness's own loop held back past the heartbeat timeout (two
+    sent that far apart): the store rightly saw them silent; the harness, not the product, is to blame."""
     errors: list = field(default_factory=list)
     largest_value: int = 0
     largest_call: str = ""
@@ -798,6 +819,7 @@ def _result(spec, outs, start, fail_at, cpu_start, cpu_fail, cpu_end) -> Failure
     steady_s = spec.steady_s - spec.warm_s
     paths = {r: p for o in outs for r, p in o["paths"].items()}
     evicted = {r: why for r, (_, _, _, why) in paths.items() if why}
+    held = {r: t for o in outs for r, t in o.get("held", {}).items()}
     through = [r for r, (_, error, settled, why) in paths.items() if settled and not error and not why]
     recoveries = [rec for recs, _, _, _ in paths.values() for rec in recs]
     # From the last death: the last recovery of each survivor through (the only one, but for `one_percent`).
@@ -829,6 +851,8 @@ def _result(spec, outs, start, fail_at, cpu_start, cpu_fail, cpu_end) -> Failure
                          done_s=(max(done) - last_death) if done else None,
                          survivors=len(paths) - len(evicted), through=len(through),
                          evicted=[f"rank {r}: {why}" for r, why in sorted(evicted.items())],
+                         starved=[f"rank {r}: held back {held[r]:.2f} s" for r in sorted(evicted)
+                                  if held.get(r, 0.0) > spec.heartbeat_timeout_s],
                          errors=[e for o in outs for e in o["errors"]] + [f"rank {r}: {p[1]}" for r, p in
                                                                         paths.items() if p[1]],
                          largest_value=max(o["total"]["largest"] for o in outs),

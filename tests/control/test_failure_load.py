@@ -31,3 +31,20 @@ def test_every_survivor_gets_through_deaths_that_keep_coming():
     assert 1 <= r.generations <= 6 and r.attempts < spec.max_attempts, (r.generations, r.attempts)
     assert r.recoveries >= 1 and r.done_s is not None
     assert r.largest_value < 1024 * len(spec.victims()), (r.largest_value, r.largest_call)
+
+
+def test_the_harness_keeps_how_long_its_own_loop_held_back_each_rank_s_beats_and_its_node_s_key():
+    # A rank's beats sent 0.5 s apart but its node's key held back 3.5 s: silent past a 3 s timeout because of the
+    # harness; its node-mate likewise; a rank of another node whose beats and key kept time is not.
+    from types import SimpleNamespace
+
+    from ntp_ds.testing.failure_load import _Share
+
+    share = SimpleNamespace(held={}, _last_sent={}, spec=SimpleNamespace(tp=8))
+    for t in (0.0, 0.5, 1.0, 1.5):
+        for rank in (9, 10, 17):
+            _Share._sent(share, rank, t)
+    for t, node in ((0.0, 1), (1.0, 1), (4.5, 1), (0.0, 2), (1.0, 2), (2.0, 2)):
+        _Share._sent(share, -1 - node, t)
+    held = {r: _Share.held_back_s(share, r) for r in (9, 10, 17)}
+    assert held == {9: 3.5, 10: 3.5, 17: 1.0}
