@@ -27,6 +27,10 @@ that every node's launcher publishes `node/{n}`."""
 NODE_STORE_ENV = "NTP_NODE_STORE"
 """Through which `ntp-ds launch` passes its node's own store (HOST:PORT on this machine) to its workers: they beat
 there, and their watchers read the launcher's copy of the node keys they poll (`ntp_ds.control.node_store`)."""
+RACK_STORE_ENV = "NTP_RACK_STORE"
+"""Through which `ntp-ds launch` passes its rack's store (HOST:PORT, hosted by the launcher of the rack's first node)
+to its workers: a node's side of a barrier meets its rack's there, and the job's store sees one arrival per rack
+(`ntp_ds.control.node_local`)."""
 RACK_SIZE_ENV = "NTP_RACK_SIZE"
 """Through which the launcher tells its workers how many contiguous nodes form a rack (`launcher.rack_size`): rank r
 lives in rack r // node size // rack size. Under torchrun or deepspeed, export it; the node size is then

@@ -65,6 +65,10 @@ def test_a_rack_lost_whole_is_found_and_recovered_without_loss(tmp_path):
             log.close()
     for n in (0, 1, 4, 5):
         assert nodes[n].returncode == 0, (tmp_path / f"node{n}.log").read_text()[-4000:]
+    for n in range(NODES):  # each rack's first node hosts its rack's store; the other reads where it is
+        said = (tmp_path / f"node{n}.log").read_text()
+        assert f"rack {n // RACK}'s store at " in said and "(none: not published)" not in said, said[-2000:]
+        assert ("(hosted here)" in said) == (n % RACK == 0), said[-2000:]
     recoveries = run_events(run_dir, "recovery")
     assert len(recoveries) == 1, recoveries
     event = recoveries[0]

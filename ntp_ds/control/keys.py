@@ -52,6 +52,11 @@ def node_key(node: int) -> str:
     return f"node/{node}"
 
 
+def rack_store_key(rack: int) -> str:
+    """Job-store key of the address of rack `rack`'s store (set by the launcher of its first node)."""
+    return f"rack/{rack}/store"
+
+
 # -- a node's own store (`control.node_store`): its workers' beats, what they watch, the launcher's mirror ----------
 NODE_MIRROR_KEY = "mirror"
 """Node-store key of the launcher's copy of the job-store keys its workers' watchers poll (`NodeMirror`)."""

@@ -252,7 +252,18 @@ class BarrierWait:
     job's store a few requests per node, not per rank. A barrier that runs past half its bound is slow: every rank still
     waiting marks its own arrival in the job's store then, so that a timeout (every rank's own, with or without a node
     store) names the ranks that never came, not their nodes; a rank that comes later than that after the others may
-    be named with them. A closer that dies after arriving is a death its node-mates' watch sees (`Detector.watch`)."""
+    be named with them. A closer that dies after arriving is a death its node-mates' watch sees (`Detector.watch`).
+
+    With a rack level too (`NodeLocal.rack`), a node's closer arrives for its node in the rack's store (the node's
+    mark, `name/node/{n}`, and its count added to the rack's), and the closer whose arrival completes the rack's count
+    arrives for the rack in the job's store, polls the end there and copies it into the rack's store (`name/end`),
+    where the rack's other closers poll. A rack's store can die while nodes of its rack live (its host's launcher is
+    gone), so the rack's arrival in the job's store is claimed first (`name/rack/{k}`, by value): the rack's closer
+    claims it as `rack` before it counts the rack; a closer that cannot reach the rack's store claims it as `nodes`.
+    If `rack` stood, the rack's count was complete, the failed closer's node in it, and that closer polls the end in
+    the job's store; if `nodes` stood, every node of the rack arrives on its own in the job's store (its node's mark
+    keeps it from counting twice), the rack's closer tells its rack-mates so (`name/end` = `split`), and a rack-mate
+    whose rack store fails does so by itself. From half the bound on, a rack's closers poll the job's store."""
 
     def __init__(self, store, name: str, rank: int, ranks: Sequence[int], timeout_s: float, *, poll_s: float = 0.02,
                  max_poll_s: float | None = None, clock: Callable[[], float] = time.monotonic,
@@ -262,8 +273,13 @@ class BarrierWait:
             raise ValueError(f"rank {rank} is not among the barrier's ranks {list(ranks)}")
         self.store, self.name, self.ranks, self.timeout_s = store, name, ranks, timeout_s
         self.rank, self.node, self._fanout = rank, node, fanout
+        self._rack: NodeLocal | None = None
+        """The rack level where this rank polls the rack's store for the end (a node's closer), or copies it there
+        (the rack's closer)."""
+        self._rack_closer = False
         if max_poll_s is None:
-            max_poll_s = poll_ceiling(len(ranks) if node is None else -(-len(ranks) // node.size))
+            level = node if node is None or node.rack is None else node.rack
+            max_poll_s = poll_ceiling(len(ranks) if level is None else -(-len(ranks) // level.size))
             poll_s = min(poll_s, max_poll_s)
         self._poll_s, self._max_poll_s, self._clock = poll_s, max(poll_s, max_poll_s), clock
         self.start = clock()
@@ -287,8 +303,75 @@ class BarrierWait:
             return int(local.add(f"{name}/count", 0)) >= hi - lo
         if int(local.add(f"{name}/count", 1)) < hi - lo:
             return False
-        if self.store.add(f"{name}/node/{self.rank // self.node.size}", 1) == 1:
-            count_span(self.store, name, lo, hi, len(self.ranks), fanout)
+        rack = self.node.rack
+        if rack is not None and rack.on_node(self.rank):
+            if rack.usable:
+                try:
+                    return self._arrive_in_rack(rack, lo, hi, fanout)
+                except Exception as err:  # the rack's store failed: the job's store counts the node (see the class)
+                    rack.failed(err)
+            self._leave_rack(rack)
+            return True
+        self._arrive_node(lo, hi, fanout)
+        return True
+
+    def _leave_rack(self, rack: NodeLocal) -> None:
+        """Stop waiting on the rack's store (it failed, or the barrier is slow): if the rack's arrival stands
+        claimed as `rack`, this node was counted with it; else this node arrives on its own, and says so in the rack's
+        store, where a rack-mate that can still reach it learns to do the same. Poll the job's store from now on."""
+        self._rack, self.closer = None, True
+        if self._claim_rack("nodes") == "rack":
+            return
+        try:  # (one write, even to a store that failed before: a rack-mate that can reach it need not wait)
+            rack.store.set(f"{self.name}/end", "split")
+        except Exception:  # (a rack-mate whose store fails too claims, and finds `nodes`; one that can reach it reads
+            pass           # this; one that cannot, either, turns to the job's store at half the bound)
+        self._arrive_node(*self.node.span(self.ranks, self.rank), self._fanout)
+
+    def _arrive_node(self, lo: int, hi: int, fanout: int) -> None:
+        """Arrive for this rank's node (the [lo, hi)-th barrier ranks) in the job's store, once."""
+        if self.store.add(f"{self.name}/node/{self.rank // self.node.size}", 1) == 1:
+            count_span(self.store, self.name, lo, hi, len(self.ranks), fanout)
+
+    def _arrive_in_rack(self, rack: NodeLocal, lo: int, hi: int, fanout: int) -> bool:
+        """Count this node's arrival in its rack's store; the one that completes the rack's count claims the rack's
+        arrival in the job's store and makes it. Return whether this rank polls the job's store."""
+        store, name = rack.store, self.name
+        rlo, rhi = rack.span(self.ranks, self.rank)
+        if int(store.add(f"{name}/node/{self.rank // self.node.size}", 1)) == 1:
+            if int(store.add(f"{name}/count", hi - lo)) >= rhi - rlo:
+                if self._claim_rack("rack") == "rack":
+                    count_span(self.store, name, rlo, rhi, len(self.ranks), fanout)
+                    self._rack, self._rack_closer = rack, True
+                    return True
+                store.set(f"{name}/end", "split")  # a rack-mate fell back: every node arrives on its own
+                self._arrive_node(lo, hi, fanout)
+                return True
+        self._rack = rack
+        return False
+
+    def _claim_rack(self, how: str) -> str:
+        """Claim how this rank's rack arrives in the job's store (`rack`: whole, `nodes`: node by node); return the
+        claim that stands."""
+        k = self.rank // self.node.rack.size
+        return _text(self.store.compare_set(f"{self.name}/rack/{k}", "", how))
+
+    def _rack_end(self) -> bool:
+        """Poll the rack's store for the end (a node's closer); on `split`, or once the rack's store fails, arrive as
+        the class says and poll the job's store from then on. Return whether the barrier has ended."""
+        rack = self._rack
+        try:
+            end = present_values(rack.store, [f"{self.name}/end"])
+        except Exception as err:
+            rack.failed(err)
+            self._leave_rack(rack)
+            return False
+        if end is None:
+            return False
+        if end[0] == b"split":
+            self._rack, self.closer = None, True
+            self._arrive_node(*self.node.span(self.ranks, self.rank), self._fanout)
+            return False
         return True
 
     def poll(self) -> float | None:
@@ -299,8 +382,17 @@ class BarrierWait:
         done = f"{self.name}/done"
         if self.closer:
             if self.store.check([done]):
+                if self._rack_closer:  # tell the rack-mates (a rack's store that failed: they poll the job's)
+                    try:
+                        self._rack.store.set(f"{self.name}/end", "done")
+                    except Exception as err:
+                        self._rack.failed(err)
                 if self.node is not None:  # tell the node-mates
                     self.node.store.set(done, "1")
+                return None
+        elif self._rack is not None:
+            if self._rack_end():
+                self.node.store.set(done, "1")
                 return None
         elif self.node.store.check([done]):
             return None
@@ -308,6 +400,8 @@ class BarrierWait:
         if self.node is not None and not self._marked and now - self.start >= self.timeout_s / 2:
             self.store.add(f"{self.name}/{self.rank}", 1)  # a slow barrier: mark my own arrival, to be told apart
             self._marked = True
+            if self._rack is not None and not self._rack_closer:  # (a rack whose count never completes, or whose
+                self._leave_rack(self._rack)                        # closer died, leaves no end in its store)
         if now >= self.deadline:
             if self.store.check([done]):  # (a closer that died after arriving: nobody copied the end)
                 return None
@@ -316,6 +410,10 @@ class BarrierWait:
         pause = min(self._pause, self.deadline - now)
         self._pause = min(2 * self._pause, self._max_poll_s)
         return pause
+
+
+def _text(raw) -> str:
+    return raw.decode() if isinstance(raw, (bytes, bytearray)) else str(raw)
 
 
 def missing_ranks(store, name: str, ranks: Sequence[int], fanout: int = BARRIER_FANOUT) -> frozenset[int]:

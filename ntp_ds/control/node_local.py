@@ -15,6 +15,12 @@ fails makes every read a direct one. A read that must see a write made just befo
 node (the rank that ends the acknowledgements commits their union) does not go through here.
 
 Without a node store (another launcher, a joiner) there is no `NodeLocal`: every rank reads the job's store.
+
+A level above the node (`NodeLocal.rack`: the rack's store, which the launcher of the rack's first node hosts where
+the launcher knows the racks) takes the same role for the rack's nodes: a barrier counts a node's arrival there and
+reaches the job's store once per rack (`membership.BarrierWait`), and a node's claimer of a read of keys that never
+change takes the rack's copy where one holds them all. The rack's hosts do not share a clock, so only such copies
+are shared there (their age does not matter): an absence, or a counter, is read by each node itself.
 """
 
 from __future__ import annotations
@@ -55,6 +61,28 @@ class NodeLocal:
     clock: object = field(default=time.monotonic, compare=False)
     """A clock every process of the node shares (CLOCK_MONOTONIC is the machine's)."""
     sleep: object = field(default=time.sleep, compare=False)
+    rack: NodeLocal | None = None
+    """The level above: the rack's store and ranks per rack (`size`: rank r in rack r // size; `present_only`), or
+    None (no racks, or the rack's store could not be reached)."""
+    present_only: bool = False
+    """A level whose processes share no clock (a rack's hosts): only copies of fixed keys holding all of them are
+    taken from it, and nobody claims or waits there: a node's claimer that finds no such copy reads the job's store
+    itself and leaves what it found for the rack's later readers (a wait for a rack-mate's read would hold the node's
+    ranks for an answer that is mostly an absence: a decision not yet made)."""
+    _failed: list = field(default_factory=list, compare=False, repr=False)
+    """Not empty once a call to this level's store failed: a store that failed once is not asked again (a rack's
+    store whose host is gone could make every call wait for its bound)."""
+
+    @property
+    def usable(self) -> bool:
+        return not self._failed
+
+    def failed(self, err: BaseException) -> None:
+        """Stop asking this level's store (see `_failed`)."""
+        if not self._failed:
+            self._failed.append(err)
+            log.warning("the %s store failed (%s): its ranks go to the level below it from now on",
+                        "rack's" if self.present_only else "node's", err)
 
     def span(self, ranks: Sequence[int], rank: int) -> tuple[int, int]:
         """The positions [lo, hi) in sorted `ranks` of the ranks on `rank`'s node (by bisection: O(log W))."""
@@ -82,20 +110,28 @@ class NodeLocal:
         try:
             return self._read(job_store, keys, name, max_age_s, fixed, check, create)
         except Exception as err:  # the node's store is gone (or the job's failed this read): read the job's store
-            log.warning("a shared read of the job's store failed (%s): read directly", err)
+            if self.present_only:
+                self.failed(err)
+            else:
+                log.warning("a shared read of the job's store failed (%s): read directly", err)
             return _direct(job_store, keys, check, create)
 
     def _read(self, job_store, keys, name, max_age_s, fixed, check, create):
         local, now = self.store, self.clock()
         copy = _decode(local.compare_set(name, _ABSENT, _ABSENT))
-        if _fresh(copy, now, max_age_s, fixed):
+        if self._takes(copy, now, max_age_s, fixed):
             return copy[1]
+        if self.present_only:  # no claims across hosts: read, and leave what was there for the rack's later readers
+            values = _direct(job_store, keys, check, create)
+            if values is not None:
+                local.set(name, json.dumps([self.clock(), [v.decode("latin-1") for v in values]]))
+            return values
         slot = math.floor(now / max_age_s) if max_age_s > 0 and math.isfinite(max_age_s) else 0
         claim = f"{name}/claim/{slot}"
         if int(local.add(claim, 1)) == 1:
             began = self.clock()
             seen = copy is not None and copy[1] is not None  # (keys once there stay: no need to check again)
-            values = _direct(job_store, keys, check and not seen, create and not seen)
+            values = self._source(job_store, keys, max_age_s, fixed, check and not seen, create and not seen)
             local.set(name, json.dumps([began, None if values is None else [v.decode("latin-1") for v in values]]))
             if slot >= 2:  # (a claim is kept for its slot, so that a late node-mate of the slot does not read again)
                 local.delete_key(f"{name}/claim/{slot - 2}")
@@ -108,6 +144,17 @@ class NodeLocal:
             copy = _decode(local.compare_set(name, _ABSENT, _ABSENT))
             if copy is not None and (copy[0] >= now - max_age_s or _fresh(copy, now, max_age_s, fixed)):
                 return copy[1]
+        return self._source(job_store, keys, max_age_s, fixed, check, create)
+
+    def _takes(self, copy, now: float, max_age_s: float, fixed: bool) -> bool:
+        if self.present_only:  # (no clock is shared: only what no age can spoil)
+            return fixed and copy is not None and copy[1] is not None
+        return _fresh(copy, now, max_age_s, fixed)
+
+    def _source(self, job_store, keys, max_age_s, fixed, check, create):
+        """The claimer's read: through the rack's copy for keys that never change once there, else the job's store."""
+        if fixed and self.rack is not None and self.rack.usable and not create:
+            return self.rack.read(job_store, keys, max_age_s, fixed=True, check=check)
         return _direct(job_store, keys, check, create)
 
 

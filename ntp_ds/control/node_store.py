@@ -25,6 +25,11 @@ has stopped moving (its launcher is gone) is not read at all, nor one that lacks
 store is the truth, the copy an economy. A worker whose node store fails beats to the job's store from then on, and
 its node key, no longer published, is read per rank by its watchers (`LivenessReader`).
 
+With racks (`--rack-size K`, several racks), the launcher of each rack's first node also hosts a store for the rack
+(`share_rack_store`; its address in the job's store, `NTP_RACK_STORE` to the workers): a node's side of a barrier
+meets its rack's there, and reads of keys that never change are left there for the rack's other nodes
+(`node_local`). It dies with its host's launcher; its rack's other nodes then meet the job's store node by node.
+
 Under another launcher (`deepspeed`, `torchrun`) there is no node store: workers beat to the job's store and poll it.
 """
 
@@ -36,9 +41,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ntp_ds.control.keys import (EXITED_KEY, FENCE_KEY, NODE_MIRROR_KEY, WATCHERS, log_count_key, node_key,
-                                 watching_key)
+                                 rack_store_key, watching_key)
 from ntp_ds.control.node_local import NodeLocal
-from ntp_ds.envs import NODE_SIZE_ENV, NODE_STORE_ENV, WORLD_SIZE
+from ntp_ds.envs import NODE_SIZE_ENV, NODE_STORE_ENV, RACK_SIZE_ENV, RACK_STORE_ENV, WORLD_SIZE
 
 PERIOD_S = 0.5
 """How often a launcher publishes its node's key and copies the keys its workers' watchers poll, until its workers
@@ -54,7 +59,10 @@ NODE_CONNECT_TIMEOUT_S = 60.0
 worker that cannot count its acknowledgement there cannot take part (its node-mates count it there)."""
 NODE_STORE_TIMEOUT_S = 2.0
 """Bound on a call to the node's store: it lives on this machine, so a call that takes longer means its launcher
-is gone or stuck (a worker then beats to the job's store)."""
+is gone or stuck (a worker then beats to the job's store). A call to the rack's store has the same bound."""
+RACK_STORE_WAIT_S = 60.0
+"""Longest a launcher waits for its rack's first node to publish the rack's store: past it, its workers meet the
+job's store node by node (and their rack-mates, through the rack's store, learn so: `membership.BarrierWait`)."""
 
 
 def launcher_period_s(nodes: int, interval_s: float = PERIOD_S) -> float:
@@ -76,6 +84,32 @@ def host_node_store():
     from ntp_ds.control.store import host_store
 
     return host_store(0, "127.0.0.1", NODE_STORE_TIMEOUT_S)
+
+
+def share_rack_store(job_store, node_rank: int, rack_size: int, host: str):
+    """The rack's store for launcher `node_rank`: hosted here on the rack's first node (listening on every interface,
+    named by `host`) and its address published in the job's store; read from there by the rack's other launchers.
+    Return (the store this process hosts or None, the address, or "" where it could not be had: the workers then
+    claim their rack's arrivals as `nodes`, `_rack_level`)."""
+    from datetime import timedelta
+
+    from ntp_ds.control.store import host_store
+
+    rack, key = node_rank // rack_size, rack_store_key(node_rank // rack_size)
+    if node_rank % rack_size == 0:
+        store, address = host_store(0, host, NODE_STORE_TIMEOUT_S)
+        job_store.set(key, address)
+        return store, address
+    try:
+        job_store.wait([key], timedelta(seconds=RACK_STORE_WAIT_S))
+        return None, job_store.get(key).decode()
+    except Exception as err:  # (its first node's launcher is late or gone)
+        import logging
+
+        logging.getLogger("ntp_ds.control.heartbeat").warning(
+            "rack %d's store was not published within %g s (%s): node %d meets the job's store node by node", rack,
+            RACK_STORE_WAIT_S, err, node_rank)
+        return None, ""
 
 
 def connect_node_store(env: Mapping[str, str] = os.environ):
@@ -110,7 +144,42 @@ def node_local(env: Mapping[str, str] = os.environ) -> NodeLocal | None:
         raise ConnectionError(f"{NODE_STORE_ENV}={env[NODE_STORE_ENV]}: this worker cannot reach its node's store "
                               f"(hosted by its launcher on this machine) within {NODE_CONNECT_TIMEOUT_S:g} s") from err
     store.set_timeout(timedelta(seconds=NODE_STORE_TIMEOUT_S))
-    return NodeLocal(store, int(size), int(world) if world.isdigit() else None)
+    launched = int(world) if world.isdigit() else None
+    return NodeLocal(store, int(size), launched, rack=_rack_level(env, int(size), launched))
+
+
+class _Unreachable:
+    """The rack's store a worker could not reach: every call fails (its level is marked failed from the start)."""
+
+    def __getattr__(self, name):
+        raise ConnectionError("this worker could not reach its rack's store")
+
+
+def _rack_level(env: Mapping[str, str], size: int, launched: int | None) -> NodeLocal | None:
+    """The rack's level of a worker whose launcher gave it its rack's store (`NTP_RACK_STORE`, with `NTP_RACK_SIZE`),
+    or, where the launcher had none to give (an empty address) or it cannot be reached, a level marked failed, so
+    that the worker's node still claims its rack's arrival as `nodes` (`membership.BarrierWait`) and its rack-mates
+    need not wait for it in the rack's store; None where the launcher hosts no rack level."""
+    import time as _time
+    from datetime import timedelta
+
+    from ntp_ds.control.store import connect_store
+
+    rack_size = env.get(RACK_SIZE_ENV, "")
+    if RACK_STORE_ENV not in env or not rack_size.isdigit() or int(rack_size) < 2 or launched is None:
+        return None
+    address, store, err = env[RACK_STORE_ENV], None, None
+    if address:
+        try:
+            store = connect_store(address, NODE_CONNECT_TIMEOUT_S)
+            store.set_timeout(timedelta(seconds=NODE_STORE_TIMEOUT_S))
+        except (ConnectionError, ValueError, RuntimeError) as e:
+            store, err = None, e
+    level = NodeLocal(store if store is not None else _Unreachable(), size * int(rack_size), launched,
+                      clock=_time.time, present_only=True)
+    if store is None:
+        level.failed(err or ConnectionError(f"no {RACK_STORE_ENV} from the launcher"))
+    return level
 
 
 def list_watched(node_store, rank: int, nodes: Iterable[int], interval_s: float, watcher: str = "heartbeat") -> None:

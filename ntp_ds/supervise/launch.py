@@ -47,7 +47,7 @@ from pathlib import Path
 
 from ntp_ds.control.keys import LAUNCH_RANKS_KEY, MASTER_ADDR_KEY, MASTER_PORT_KEY
 from ntp_ds.envs import (DS_ACCELERATOR, LOCAL_WORLD_SIZE, NODE_SIZE_ENV, NODE_STORE_ENV, OMP_NUM_THREADS,
-                         RACK_SIZE_ENV, RUN_DIR_ENV)
+                         RACK_SIZE_ENV, RACK_STORE_ENV, RUN_DIR_ENV)
 from ntp_ds.supervise.stop import DUPLICATE_S, SIGNALS
 
 PROG = "ntp-ds launch"
@@ -164,9 +164,11 @@ def _free_port() -> int:
 
 
 def worker_env(spec: LaunchSpec, local_rank: int, store: str, master: tuple[str, int], base=os.environ,
-               joining: tuple[int, int, int] | None = None, node_store: str | None = None) -> dict:
+               joining: tuple[int, int, int] | None = None, node_store: str | None = None,
+               rack_store: str | None = None) -> dict:
     """The environment of one worker; `joining` = (launch rank, job world size, first step) for a joiner;
-    `node_store`: the address of the node's own store (`control.node_store`), for a worker that is not a joiner."""
+    `node_store`: the address of the node's own store (`control.node_store`), for a worker that is not a joiner;
+    `rack_store`: its rack's (`node_store.share_rack_store`)."""
     env = dict(base)
     package_root = str(Path(__file__).resolve().parents[2])  # the folder that holds ntp_ds
     env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -180,6 +182,8 @@ def worker_env(spec: LaunchSpec, local_rank: int, store: str, master: tuple[str,
         env.pop(NODE_SIZE_ENV)  # its rank lies outside the node numbering: watchers read its beats per rank
     elif node_store is not None:
         env[NODE_STORE_ENV] = node_store
+        if rack_store is not None:
+            env[RACK_STORE_ENV] = rack_store
     if spec.rack_size is not None:
         env[RACK_SIZE_ENV] = str(spec.rack_size)
     if spec.run_dir:
@@ -251,12 +255,12 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1, finish=None) -> int:
     from ntp_ds.control.heartbeat import WATCHES_PER_BEAT
     from ntp_ds.control.liveness_store import (NODE_PUBLISH_S, AlarmRelay, JobLog, NodePublisher, prepare_store,
                                                record_exit)
-    from ntp_ds.control.node_store import NodeMirror, host_node_store
+    from ntp_ds.control.node_store import NodeMirror, host_node_store, share_rack_store
 
     store, address, master = _rendezvous(spec)
     fence_log = JobLog(store, FENCE_KEY)
     published_at, mirrored_at, compacted_at, exits = -math.inf, -math.inf, time.monotonic(), {}
-    node_store = mirror = node_address = relay = None
+    node_store = mirror = node_address = relay = rack_store = rack_address = None
     stop = _StopRequests()
     previous = {s: signal.signal(s, stop.receive) for s in SIGNALS}
     repairs = _Repairs(store, spec.repairs)
@@ -274,6 +278,10 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1, finish=None) -> int:
             first = spec.node_rank * spec.nproc_per_node
             ranks = range(first, first + spec.nproc_per_node)
             node_store, node_address = host_node_store()
+            if spec.rack_size is not None and spec.rack_size > 1 and spec.nnodes > 1:  # (a level above the node)
+                rack_store, rack_address = share_rack_store(store, spec.node_rank, spec.rack_size, socket.getfqdn())
+                _say(f"rack {spec.node_rank // spec.rack_size}'s store at {rack_address or '(none: not published)'}"
+                     f"{' (hosted here)' if rack_store is not None else ''} ({RACK_STORE_ENV})")
             publisher = NodePublisher(store, spec.node_rank, ranks, beats_from=node_store)
             mirror = NodeMirror(store, node_store, ranks, nodes=spec.nnodes)
             # The job's alarms reach the node's workers through the node's store: one wait in the job's store per
@@ -282,7 +290,8 @@ def launch(spec: LaunchSpec, poll_s: float = 0.1, finish=None) -> int:
                                pause_s=lambda: mirror.period_s / WATCHES_PER_BEAT).start()
             _say(f"store at {address} (NTP_STORE); starting ranks {first}-{first + spec.nproc_per_node - 1} of "
                  f"{spec.world_size}: {' '.join(spec.command[1:])}")
-            procs = {first + i: _start(spec, worker_env(spec, i, address, master, node_store=node_address))
+            procs = {first + i: _start(spec, worker_env(spec, i, address, master, node_store=node_address,
+                                                        rack_store=rack_address))
                      for i in range(spec.nproc_per_node)}
         local = {r: i for i, r in enumerate(procs)}
         codes: dict[int, int] = {}

@@ -92,6 +92,9 @@ class FailureSpec:
     """`one_percent`: the deaths come at random times within this many seconds of the first."""
     deaths: int | None = None
     """`one_percent`: how many ranks die (None: 1% of the world, at least one)."""
+    rack_level: bool = True
+    """Each rack has a store of its own (`ntp-ds launch` with `launcher.rack_size`: the launcher of the rack's first
+    node hosts it), where a node's side of a barrier meets its rack's (`NodeLocal.rack`); False: nodes alone."""
     period_nodes: int | None = None
     """The launchers publish and copy at the period of a job of this many nodes (`node_store.launcher_period_s`),
     and watchers bypass a node key as its readers would (`stale_after_s`): None, this job's own. `scale.py` plays
@@ -343,8 +346,23 @@ class RankPath:
     """Why the committed decision declared it dead (a false verdict: it leaves the job, as `Recovery` makes it)."""
 
 
+class RackStore:
+    """A rack's store in a harness process (a `LocalStore`, as a node's), hosted by the launcher of the rack's first
+    node: once that launcher is gone (`dies_at`), every call fails at once, as a client of a killed process's server
+    is answered (its connection reset)."""
+
+    def __init__(self):
+        self._store, self.dies_at = LocalStore(), float("inf")
+
+    def __getattr__(self, name):
+        if time.monotonic() >= self.dies_at:
+            raise ConnectionError("the rack's store is gone with its launcher")
+        return getattr(self._store, name)
+
+
 class _Share:
-    def __init__(self, spec: FailureSpec, address: str, nodes: list[int], generations: Generations):
+    def __init__(self, spec: FailureSpec, address: str, nodes: list[int], generations: Generations,
+                 rack_stores: dict[int, RackStore] | None = None):
         self.spec, self.nodes, self.generations = spec, nodes, generations
         self.max_attempts, self.last_death_s = spec.max_attempts, spec.last_death_s
         deaths = spec.deaths_at()
@@ -400,7 +418,12 @@ class _Share:
             hb.watch(generations.first_peers[rank])
             hb._members = everyone
             self.heartbeats[rank] = hb
-            node = NodeLocal(local, spec.tp, spec.world)  # (as `Recovery`: barriers and acks meet in the node store)
+            rack = None
+            if rack_stores is not None:  # (each rank's own view of its rack's store, as each process has)
+                rack = NodeLocal(rack_stores[rank // spec.tp // spec.rack_nodes], spec.tp * spec.rack_nodes,
+                                 spec.world, clock=time.time, present_only=True)
+            # (as `Recovery`: barriers and acks meet in the node store, and the rack's)
+            node = NodeLocal(local, spec.tp, spec.world, rack=rack)
             self.memberships[rank] = Membership(self.watch_store, rank, members, settle_s=settle_s, node=node)
             self.detectors[rank] = Detector(LivenessReader(self.watch_store, spec.tp, mirror=local, stale_s=stale_s),
                                             heartbeat_timeout_s=spec.heartbeat_timeout_s,
@@ -671,7 +694,8 @@ class _Share:
 # -- a process of the harness --------------------------------------------------------------------------------------
 def _process(spec: FailureSpec, address: str, nodes: list[int], conn) -> None:
     generations = Generations(job_generation(spec))
-    shares = [_Share(spec, address, nodes[i::spec.shares], generations)
+    racks = {n // spec.rack_nodes: RackStore() for n in nodes} if spec.rack_level else None
+    shares = [_Share(spec, address, nodes[i::spec.shares], generations, racks)
               for i in range(spec.shares) if nodes[i::spec.shares]]
     for s in shares:
         s.setup()
@@ -680,6 +704,9 @@ def _process(spec: FailureSpec, address: str, nodes: list[int], conn) -> None:
     gc.freeze()
     conn.send("ready")
     start, fail_at, end = conn.recv()
+    for n in spec.dead_launchers():  # a rack's store goes with the launcher of its first node
+        if racks is not None and n % spec.rack_nodes == 0 and n // spec.rack_nodes in racks:
+            racks[n // spec.rack_nodes].dies_at = fail_at
     for s in shares:
         for c in (s.beat_store, s.watch_store, *s.alarm_clients):
             c.calls.clear()
@@ -779,11 +806,15 @@ def run_failure(spec: FailureSpec) -> FailureResult:
     if not parent.poll(60.0):
         raise TimeoutError("the store server did not start within 60 s")
     address = parent.recv()
-    nodes = list(range(spec.nodes))
+    # Racks are dealt to the processes whole (a rack's store is one process's), a rack's nodes then to its shares.
+    racks = list(range(-(-spec.nodes // spec.rack_nodes)))
+    dealt = [[n for k in racks[p::spec.processes] for n in range(k * spec.rack_nodes,
+                                                                  min(spec.nodes, (k + 1) * spec.rack_nodes))]
+             for p in range(spec.processes)]
     procs = []
     try:
-        pipes, procs = start_with_pipes(_process, [(spec, address, nodes[p::spec.processes])
-                                                   for p in range(spec.processes)], SETUP_S, "a harness process")
+        pipes, procs = start_with_pipes(_process, [(spec, address, dealt[p]) for p in range(spec.processes)],
+                                        SETUP_S, "a harness process")
         start = time.monotonic() + 0.5
         fail_at = start + spec.steady_s
         end = fail_at + spec.last_death_s + spec.timeout_s
