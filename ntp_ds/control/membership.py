@@ -497,6 +497,10 @@ class Membership:
         """Generation -> the deaths this rank claimed (its acknowledgements through the node count them)."""
         self._closed: dict[int, set[int]] = {}
         """Generation -> the nodes this rank has seen acknowledged, or acknowledged (`_close_nodes`)."""
+        self._racked: dict[int, set[int]] = {}
+        """Generation -> the nodes this rank acknowledged in its rack's store (`_ack_node`)."""
+        self._unracked: set[int] = set()
+        """Generations whose acknowledgements this rank's rack makes node by node (its store failed, or it split)."""
 
     def is_member(self, rank: int) -> bool:
         """Whether `rank` is a member of this rank's current generation (by bisection: members are W long)."""
@@ -589,7 +593,16 @@ class Membership:
         acknowledged once (its mark, `acks/node/{n}`), for all its members at once (one add per leaf counter), so
         the acknowledgements cost the job's store a few requests per node, not two per rank. A member reported dead
         but alive, which also acknowledges, is counted once, with its node, as its claimant's acknowledgement would
-        have counted it without a node. Return whether this ended the acknowledgements."""
+        have counted it without a node. Return whether this ended the acknowledgements.
+
+        With a rack level (`NodeLocal.rack`), a node of this rank's rack is acknowledged in the rack's store instead
+        (its mark and its count there), by its own closer or, for a node all of whose members are dead, by any rank of
+        the rack that knows it; the acknowledgement that completes the rack's count acknowledges the rack in the
+        job's store, once its claim (`acks/rack/{k}`, by value, as `BarrierWait`'s) stands as `rack`. A node of
+        another rack is left to that rack unless every member of that rack is dead (a rack lost whole): then a
+        reporter claims it as `nodes` and acknowledges it node by node. A rack whose claim stands as `nodes` (its
+        store failed for one of its ranks, or a reporter took it) is acknowledged node by node, each node's mark in
+        the job's store keeping it from counting twice, and its ranks learn so from the rack's store (`acks/end`)."""
         node = self.node
         if not self._acks_by_node():
             return False
@@ -597,10 +610,14 @@ class Membership:
         known = {r for report in self._read.get(generation, ()) for r in report.ranks} | self._claims.get(generation,
                                                                                                         set())
         own = self.rank // node.size
+        rack = node.rack if node.rack is not None and node.rack.on_node(self.rank) else None
+        last = False
         nodes = {own}
         if generation in self._reported:
             nodes |= {r // node.size for r in known if node.on_node(r)}
-        last = False
+        if rack is not None:
+            nodes |= {r // node.size for r in known if node.on_node(r) and r // rack.size == self.rank // rack.size}
+            last |= self._rack_split(generation, rack)
         for n in sorted(nodes - closed):
             lo, hi = node.span(self.members, n * node.size)
             dead = [r for r in self.members[lo:hi] if r in known]
@@ -614,13 +631,81 @@ class Membership:
                     continue
             elif len(dead) < hi - lo:
                 continue
+            elif rack is not None and n * node.size // rack.size != self.rank // rack.size:
+                rlo, rhi = rack.span(self.members, n * node.size)  # (another rack's node: its rack's own, unless
+                if any(r not in known for r in self.members[rlo:rhi]):  # that whole rack is dead)
+                    continue
             closed.add(n)
-            first = int(self.store.add(f"{acks}/node/{n}", 1)) == 1  # (else a node-mate or a reporter did)
             if n == own:
                 node.store.set(f"{acks}/closed", "1")
-            if first:
-                last |= count_span(self.store, acks, lo, hi, len(self.members))
+            last |= self._ack_node(generation, n, lo, hi)
         return last
+
+    def _ack_node(self, generation: int, n: int, lo: int, hi: int) -> bool:
+        """Acknowledge node `n` (the [lo, hi)-th members): in this rank's rack's store where it is of this rank's
+        rack and the rack acknowledges as one, else in the job's store (see `_close_nodes`)."""
+        node, acks = self.node, self._acks_key(generation)
+        rack = node.rack if node.rack is not None and node.rack.on_node(self.rank) else None
+        if rack is None:
+            return self._ack_in_job(acks, n, lo, hi)
+        k = n * node.size // rack.size
+        if k == self.rank // rack.size and rack.usable and generation not in self._unracked:
+            try:
+                if int(rack.store.add(f"{acks}/node/{n}", 1)) != 1:
+                    return False  # (a rack-mate acknowledged it there)
+                self._racked.setdefault(generation, set()).add(n)
+                rlo, rhi = rack.span(self.members, self.rank)
+                if int(rack.store.add(f"{acks}/count", hi - lo)) < rhi - rlo:
+                    return False
+                if self._claim_rack(acks, k, "rack") == "rack":
+                    return count_span(self.store, acks, rlo, rhi, len(self.members))
+                return self._unrack(generation, rack)  # (a rank of the rack, or a reporter, claimed it `nodes`)
+            except Exception as err:  # the rack's store failed: the rack goes node by node, unless counted whole
+                rack.failed(err)
+                return self._unrack(generation, rack, also=n)
+        if self._claim_rack(acks, k, "nodes") == "rack":
+            return False  # its rack's count was complete: counted with the rack
+        return self._ack_in_job(acks, n, lo, hi)
+
+    def _ack_in_job(self, acks: str, n: int, lo: int, hi: int) -> bool:
+        if int(self.store.add(f"{acks}/node/{n}", 1)) == 1:  # (else a node-mate or a reporter did)
+            return count_span(self.store, acks, lo, hi, len(self.members))
+        return False
+
+    def _claim_rack(self, acks: str, k: int, how: str) -> str:
+        return _text(self.store.compare_set(f"{acks}/rack/{k}", "", how))
+
+    def _unrack(self, generation: int, rack: NodeLocal, also: int | None = None) -> bool:
+        """This rank's rack acknowledges node by node from now on (unless its claim stands as `rack`: then every node
+        of it was counted with it): acknowledge in the job's store the nodes this rank acknowledged in the rack's
+        store (and `also`), and tell the rack's ranks (`acks/end`)."""
+        node, acks = self.node, self._acks_key(generation)
+        self._unracked.add(generation)
+        if self._claim_rack(acks, self.rank // rack.size, "nodes") == "rack":
+            return False
+        try:  # (one write, even to a store that failed before: its ranks that can reach it learn at once)
+            rack.store.set(f"{acks}/end", "split")
+        except Exception:
+            pass
+        last = False
+        for n in sorted(self._racked.get(generation, set()) | ({also} if also is not None else set())):
+            last |= self._ack_in_job(acks, n, *node.span(self.members, n * node.size))
+        return last
+
+    def _rack_split(self, generation: int, rack: NodeLocal) -> bool:
+        """Whether this rank's rack went node by node (`acks/end` in its store, or its store failed): if so, and
+        this rank acknowledged nodes there, acknowledge them in the job's store. Return whether that ended the
+        acknowledgements."""
+        if generation in self._unracked or not self._racked.get(generation):
+            return False
+        try:
+            end = present_values(rack.store, [f"{self._acks_key(generation)}/end"])
+        except Exception as err:
+            rack.failed(err)
+            end = [b"split"]
+        if end is None or end[0] != b"split":
+            return False
+        return self._unrack(generation, rack)
 
     def _acknowledge(self, generation: int, rank: int) -> bool:
         """Count `rank` (once) in the acknowledgements of `generation`: a barrier over its members, whose end
@@ -740,13 +825,15 @@ class Membership:
         """Move to `change`'s generation and members, and forget what was read of the generations before the last
         (a call naming one raises StaleGeneration): a rank keeps two generations' decisions, W long each, not all."""
         self.generation, self.members = change.generation, change.survivors
-        for old in [g for g in (*self._read, *self._decided, *self._reported, *self._claims, *self._closed)
-                    if g < change.generation - 1]:
+        for old in [g for g in (*self._read, *self._decided, *self._reported, *self._claims, *self._closed,
+                                *self._racked, *self._unracked) if g < change.generation - 1]:
             self._read.pop(old, None)
             self._decided.pop(old, None)
             self._reported.discard(old)
             self._claims.pop(old, None)
             self._closed.pop(old, None)
+            self._racked.pop(old, None)
+            self._unracked.discard(old)
 
     def confirm(self, change: MembershipChange, timeout_s: float) -> bool:
         """Adopt `change`, then wait (bounded) until every survivor has; return False for a stale change.

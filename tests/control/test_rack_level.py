@@ -217,3 +217,54 @@ def test_a_rack_store_that_fails_makes_the_node_read_the_job_s_store_and_is_not_
     dying.left = None  # (were it asked again, it would answer: it is not)
     assert other.read(job, ["k"], 0.05, fixed=True, check=True) == [b"v"]
     assert not dying.check(["share/" + "x"])  # (nothing was written there)
+
+
+@given(st.integers(1, 3), st.integers(2, 3), st.integers(3, 5), st.booleans(), st.data())
+@settings(max_examples=200, deadline=None)
+def test_acknowledgements_through_racks_end_exactly_when_every_member_is_accounted_for(size, rack_nodes, racks, dying,
+                                                                                       data):
+    # As test_membership's test of the acknowledgements through node stores, with racks of `rack_nodes` nodes, each
+    # with its store: some ranks die (whole nodes and whole racks among them), each claimed by a live rank, one live
+    # rank also falsely claimed. Every live rank reports in a random order and every rank reads the reports filed so
+    # far. With every rack's store alive, the acknowledgements end exactly at the call that completes them; with some
+    # dying (`dying`), never before it, and once every rank has looked again; no counter is ever counted past its size.
+    from ntp_ds.control.membership import Membership
+
+    world = size * rack_nodes * racks
+    members = list(range(world))
+    dead = sorted(data.draw(st.sets(st.sampled_from(members), min_size=1, max_size=world - 1)))
+    live = [r for r in members if r not in dead]
+    falsely = data.draw(st.sampled_from([None] + live)) if len(live) > 1 else None
+    claimed = dead + ([falsely] if falsely is not None else [])
+    claimant = {d: data.draw(st.sampled_from([r for r in live if r != d])) for d in claimed}
+    fates = [(data.draw(st.one_of(st.none(), st.integers(0, 4 * size * rack_nodes))), data.draw(st.booleans()))
+             if dying else (None, False) for _ in range(racks)]
+    rack_stores = {k: Dying(dist.HashStore(), calls, lost) for k, (calls, lost) in enumerate(fates)}
+    node_stores = {n: dist.HashStore() for n in range(world // size)}
+    level = _levels(world, size, rack_nodes, rack_stores, node_stores)
+    job = Writes(dist.HashStore())
+    views = {r: Membership(job, r, members, settle_s=60.0, node=level(r)) for r in live}
+    order = data.draw(st.permutations(live))
+    acks = "membership/0/acks"
+    for i, rank in enumerate(order):
+        mine = {d for d, c in claimant.items() if c == rank}
+        views[rank].report_failure(0, mine or set(claimed), 1.0, "x", fenced=set() if mine else set(claimed))
+        for r in order[:i + 1]:
+            views[r].reports(0)
+            if views[r]._close_nodes(0):
+                views[r]._commit(0, views[r].reports(0))
+        done = job.check([f"{acks}/done"])
+        called = set(order[:i + 1])
+        due = all(r in called for r in live if r != falsely) and all(claimant[d] in called for d in claimed)
+        if not dying or not due:
+            assert done == due, f"acknowledgements ended={done} after {i + 1} of {len(order)} calls"
+    for _ in range(2):  # (a rack that went node by node: its ranks learn so when they look again)
+        for r in order:
+            views[r]._close_nodes(0)
+    assert job.check([f"{acks}/done"])
+    for k in [k for k in job.writes if k.startswith(f"{acks}/c/0/")]:
+        index = int(k.rsplit("/", 1)[1])
+        assert int(job.add(k, 0)) <= min(32, world - 32 * index), k
+    if not dying:  # no rank's own acknowledgement, nor a node's of a rack that had a live rank, reached the job
+        assert not any(k.startswith(f"{acks}/node/") and int(k.rsplit("/", 1)[1]) * size // (size * rack_nodes)
+                       in {r // (size * rack_nodes) for r in live if r != falsely} for k in job.writes), job.writes
