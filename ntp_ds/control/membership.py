@@ -11,7 +11,9 @@ Protocol (keys in the launcher's store; ranks are launch ranks, stable across ge
    With a node store (`NodeLocal`, under `ntp-ds launch`), a rank acknowledges in its node's store, and each node
    is acknowledged in the job's store once, for all its members (`Membership._close_nodes`): by a rank of it once
    every member has acknowledged there or is dead in a report read, or, for a node whose every member is dead, by
-   a reporter that knows it. A generation with a joiner (on no node) acknowledges rank by rank.
+   a reporter that knows it. With a rack level above the nodes (`NodeLocal.rack`), a node is acknowledged in its
+   rack's store and each rack once in the job's store (`Membership._close_nodes`). A generation with a joiner (on no
+   node) acknowledges rank by rank.
 2. Every rank that learns of a failure (its own report, or `pending()`) calls `await_decision(g)`. A rank that filed
    a report proposes the union of all reports with `compare_set` on `decision/{g}` once the acknowledgements have
    ended or reports have been visible to it for `settle_s`; a rank that filed none proposes only if no decision has
@@ -699,7 +701,7 @@ class Membership:
         if generation in self._unracked or not self._racked.get(generation):
             return False
         try:
-            end = present_values(rack.store, [f"{self._acks_key(generation)}/end"])
+            end = present_values(rack.store, [f"{self._acks_key(generation)}/end"]) if rack.usable else [b"split"]
         except Exception as err:
             rack.failed(err)
             end = [b"split"]

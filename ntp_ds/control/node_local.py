@@ -85,9 +85,11 @@ class NodeLocal:
                         "rack's" if self.present_only else "node's", err)
 
     def span(self, ranks: Sequence[int], rank: int) -> tuple[int, int]:
-        """The positions [lo, hi) in sorted `ranks` of the ranks on `rank`'s node (by bisection: O(log W))."""
+        """The positions [lo, hi) in sorted `ranks` of the ranks on `rank`'s node (by bisection: O(log W)); launch
+        ranks only (a job's last rack may have fewer nodes than the others: joiners' ranks follow it)."""
         first = rank // self.size * self.size
-        return bisect.bisect_left(ranks, first), bisect.bisect_left(ranks, first + self.size)
+        end = first + self.size if self.launched is None else min(first + self.size, self.launched)
+        return bisect.bisect_left(ranks, first), bisect.bisect_left(ranks, end)
 
     def on_node(self, rank: int) -> bool:
         """Whether `rank` was started on a node of this numbering (a joiner was not)."""

@@ -13,7 +13,8 @@ thread per rank blocked in the store for alarms, each with store clients of its 
   rank's alarm thread (`Heartbeat._await_alarms`) waits for them there. A node's own store (`control.node_store`:
   the beats, the copy, the relayed alarms, the shared reads and the node's side of barriers and acknowledgements)
   is a store in the harness process, as it is a store on the node: its requests are not the job store's and are
-  not counted;
+  not counted; so is a rack's store (`RackStore`, `rack_level`: the rack's side of barriers and acknowledgements,
+  the reads of keys that never change), hosted by the launcher of the rack's first node and gone with it;
 - the failure (scenario `gpu`: one rank killed, its launcher marks the exit; `node`: a node's ranks and its launcher
   gone; `rack`: a rack's; `one_percent`: 1% of the ranks killed one by one at random times within `spread_s`, their
   launchers marking the exits): the victims stop beating, and the watchers' verdicts go the way `Watch.peers_dead`
