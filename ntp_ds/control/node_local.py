@@ -63,7 +63,7 @@ class NodeLocal:
     sleep: object = field(default=time.sleep, compare=False)
     rack: NodeLocal | None = None
     """The level above: the rack's store and ranks per rack (`size`: rank r in rack r // size; `present_only`), or
-    None (no racks, or the rack's store could not be reached)."""
+    None (the launcher hosts no rack level); a rack's store that could not be reached is a level marked failed."""
     present_only: bool = False
     """A level whose processes share no clock (a rack's hosts): only copies of fixed keys holding all of them are
     taken from it, and nobody claims or waits there: a node's claimer that finds no such copy reads the job's store
