@@ -305,8 +305,8 @@ class BarrierWait:
             return int(local.add(f"{name}/count", 0)) >= hi - lo
         if int(local.add(f"{name}/count", 1)) < hi - lo:
             return False
-        rack = self.node.rack
-        if rack is not None and rack.on_node(self.rank):
+        rack = self.node.rack_of(self.rank)
+        if rack is not None:
             if rack.usable:
                 try:
                     return self._arrive_in_rack(rack, lo, hi, fanout)
@@ -332,8 +332,7 @@ class BarrierWait:
 
     def _arrive_node(self, lo: int, hi: int, fanout: int) -> None:
         """Arrive for this rank's node (the [lo, hi)-th barrier ranks) in the job's store, once."""
-        if self.store.add(f"{self.name}/node/{self.rank // self.node.size}", 1) == 1:
-            count_span(self.store, self.name, lo, hi, len(self.ranks), fanout)
+        count_node(self.store, self.name, self.rank // self.node.size, lo, hi, len(self.ranks), fanout)
 
     def _arrive_in_rack(self, rack: NodeLocal, lo: int, hi: int, fanout: int) -> bool:
         """Count this node's arrival in its rack's store; the one that completes the rack's count claims the rack's
@@ -353,10 +352,7 @@ class BarrierWait:
         return False
 
     def _claim_rack(self, how: str) -> str:
-        """Claim how this rank's rack arrives in the job's store (`rack`: whole, `nodes`: node by node); return the
-        claim that stands."""
-        k = self.rank // self.node.rack.size
-        return _text(self.store.compare_set(f"{self.name}/rack/{k}", "", how))
+        return claim_rack(self.store, self.name, self.rank // self.node.rack.size, how)
 
     def _rack_end(self) -> bool:
         """Poll the rack's store for the end (a node's closer); on `split`, or once the rack's store fails, arrive as
@@ -414,8 +410,19 @@ class BarrierWait:
         return pause
 
 
-def _text(raw) -> str:
+def claim_rack(store, name: str, rack: int, how: str) -> str:
+    """Claim how rack `rack` arrives at barrier `name` in the job's store (`rack`: whole, by the closer that completed
+    its count in the rack's store; `nodes`: node by node); return the claim that stands (the first one made)."""
+    raw = store.compare_set(f"{name}/rack/{rack}", "", how)
     return raw.decode() if isinstance(raw, (bytes, bytearray)) else str(raw)
+
+
+def count_node(store, name: str, node: int, lo: int, hi: int, n: int, fanout: int = BARRIER_FANOUT) -> bool:
+    """Arrive for node `node` (the [lo, hi)-th of the `n` sorted ranks of barrier `name`) in the job's store, once
+    (its mark, `name/node/{node}`); return whether this ended the barrier."""
+    if int(store.add(f"{name}/node/{node}", 1)) == 1:  # (else a node-mate, a rack-mate or a reporter did)
+        return count_span(store, name, lo, hi, n, fanout)
+    return False
 
 
 def missing_ranks(store, name: str, ranks: Sequence[int], fanout: int = BARRIER_FANOUT) -> frozenset[int]:
@@ -612,7 +619,7 @@ class Membership:
         known = {r for report in self._read.get(generation, ()) for r in report.ranks} | self._claims.get(generation,
                                                                                                         set())
         own = self.rank // node.size
-        rack = node.rack if node.rack is not None and node.rack.on_node(self.rank) else None
+        rack = node.rack_of(self.rank)
         last = False
         nodes = {own}
         if generation in self._reported:
@@ -647,7 +654,7 @@ class Membership:
         """Acknowledge node `n` (the [lo, hi)-th members): in this rank's rack's store where it is of this rank's
         rack and the rack acknowledges as one, else in the job's store (see `_close_nodes`)."""
         node, acks = self.node, self._acks_key(generation)
-        rack = node.rack if node.rack is not None and node.rack.on_node(self.rank) else None
+        rack = node.rack_of(self.rank)
         if rack is None:
             return self._ack_in_job(acks, n, lo, hi)
         k = n * node.size // rack.size
@@ -659,23 +666,18 @@ class Membership:
                 rlo, rhi = rack.span(self.members, self.rank)
                 if int(rack.store.add(f"{acks}/count", hi - lo)) < rhi - rlo:
                     return False
-                if self._claim_rack(acks, k, "rack") == "rack":
+                if claim_rack(self.store, acks, k, "rack") == "rack":
                     return count_span(self.store, acks, rlo, rhi, len(self.members))
                 return self._unrack(generation, rack)  # (a rank of the rack, or a reporter, claimed it `nodes`)
             except Exception as err:  # the rack's store failed: the rack goes node by node, unless counted whole
                 rack.failed(err)
                 return self._unrack(generation, rack, also=n)
-        if self._claim_rack(acks, k, "nodes") == "rack":
+        if claim_rack(self.store, acks, k, "nodes") == "rack":
             return False  # its rack's count was complete: counted with the rack
         return self._ack_in_job(acks, n, lo, hi)
 
     def _ack_in_job(self, acks: str, n: int, lo: int, hi: int) -> bool:
-        if int(self.store.add(f"{acks}/node/{n}", 1)) == 1:  # (else a node-mate or a reporter did)
-            return count_span(self.store, acks, lo, hi, len(self.members))
-        return False
-
-    def _claim_rack(self, acks: str, k: int, how: str) -> str:
-        return _text(self.store.compare_set(f"{acks}/rack/{k}", "", how))
+        return count_node(self.store, acks, n, lo, hi, len(self.members))
 
     def _unrack(self, generation: int, rack: NodeLocal, also: int | None = None) -> bool:
         """This rank's rack acknowledges node by node from now on (unless its claim stands as `rack`: then every node
@@ -683,7 +685,7 @@ class Membership:
         store (and `also`), and tell the rack's ranks (`acks/end`)."""
         node, acks = self.node, self._acks_key(generation)
         self._unracked.add(generation)
-        if self._claim_rack(acks, self.rank // rack.size, "nodes") == "rack":
+        if claim_rack(self.store, acks, self.rank // rack.size, "nodes") == "rack":
             return False
         try:  # (one write, even to a store that failed before: its ranks that can reach it learn at once)
             rack.store.set(f"{acks}/end", "split")

@@ -73,6 +73,15 @@ class NodeLocal:
     """Not empty once a call to this level's store failed: a store that failed once is not asked again (a rack's
     store whose host is gone could make every call wait for its bound)."""
 
+    @classmethod
+    def for_rack(cls, store, size: int, launched: int | None) -> NodeLocal:
+        """A rack's level: its store, `size` ranks per rack, copies taken across hosts that share no clock."""
+        return cls(store, size, launched, clock=time.time, present_only=True)
+
+    def rack_of(self, rank: int) -> NodeLocal | None:
+        """The rack level `rank` meets in, or None (no rack level, or a rank on no node: a joiner)."""
+        return self.rack if self.rack is not None and self.rack.on_node(rank) else None
+
     @property
     def usable(self) -> bool:
         return not self._failed

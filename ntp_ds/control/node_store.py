@@ -160,7 +160,6 @@ def _rack_level(env: Mapping[str, str], size: int, launched: int | None) -> Node
     or, where the launcher had none to give (an empty address) or it cannot be reached, a level marked failed, so
     that the worker's node still claims its rack's arrival as `nodes` (`membership.BarrierWait`) and its rack-mates
     need not wait for it in the rack's store; None where the launcher hosts no rack level."""
-    import time as _time
     from datetime import timedelta
 
     from ntp_ds.control.store import connect_store
@@ -175,8 +174,7 @@ def _rack_level(env: Mapping[str, str], size: int, launched: int | None) -> Node
             store.set_timeout(timedelta(seconds=NODE_STORE_TIMEOUT_S))
         except (ConnectionError, ValueError, RuntimeError) as e:
             store, err = None, e
-    level = NodeLocal(store if store is not None else _Unreachable(), size * int(rack_size), launched,
-                      clock=_time.time, present_only=True)
+    level = NodeLocal.for_rack(store if store is not None else _Unreachable(), size * int(rack_size), launched)
     if store is None:
         level.failed(err or ConnectionError(f"no {RACK_STORE_ENV} from the launcher"))
     return level

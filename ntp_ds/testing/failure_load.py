@@ -421,8 +421,8 @@ class _Share:
             self.heartbeats[rank] = hb
             rack = None
             if rack_stores is not None:  # (each rank's own view of its rack's store, as each process has)
-                rack = NodeLocal(rack_stores[rank // spec.tp // spec.rack_nodes], spec.tp * spec.rack_nodes,
-                                 spec.world, clock=time.time, present_only=True)
+                rack = NodeLocal.for_rack(rack_stores[rank // spec.tp // spec.rack_nodes], spec.tp * spec.rack_nodes,
+                                          spec.world)
             # (as `Recovery`: barriers and acks meet in the node store, and the rack's)
             node = NodeLocal(local, spec.tp, spec.world, rack=rack)
             self.memberships[rank] = Membership(self.watch_store, rank, members, settle_s=settle_s, node=node)

@@ -63,7 +63,7 @@ class Writes:
 def _levels(world, size, rack_nodes, rack_stores, node_stores):
     """Each rank's own view of its node's and rack's stores (a process's: it learns of a failed store alone)."""
     def level(rank):
-        rack = NodeLocal(rack_stores[rank // size // rack_nodes], size * rack_nodes, world, present_only=True)
+        rack = NodeLocal.for_rack(rack_stores[rank // size // rack_nodes], size * rack_nodes, world)
         return NodeLocal(node_stores[rank // size], size, world, rack=rack)
     return level
 
